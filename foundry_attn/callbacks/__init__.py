@@ -1,0 +1,1 @@
+"""Composer callbacks, registered in ``llmfoundry_callbacks``: attn_decision, attention_inspector, upad_tracer."""

@@ -1,0 +1,87 @@
+"""What this machine and this install can run: a plain, serialisable snapshot.
+
+    >>> from foundry_attn.capability import probe
+    >>> probe().as_dict()["device_name"]
+    'cpu'
+
+Core module: imports torch and the standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import socket
+
+import torch
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """Facts the attention policy decides on. Tests build these by hand to inject hardware."""
+
+    cuda: bool
+    device_name: str
+    compute_capability: tuple[int, int] | None
+    torch_version: str
+    transformers_version: str | None
+    flash_attn_version: str | None
+    flash_attn_error: str | None
+    transformer_engine_version: str | None
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+
+    @property
+    def sm(self) -> str:
+        """``sm80``-style name of the compute capability, or ``cpu``."""
+        if self.compute_capability is None:
+            return "cpu"
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
+        out["sm"] = self.sm
+        return out
+
+
+def _probe_flash_attn() -> tuple[str | None, str | None]:
+    """Version of flash-attn if it really imports, else the import error text."""
+    version = _dist_version("flash-attn") or _dist_version("flash_attn")
+    if importlib.util.find_spec("flash_attn") is None:
+        return None, "flash-attn is not installed (pip install flash-attn --no-build-isolation)"
+    try:
+        module = importlib.import_module("flash_attn")
+    except Exception as exc:  # an ABI mismatch raises ImportError, OSError or RuntimeError
+        return None, f"flash-attn {version or '?'} is installed but does not import: {exc}"
+    return getattr(module, "__version__", version), None
+
+
+def probe(device: torch.device | str | None = None) -> Capability:
+    """Collect the capability of ``device`` (default: the current CUDA device, else CPU)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device(device) if device is not None else torch.device("cuda" if cuda else "cpu")
+    if device.type == "cuda" and cuda:
+        name = torch.cuda.get_device_name(device)
+        cc: tuple[int, int] | None = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+    else:
+        name, cc = "cpu", None
+    fa_version, fa_error = _probe_flash_attn()
+    return Capability(
+        cuda=cuda and device.type == "cuda",
+        device_name=name,
+        compute_capability=cc,
+        torch_version=torch.__version__,
+        transformers_version=_dist_version("transformers"),
+        flash_attn_version=fa_version,
+        flash_attn_error=fa_error,
+        transformer_engine_version=_dist_version("transformer-engine") or _dist_version("transformer_engine"),
+    )

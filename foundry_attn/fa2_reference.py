@@ -1,0 +1,192 @@
+"""A pure-PyTorch *reference* of flash-attn's ``flash_attn_func`` / ``flash_attn_varlen_func``.
+
+It is NOT flash-attn: it is slow, exact (fp32 softmax) and exists so the real FA2 code paths of
+transformers run on a CPU, for tests and diagnosis. The policy never selects it; a model uses it only
+when a YAML says so explicitly, and then logs that loudly:
+
+    model:
+      name: foundry_attn_causal_lm
+      attn_implementation: flash_attention_2
+      fa2_reference_kernel: true      # CPU diagnosis only
+
+    with reference_flash_attn():      # in Python
+        model(**batch)
+
+Semantics follow flash-attn >= 2.1: keyword API, causal mask aligned bottom-right, GQA by head
+groups, ``softmax_scale`` default ``1/sqrt(head_dim)``, sliding ``window_size``, ``softcap``.
+Dropout must be 0. Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+REFERENCE_NAME = "fa2-reference (pure PyTorch, not flash-attn)"
+_NO_ATTR = object()
+_lock = threading.RLock()
+
+
+def _segment_mask(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: tuple[int, int]
+) -> torch.Tensor:
+    """[total_q, total_k] bool: may query i see key j (same sequence, causal/window as flash-attn)."""
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    lens_q, lens_k = cu_q.diff().long(), cu_k.diff().long()
+    n = lens_q.numel()
+    seg_q = torch.repeat_interleave(torch.arange(n, device=cu_q.device), lens_q, output_size=tq)
+    seg_k = torch.repeat_interleave(torch.arange(n, device=cu_k.device), lens_k, output_size=tk)
+    pos_q = torch.arange(tq, device=cu_q.device) - cu_q[:-1].long()[seg_q]
+    pos_k = torch.arange(tk, device=cu_k.device) - cu_k[:-1].long()[seg_k]
+    # flash-attn >= 2.1 aligns the causal diagonal bottom-right: query i sits at key i + (len_k - len_q)
+    shift = (lens_k - lens_q)[seg_q]
+    rel = pos_k[None, :] - (pos_q + shift)[:, None]  # key offset relative to the query's diagonal
+    allowed = seg_q[:, None] == seg_k[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    if right >= 0:
+        allowed &= rel <= right
+    if left >= 0:
+        allowed &= rel >= -left
+    return allowed
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+    softmax_scale: float | None, softcap: float,
+) -> torch.Tensor:
+    """q [Tq, Hq, D], k/v [Tk, Hk, D], allowed [Tq, Tk] -> [Tq, Hq, D] in q's dtype."""
+    hq, hk = q.shape[1], k.shape[1]
+    if hq % hk:
+        raise ValueError(f"number of query heads {hq} is not a multiple of key/value heads {hk}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    qf, kf, vf = (t.float().transpose(0, 1) for t in (q, k, v))  # [H, T, D]
+    kf, vf = kf.repeat_interleave(hq // hk, 0), vf.repeat_interleave(hq // hk, 0)
+    scores = qf @ kf.transpose(1, 2) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key gets zeros, as in flash-attn
+    return (probs @ vf).transpose(0, 1).to(q.dtype)
+
+
+def _check_unsupported(dropout_p: float, alibi_slopes: object, return_attn_probs: bool) -> None:
+    if dropout_p:
+        raise NotImplementedError("fa2 reference: dropout_p must be 0 (it is an exact reference)")
+    if alibi_slopes is not None or return_attn_probs:
+        raise NotImplementedError("fa2 reference: alibi_slopes and return_attn_probs are not supported")
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: object = None,
+    deterministic: bool = False, return_attn_probs: bool = False, block_table: object = None,
+) -> torch.Tensor:
+    """Reference of ``flash_attn.flash_attn_varlen_func``: q [total_q, Hq, D] -> [total_q, Hq, D]."""
+    _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    allowed = _segment_mask(cu_seqlens_q, cu_seqlens_k, causal, tuple(window_size))
+    return _attend(q, k, v, allowed, softmax_scale, softcap)
+
+
+def flash_attn_func(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: object = None,
+    deterministic: bool = False, return_attn_probs: bool = False,
+) -> torch.Tensor:
+    """Reference of ``flash_attn.flash_attn_func``: q [B, Sq, Hq, D] -> [B, Sq, Hq, D]."""
+    _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    allowed = _segment_mask(cu_q, cu_k, causal, tuple(window_size))
+    out = _attend(q.reshape(b * sq, *q.shape[2:]), k.reshape(b * sk, *k.shape[2:]),
+                  v.reshape(b * sk, *v.shape[2:]), allowed, softmax_scale, softcap)
+    return out.reshape(q.shape)
+
+
+# flash_attn.bert_padding equivalents, which transformers imports next to the kernels
+def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return x[indices]
+
+
+def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    out[indices] = hidden_states
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: object = None):
+    seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    return flat, indices, cu_seqlens, int(seqlens.max()), seqlens
+
+
+def _always_true(*_args: object, **_kwargs: object) -> bool:
+    return True
+
+
+_KERNELS = {
+    "flash_attn_func": flash_attn_func,
+    "flash_attn_varlen_func": flash_attn_varlen_func,
+    "pad_input": pad_input,
+    "unpad_input": unpad_input,
+    "index_first_axis": index_first_axis,
+    "_flash_supports_window_size": True,
+}
+_AVAILABILITY = ("is_flash_attn_2_available", "is_flash_attn_available")
+_FA_MODULES = ("transformers.modeling_flash_attention_utils",)
+_CHECK_MODULES = ("transformers.modeling_flash_attention_utils", "transformers.modeling_utils",
+                  "transformers.utils", "transformers.utils.import_utils")
+
+
+@contextlib.contextmanager
+def reference_flash_attn() -> Iterator[None]:
+    """Install the reference kernels where transformers looks them up; restore everything on exit.
+
+    Patches the module globals of ``transformers.modeling_flash_attention_utils`` (which it reads at
+    call time) and makes ``is_flash_attn_2_available`` answer True. Nests with itself and with
+    ``upad_tracer`` as long as contexts close in reverse order (a ``with`` block guarantees it).
+    """
+    saved: list[tuple[object, str, object]] = []
+    with _lock:
+        try:
+            for mod_name in _FA_MODULES:
+                mod = importlib.import_module(mod_name)
+                for name, value in _KERNELS.items():
+                    saved.append((mod, name, mod.__dict__.get(name, _NO_ATTR)))
+                    setattr(mod, name, value)
+            for mod_name in _CHECK_MODULES:
+                mod = importlib.import_module(mod_name)
+                for name in _AVAILABILITY:
+                    if name in mod.__dict__:
+                        saved.append((mod, name, mod.__dict__[name]))
+                        setattr(mod, name, _always_true)
+        except BaseException:
+            _restore(saved)
+            raise
+    try:
+        yield
+    finally:
+        with _lock:
+            _restore(saved)
+
+
+def _restore(saved: list[tuple[object, str, object]]) -> None:
+    for mod, name, value in reversed(saved):
+        if value is _NO_ATTR:
+            delattr(mod, name)
+        else:
+            setattr(mod, name, value)

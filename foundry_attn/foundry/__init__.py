@@ -1,0 +1,1 @@
+"""LLM-Foundry glue: the registered model, dataloaders and tiny offline assets."""

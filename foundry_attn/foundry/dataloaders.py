@@ -1,0 +1,110 @@
+"""Registered dataloaders: LLM-Foundry's stock loaders with a padding-aware collator.
+
+    train_loader:
+      name: foundry_attn_text            # pre-tokenized MDS ``tokens`` (or ``text``) datasets
+      padding: pack                      # mask | pack | none (none = the stock collator)
+      overflow: split                    # documents longer than max_seq_len: split | truncate
+      dataset: {local: ./build/tiny/text, split: train, max_seq_len: 128, shuffle: true}
+      drop_last: true
+      num_workers: 0
+
+    train_loader:
+      name: foundry_attn_finetuning      # prompt/response data, LLM-Foundry's finetuning keys
+      padding: pack
+      dataset: {hf_name: ./build/tiny/finetune, split: train, max_seq_len: 128, decoder_only_format: true}
+
+Both return a Composer ``DataSpec`` that counts only real tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from composer.core import DataSpec
+from llmfoundry.data.finetuning.dataloader import build_finetuning_dataloader as _stock_finetuning
+from llmfoundry.data.text_data import StreamingTextDataset, build_streams
+from llmfoundry.data.text_data import build_text_dataloader as _stock_text
+from llmfoundry.data.utils import get_tokens_per_batch_func
+from streaming import StreamingDataset
+from torch.utils.data import DataLoader
+
+from foundry_attn.packing import PADDING_MODES, PaddingCollator, check_choice
+
+
+def _collator(tokenizer: Any, max_seq_len: int, padding: str, overflow: str) -> PaddingCollator:
+    if tokenizer is None:
+        raise ValueError("a tokenizer is required (set `tokenizer:` in the YAML)")
+    return PaddingCollator(tokenizer.pad_token_id, tokenizer.eos_token_id, max_seq_len, padding, overflow)
+
+
+def _data_spec(dl: DataLoader) -> DataSpec:
+    return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func())
+
+
+def build_text_dataloader(
+    tokenizer: Any, device_batch_size: int | float, dataset: dict[str, Any], padding: str = "mask",
+    overflow: str = "split", drop_last: bool = False, num_workers: int = 0, pin_memory: bool = True,
+    prefetch_factor: int | None = 2, persistent_workers: bool = True, timeout: int = 0,
+) -> DataSpec:
+    """LLM-Foundry's text loader (same keys) with ``padding``/``overflow`` added."""
+    check_choice("padding", padding, PADDING_MODES)
+    loader_kwargs = dict(drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, timeout=timeout)
+    if padding == "none":
+        return _stock_text(tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset),
+                           **loader_kwargs)
+    cfg = dict(dataset)
+    collate = _collator(tokenizer, cfg["max_seq_len"], padding, overflow)
+    streams = build_streams(streams=cfg.pop("streams", None))
+    allowed = set(inspect.signature(StreamingTextDataset).parameters) | set(
+        inspect.signature(StreamingDataset).parameters)
+    text_dataset = StreamingTextDataset(
+        tokenizer=tokenizer, streams=streams, batch_size=int(device_batch_size),
+        **{k: v for k, v in cfg.items() if k in allowed},
+    )
+    dl = DataLoader(text_dataset, collate_fn=collate, batch_size=int(device_batch_size), **loader_kwargs)
+    return _data_spec(dl)
+
+
+def build_finetuning_dataloader(
+    tokenizer: Any, device_batch_size: int | float, dataset: dict[str, Any], padding: str = "mask",
+    overflow: str = "split", **kwargs: Any,
+) -> DataSpec:
+    """LLM-Foundry's finetuning loader (same keys: tokenization, prompt masking, splits) with our collator."""
+    check_choice("padding", padding, PADDING_MODES)
+    spec = _stock_finetuning(tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset),
+                             **kwargs)
+    if padding == "none":
+        return spec
+    stock = spec.dataloader
+    collate = _collator(tokenizer, dataset["max_seq_len"], padding, overflow)
+    dl = DataLoader(
+        stock.dataset, collate_fn=_FinetuningExamples(collate), batch_size=stock.batch_size,
+        sampler=stock.sampler, drop_last=stock.drop_last, num_workers=stock.num_workers,
+        pin_memory=stock.pin_memory, prefetch_factor=stock.prefetch_factor if stock.num_workers else None,
+        persistent_workers=stock.persistent_workers, timeout=stock.timeout,
+    )
+    return _data_spec(dl)
+
+
+class _FinetuningExamples:
+    """LLM-Foundry's tokenized turns (``input_ids``, ``labels`` lists) -> our collator's examples."""
+
+    def __init__(self, collate: PaddingCollator) -> None:
+        self.collate = collate
+
+    def __call__(self, examples: list[dict]) -> dict:
+        return self.collate([_example(e) for e in examples])
+
+
+def _example(example: dict) -> dict:
+    import torch
+
+    turns = example.get("turns") or [example]
+    ids: list[int] = []
+    labels: list[int] = []
+    for turn in turns:
+        ids += list(turn["input_ids"]) + list(turn["labels"])
+        labels += [-100] * len(turn["input_ids"]) + list(turn["labels"])
+    return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}

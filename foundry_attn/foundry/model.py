@@ -1,0 +1,136 @@
+"""``foundry_attn_causal_lm``: LLM-Foundry's ``hf_causal_lm`` with an attention fallback that says why.
+
+    model:
+      name: foundry_attn_causal_lm
+      pretrained_model_name_or_path: ./build/tiny/tiny-llama
+      pretrained: false
+      attn_implementation: auto            # auto | flash_attention_2 | flex_attention | sdpa | eager
+      attn_fallback: [flash_attention_2, sdpa, eager]
+      attn_strict: false                   # true: fail if the request cannot run, naming the check
+      attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
+      events_dir: null                     # default ./<run_name>/attn_events
+      fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
+    callbacks:
+      attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
+
+Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches
+(``doc_lens``) under every backend: FA2 gets ``cu_seq_lens``/``max_length`` for a flat batch of real
+tokens (unpadded once, no per-layer unpad or host sync); SDPA and eager get a 4-D block-diagonal
+causal mask; flex gets a cached document ``BlockMask``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from composer.utils import dist
+from llmfoundry.models.hf import ComposerHFCausalLM
+
+from foundry_attn.capability import probe
+from foundry_attn.events import EventLog, default_events_dir
+from foundry_attn.forward import forward_documents, has_layout, kernel_context, repad_logits
+from foundry_attn.loading import decide
+from foundry_attn.masks import BlockMaskCache
+from foundry_attn.policy import (
+    AUTO,
+    DEFAULT_FALLBACK,
+    FA2,
+    SDPA,
+    Decision,
+    summarize,
+    validate_names,
+)
+
+log = logging.getLogger(__name__)
+_PACKING_KEYS = ("doc_lens", "total_tokens", "loss_generating_tokens")
+
+
+class FoundryAttnCausalLM(ComposerHFCausalLM):
+    """A ``ComposerHFCausalLM`` whose attention implementation is chosen by checks, per rank."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        pretrained_model_name_or_path: str,
+        attn_implementation: str | None = AUTO,
+        attn_fallback: list[str] | tuple[str, ...] = DEFAULT_FALLBACK,
+        attn_strict: bool = False,
+        attn_compute_dtype: str = "auto",
+        events_dir: str | None = None,
+        fa2_reference_kernel: bool = False,
+        use_flash_attention_2: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        requested = attn_implementation or AUTO
+        if use_flash_attention_2 and requested == AUTO:
+            requested = FA2
+        requested, fallback = validate_names(requested, list(attn_fallback))
+        rank = dist.get_global_rank()
+        cap = probe()
+        self.attn_events = EventLog(events_dir or default_events_dir(), rank, cap)  # fails now if unwritable
+        decision = decide(
+            pretrained_model_name_or_path, requested, fallback, attn_strict, attn_compute_dtype, cap,
+            fa2_reference=fa2_reference_kernel, trust_remote_code=kwargs.get("trust_remote_code", True),
+            config_overrides=kwargs.get("config_overrides"),
+        )
+        decision = self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
+        self.attn_decision = decision
+        self.attn_capability = cap
+        self._fa2_reference = fa2_reference_kernel and decision.chosen == FA2
+        self._block_masks = BlockMaskCache()
+        self._record(decision, cap, rank)
+
+    def _build(self, tokenizer: Any, path: str, decision: Decision, reference: bool, kwargs: dict) -> Decision:
+        """Build with the chosen implementation; if transformers still refuses it, move down the chain."""
+        while True:
+            load_as = SDPA if (decision.chosen == FA2 and reference) else decision.chosen
+            try:
+                super().__init__(tokenizer=tokenizer, pretrained_model_name_or_path=path,
+                                 attn_implementation=load_as, **kwargs)
+            except (ValueError, ImportError, RuntimeError) as exc:
+                others = [c for c in decision.candidates if c.available and c.name != decision.chosen]
+                if not others or (decision.strict and decision.requested != AUTO):
+                    raise
+                log.warning("attention: building with %s failed: %s", decision.chosen, exc)
+                decision = decision.with_rejection(decision.chosen, f"model build failed: {exc}")
+                continue
+            if load_as != decision.chosen:  # 4.51 switches Llama-style models by this attribute alone
+                self.model.config._attn_implementation = decision.chosen
+            return decision
+
+    def _record(self, decision: Decision, cap: Any, rank: int) -> None:
+        info = decision.as_dict()
+        level = logging.WARNING if decision.fallback or self._fa2_reference else logging.INFO
+        log.log(level, "attention rank %d on %s (%s): requested %s, chose %s (%s)", rank, cap.device_name,
+                cap.sm, decision.requested, decision.chosen, decision.reason)
+        if self._fa2_reference:
+            log.warning("attention: flash_attention_2 runs on the pure-PyTorch REFERENCE kernel, not flash-attn "
+                        "(fa2_reference_kernel: true). Use it for tests and diagnosis only.")
+        self.attn_events.append("attn_impl", **info)
+        gathered = dist.all_gather_object({"rank": rank, "device_name": cap.device_name, "sm": cap.sm, **info})
+        if rank == 0:
+            line = summarize(gathered)
+            log.warning(line)
+            print(line, flush=True)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    @property
+    def attn_implementation(self) -> str:
+        return self.model.config._attn_implementation
+
+    def forward(self, batch: Mapping) -> Any:
+        device = batch["input_ids"].device
+        with kernel_context(self.attn_implementation, device, self._fa2_reference):
+            if has_layout(batch):
+                return forward_documents(self.model, batch, self._block_masks)
+            return super().forward({k: v for k, v in batch.items() if k not in _PACKING_KEYS})
+
+    def eval_forward(self, batch: Mapping, outputs: Any | None = None) -> Any:
+        """Metrics need ``[batch, seq, vocab]`` logits: re-pad a flat FA2 output, once, only here."""
+        if outputs is None and has_layout(batch):
+            outputs = self.forward({k: v for k, v in batch.items() if k != "labels"})
+        if outputs is not None:
+            repad_logits(outputs)
+        return super().eval_forward(batch, outputs)

@@ -1,0 +1,95 @@
+"""Where the documents of a batch are: built once per (micro)batch on the host, no device sync.
+
+A batch from ``foundry_attn.packing`` carries ``doc_lens`` (per row, its documents' lengths, real
+tokens first and padding after). From that alone this module derives everything each attention
+backend needs: ``cu_seq_lens`` (int32) and ``max_length`` (a Python int) for FA2 varlen, the flat
+indices of real tokens for unpad-once, and per-position segment ids for block masks.
+Core module: torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Document layout of a ``[rows, width]`` batch."""
+
+    doc_lens: tuple[tuple[int, ...], ...]
+    width: int
+
+    @classmethod
+    def from_batch(cls, batch: Mapping) -> Layout:
+        """From ``doc_lens``; else from a right-padded ``attention_mask`` (one host sync); else full rows."""
+        ids = batch["input_ids"]
+        rows, width = ids.shape
+        if batch.get("doc_lens") is not None:
+            return cls(tuple(tuple(int(n) for n in row) for row in batch["doc_lens"]), width)
+        mask = batch.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            return cls(tuple((n,) if n else () for n in mask.sum(-1).tolist()), width)
+        return cls(((width,),) * rows, width)
+
+    @property
+    def rows(self) -> int:
+        return len(self.doc_lens)
+
+    @property
+    def lengths(self) -> list[int]:
+        """All document lengths, row after row."""
+        return [n for row in self.doc_lens for n in row]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths, default=0)
+
+    @property
+    def has_padding(self) -> bool:
+        return self.real_tokens < self.rows * self.width
+
+    @property
+    def fill_ratio(self) -> float:
+        return self.real_tokens / max(1, self.rows * self.width)
+
+    def cu_seq_lens(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int32 ``[0, l0, l0+l1, ...]`` over the real tokens, as flash-attn varlen wants it."""
+        cu = torch.tensor([0, *self.lengths], dtype=torch.int32).cumsum_(0, dtype=torch.int32)
+        return cu.to(device, non_blocking=True)
+
+    def real_indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Flat indices (into ``rows * width``) of the real tokens, in order."""
+        idx = [torch.arange(r * self.width, r * self.width + sum(row)) for r, row in enumerate(self.doc_lens)]
+        return torch.cat(idx).to(device, non_blocking=True) if idx else torch.zeros(0, dtype=torch.long)
+
+    def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[rows, width] positions restarting at every document; the pad tail counts from 0 as well."""
+        out = torch.empty(self.rows, self.width, dtype=torch.long)
+        for r, row in enumerate(self.doc_lens):
+            sizes = [*row, self.width - sum(row)]
+            out[r] = torch.cat([torch.arange(n) for n in sizes])
+        return out.to(device, non_blocking=True)
+
+    def segment_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[rows, width] int: document number per position (1, 2, ...); padding is -1 and attends only itself."""
+        out = torch.full((self.rows, self.width), -1, dtype=torch.long)
+        for r, row in enumerate(self.doc_lens):
+            if row:
+                out[r, : sum(row)] = torch.repeat_interleave(
+                    torch.arange(1, len(row) + 1), torch.tensor(row, dtype=torch.long)
+                )
+        return out.to(device, non_blocking=True)
+
+    def signature(self) -> tuple:
+        return (self.doc_lens, self.width)
+
+
+def flat_doc_lens(doc_lens: Sequence[Sequence[int]]) -> list[int]:
+    return [n for row in doc_lens for n in row]

@@ -1,0 +1,117 @@
+"""From a model path to an attention decision: traits of the model class, compute dtype, load checks.
+
+Core module: torch and transformers only. The Composer model (``foundry_attn.foundry.model``) calls
+``decide`` before it builds anything, so a bad name or a strict failure costs no model build.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from foundry_attn.capability import Capability
+from foundry_attn.fa2_reference import REFERENCE_NAME
+from foundry_attn.policy import (
+    AUTO,
+    FA2,
+    FLEX,
+    SDPA,
+    Candidate,
+    Decision,
+    ModelTraits,
+    choose,
+    fa2_smoke_test,
+)
+
+COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_compute_dtype(name: str, cap: Capability) -> torch.dtype:
+    """The dtype attention computes in.
+
+    ``auto``: bf16 on a CUDA device that has it (else fp16), because LLM-Foundry trains on GPUs under
+    Composer's ``precision: amp_bf16``/``amp_fp16`` autocast, where fp32 master weights still run
+    attention in half precision; fp32 on CPU. Name the dtype when you train in fp32 on a GPU.
+    """
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"attn_compute_dtype: unknown value {name!r}; valid values: {', '.join(COMPUTE_DTYPES)}")
+    if COMPUTE_DTYPES[name] is not None:
+        return COMPUTE_DTYPES[name]
+    if not cap.cuda:
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def model_class_for(config: PretrainedConfig) -> type:
+    """The class ``AutoModelForCausalLM`` would build for ``config`` (for its ``_supports_*`` flags)."""
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) in mapping:
+        return mapping[type(config)]
+    auto_map = getattr(config, "auto_map", None) or {}
+    raise ValueError(f"no causal-LM class for {type(config).__name__} (auto_map: {auto_map or 'none'})")
+
+
+def transformers_load_check(model_class: type, config: PretrainedConfig, name: str, dtype: torch.dtype) -> str | None:
+    """Run transformers' own load-time validation for ``name``; the error text, or None when it passes."""
+    config = copy.deepcopy(config)
+    try:
+        if name == FA2:
+            model_class._check_and_enable_flash_attn_2(config, torch_dtype=dtype, hard_check_only=True)
+        elif name == SDPA:
+            model_class._check_and_enable_sdpa(config, hard_check_only=True)
+        elif name == FLEX:
+            model_class._check_and_enable_flex_attn(config, hard_check_only=True)
+    except (ValueError, ImportError) as exc:
+        return f"transformers refused it at load: {exc}"
+    return None
+
+
+def decide(
+    model_path: str,
+    requested: str = AUTO,
+    fallback: tuple[str, ...] | list[str] = (FA2, SDPA, "eager"),
+    strict: bool = False,
+    compute_dtype: str = "auto",
+    cap: Capability | None = None,
+    fa2_reference: bool = False,
+    trust_remote_code: bool = True,
+    config_overrides: dict | None = None,
+) -> Decision:
+    """Choose the attention implementation for the model at ``model_path`` on this device."""
+    from foundry_attn.capability import probe
+
+    cap = cap or probe()
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    model_class = model_class_for(config)
+    traits = ModelTraits.from_model_class(model_class, config)
+    dtype = resolve_compute_dtype(compute_dtype, cap)
+    decision = choose(requested, fallback, cap, dtype, traits, strict,
+                      smoke_test=None if fa2_reference else fa2_smoke_test)
+    if fa2_reference:
+        decision = _with_reference(decision, traits)
+    for cand in decision.candidates:  # transformers' own checks, for what we are about to load
+        if cand.name != decision.chosen or (cand.name == FA2 and fa2_reference):
+            continue
+        error = transformers_load_check(model_class, config, cand.name, dtype)
+        if error is None:
+            break
+        decision = decision.with_rejection(cand.name, error)
+    return decision
+
+
+def _with_reference(decision: Decision, traits: ModelTraits) -> Decision:
+    """An explicit YAML opt-in: FA2 runs on the pure-PyTorch reference kernel (never chosen silently)."""
+    if FA2 not in traits.supports:
+        return decision
+    cands = tuple(
+        Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
+        if c.name == FA2 else c
+        for c in decision.candidates
+    )
+    chosen = next(c.name for c in cands if c.available)
+    return dataclasses.replace(decision, chosen=chosen, candidates=cands)

@@ -1,0 +1,249 @@
+"""Which attention implementation runs: FA2 -> SDPA -> eager, decided from checks, not from luck.
+
+    model:
+      name: foundry_attn_causal_lm
+      attn_implementation: auto          # or flash_attention_2 | flex_attention | sdpa | eager
+      attn_fallback: [flash_attention_2, sdpa, eager]
+      attn_strict: false                 # true: the request must run or the build fails
+
+Core module: torch, transformers-free, no Composer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from packaging.version import Version
+
+from foundry_attn.capability import Capability
+
+FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
+IMPLEMENTATIONS: tuple[str, ...] = (FA2, FLEX, SDPA, EAGER)
+AUTO = "auto"
+DEFAULT_FALLBACK: tuple[str, ...] = (FA2, SDPA, EAGER)
+FA2_MIN_VERSION = Version("2.1.0")
+FA2_MAX_HEAD_DIM = 256
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AttentionUnavailableError(RuntimeError):
+    """Strict mode: the requested implementation cannot run here. The message says why and how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTraits:
+    """What the model asks of an attention kernel. ``supports`` holds the implementations its class has."""
+
+    class_name: str = "?"
+    head_dim: int | None = None
+    supports: frozenset[str] = frozenset(IMPLEMENTATIONS)
+
+    @classmethod
+    def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
+        flags = {FA2: "_supports_flash_attn_2", FLEX: "_supports_flex_attn", SDPA: "_supports_sdpa"}
+        supports = {EAGER} | {impl for impl, flag in flags.items() if getattr(model_class, flag, False)}
+        return cls(model_class.__name__, head_dim_of(config) if config is not None else None, frozenset(supports))
+
+
+def head_dim_of(config: object) -> int | None:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if hidden and heads else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    name: str
+    available: bool
+    reason: str  # why not, or what it will run as
+    check: str = ""  # the name of the failed check, empty when available
+    fix: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    requested: str
+    chosen: str
+    candidates: tuple[Candidate, ...]
+    strict: bool = False
+    compute_dtype: str = "float32"
+
+    @property
+    def fallback(self) -> bool:
+        """True when the run does not use what was asked for (for ``auto``: not the chain's first)."""
+        return self.chosen != self.candidates[0].name
+
+    @property
+    def reason(self) -> str:
+        """Why the chosen implementation is not the first choice, or why it was chosen."""
+        rejected = [c for c in self.candidates if not c.available]
+        if self.fallback and rejected:
+            return f"{rejected[0].name}: {rejected[0].reason}"
+        return next(c.reason for c in self.candidates if c.name == self.chosen)
+
+    def as_dict(self) -> dict:
+        return {
+            "requested": self.requested,
+            "chosen": self.chosen,
+            "fallback": self.fallback,
+            "reason": self.reason,
+            "strict": self.strict,
+            "compute_dtype": self.compute_dtype,
+            "candidates": [dataclasses.asdict(c) for c in self.candidates],
+        }
+
+    def with_rejection(self, name: str, reason: str, check: str = "load") -> Decision:
+        """The same decision after ``name`` failed when really loaded (transformers' own validation)."""
+        cands = tuple(
+            Candidate(c.name, False, reason, check, "see the error above") if c.name == name else c
+            for c in self.candidates
+        )
+        chosen = next((c.name for c in cands if c.available), None)
+        if chosen is None or (self.strict and self.requested != AUTO):
+            raise AttentionUnavailableError(f"{name} failed to load: {reason}")
+        return dataclasses.replace(self, chosen=chosen, candidates=cands)
+
+
+def validate_names(requested: str, fallback: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """Fail before any model is built when a name is unknown; the message lists the valid names."""
+    if requested not in (AUTO, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"attn_implementation: unknown name {requested!r}; valid names: {', '.join((AUTO, *IMPLEMENTATIONS))}"
+        )
+    if isinstance(fallback, str):
+        fallback = [fallback]
+    bad = [f for f in fallback if f not in IMPLEMENTATIONS]
+    if bad:
+        raise ValueError(f"attn_fallback: unknown name(s) {bad}; valid names: {', '.join(IMPLEMENTATIONS)}")
+    if not fallback:
+        raise ValueError(f"attn_fallback: empty; give an ordered list from {', '.join(IMPLEMENTATIONS)}")
+    return requested, tuple(dict.fromkeys(fallback))
+
+
+def candidate_order(requested: str, fallback: Sequence[str]) -> tuple[str, ...]:
+    return tuple(fallback) if requested == AUTO else tuple(dict.fromkeys((requested, *fallback)))
+
+
+SmokeTest = Callable[[torch.device, torch.dtype], str | None]
+
+
+def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run one tiny FA2 call on ``device``: pre-Ampere GPUs only fail here, not at load."""
+    try:
+        from flash_attn import flash_attn_func
+
+        q = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)
+        flash_attn_func(q, q, q, causal=True)
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        return f"a tiny flash_attn_func call failed on the device: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:
+    return Candidate(name, False, reason, check, fix)
+
+
+def check_fa2(
+    cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None
+) -> Candidate:
+    if FA2 not in traits.supports:
+        return _fail(FA2, "model class", f"{traits.class_name} has no flash_attention_2 support",
+                     "use a model class with _supports_flash_attn_2, or sdpa")
+    if cap.flash_attn_version is None:
+        return _fail(FA2, "flash-attn installed", cap.flash_attn_error or "flash-attn is not installed",
+                     "pip install flash-attn --no-build-isolation")
+    if Version(cap.flash_attn_version) < FA2_MIN_VERSION:
+        return _fail(FA2, "flash-attn version", f"flash-attn {cap.flash_attn_version} < {FA2_MIN_VERSION}",
+                     f"pip install 'flash-attn>={FA2_MIN_VERSION}'")
+    if not cap.cuda or cap.compute_capability is None:
+        return _fail(FA2, "CUDA device", "no CUDA device (FA2 runs on NVIDIA GPUs only)",
+                     "run on an NVIDIA Ampere-or-newer GPU")
+    if cap.compute_capability < (8, 0):
+        return _fail(FA2, "compute capability", f"{cap.device_name} {cap.sm} < 8.0",
+                     "FA2 needs Ampere or newer (A100, A10, L4, H100); use sdpa on this GPU")
+    if dtype not in HALF_DTYPES:
+        return _fail(FA2, "dtype", f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16",
+                     "train with precision: amp_bf16 (or load the model in bf16)")
+    if traits.head_dim is not None and traits.head_dim > FA2_MAX_HEAD_DIM:
+        return _fail(FA2, "head dim", f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}",
+                     "use sdpa for models with head_dim > 256")
+    if smoke_test is not None:
+        error = smoke_test(torch.device("cuda"), dtype)
+        if error:
+            return _fail(FA2, "kernel call", f"{cap.device_name} {cap.sm}: {error}",
+                         "reinstall flash-attn built for this GPU and torch, or use sdpa")
+    return Candidate(FA2, True, f"flash-attn {cap.flash_attn_version} on {cap.device_name} {cap.sm}")
+
+
+def check(
+    name: str, cap: Capability, dtype: torch.dtype, traits: ModelTraits,
+    smoke_test: SmokeTest | None = fa2_smoke_test,
+) -> Candidate:
+    """Whether ``name`` can run here, with the reason either way."""
+    if name == FA2:
+        return check_fa2(cap, dtype, traits, smoke_test)
+    if name not in traits.supports:
+        return _fail(name, "model class", f"{traits.class_name} has no {name} support", "pick another implementation")
+    torch_version = Version(cap.torch_version.split("+")[0])
+    if name == FLEX and torch_version < Version("2.5"):
+        return _fail(name, "torch version", f"torch {cap.torch_version} < 2.5", "pip install 'torch>=2.5'")
+    if name == SDPA and torch_version < Version("2.1.1"):
+        return _fail(name, "torch version", f"torch {cap.torch_version} < 2.1.1", "pip install 'torch>=2.1.1'")
+    where = f"{cap.device_name} {cap.sm}" if cap.cuda else "cpu"
+    detail = {FLEX: "torch flex_attention", SDPA: "torch scaled_dot_product_attention", EAGER: "plain matmul"}
+    return Candidate(name, True, f"{detail[name]} on {where}")
+
+
+def choose(
+    requested: str = AUTO,
+    fallback: Sequence[str] = DEFAULT_FALLBACK,
+    cap: Capability | None = None,
+    dtype: torch.dtype = torch.float32,
+    traits: ModelTraits | None = None,
+    strict: bool = False,
+    smoke_test: SmokeTest | None = fa2_smoke_test,
+) -> Decision:
+    """Check every candidate in order and pick the first that runs.
+
+    ``dtype`` is the *compute* dtype: under Composer's ``amp_bf16`` the weights are fp32 but attention
+    runs in bf16, so pass ``torch.bfloat16`` there (the model builder does this for you).
+    """
+    from foundry_attn.capability import probe
+
+    requested, fallback = validate_names(requested, fallback)
+    cap = cap or probe()
+    traits = traits or ModelTraits()
+    candidates = tuple(check(n, cap, dtype, traits, smoke_test) for n in candidate_order(requested, fallback))
+    chosen = next((c for c in candidates if c.available), None)
+    first = candidates[0]
+    if chosen is None or (strict and requested != AUTO and not first.available):
+        bad = first if chosen is not None else candidates[0]
+        where = f"{cap.device_name} ({cap.sm}) on {cap.host}"
+        raise AttentionUnavailableError(
+            f"attn_strict: {bad.name} cannot run on {where}: check '{bad.check}' failed: {bad.reason}. "
+            f"Fix: {bad.fix}; or set attn_strict: false to fall back along {list(fallback)}."
+        )
+    return Decision(requested, chosen.name, candidates, strict, str(dtype).removeprefix("torch."))
+
+
+def summarize(decisions: Sequence[dict]) -> str:
+    """One line for rank 0, e.g. ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa (rank 3, rank 7: T4 sm75 < 8.0)``.
+
+    ``decisions`` are ``Decision.as_dict()`` results with a ``rank`` key, one per rank.
+    """
+    n = len(decisions)
+    counts: dict[str, int] = {}
+    reasons: dict[str, list[int]] = {}
+    for d in sorted(decisions, key=lambda d: d["rank"]):
+        counts[d["chosen"]] = counts.get(d["chosen"], 0) + 1
+        if d["fallback"]:
+            reasons.setdefault(d["reason"].split(": ", 1)[-1], []).append(d["rank"])
+    parts = [f"{c}/{n} {'ranks ' if i == 0 else ''}{impl}"
+             for i, (impl, c) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))]
+    detail = "; ".join(f"{', '.join(f'rank {r}' for r in ranks)}: {why}" for why, ranks in reasons.items())
+    return f"attention: {', '.join(parts)}" + (f" ({detail})" if detail else "")
