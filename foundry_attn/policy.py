@@ -221,9 +221,15 @@ def choose(
     candidates = tuple(check(n, cap, dtype, traits, smoke_test) for n in candidate_order(requested, fallback))
     chosen = next((c for c in candidates if c.available), None)
     first = candidates[0]
-    if chosen is None or (strict and requested != AUTO and not first.available):
-        bad = first if chosen is not None else candidates[0]
-        where = f"{cap.device_name} ({cap.sm}) on {cap.host}"
+    where = f"{cap.device_name} ({cap.sm}) on {cap.host}"
+    if chosen is None:  # strict or not, nothing in the chain runs: falling back cannot help
+        failures = "; ".join(f"{c.name}: check '{c.check}' failed: {c.reason} (fix: {c.fix})" for c in candidates)
+        raise AttentionUnavailableError(
+            f"attention: no implementation in {[c.name for c in candidates]} can run on {where}: {failures}. "
+            f"Fix one of these, or add sdpa/eager to attn_fallback."
+        )
+    if strict and requested != AUTO and not first.available:
+        bad = first
         raise AttentionUnavailableError(
             f"attn_strict: {bad.name} cannot run on {where}: check '{bad.check}' failed: {bad.reason}. "
             f"Fix: {bad.fix}; or set attn_strict: false to fall back along {list(fallback)}."

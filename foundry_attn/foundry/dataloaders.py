@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from composer.core import DataSpec
 from llmfoundry.data.finetuning.dataloader import build_finetuning_dataloader as _stock_finetuning
 from llmfoundry.data.text_data import StreamingTextDataset, build_streams
@@ -29,7 +30,7 @@ from llmfoundry.data.utils import get_tokens_per_batch_func
 from streaming import StreamingDataset
 from torch.utils.data import DataLoader
 
-from foundry_attn.packing import PADDING_MODES, PaddingCollator, check_choice
+from foundry_attn.packing import IGNORE_INDEX, PADDING_MODES, PaddingCollator, check_choice
 
 
 def _collator(tokenizer: Any, max_seq_len: int, padding: str, overflow: str) -> PaddingCollator:
@@ -80,7 +81,7 @@ def build_finetuning_dataloader(
     stock = spec.dataloader
     collate = _collator(tokenizer, dataset["max_seq_len"], padding, overflow)
     dl = DataLoader(
-        stock.dataset, collate_fn=_FinetuningExamples(collate), batch_size=stock.batch_size,
+        stock.dataset, collate_fn=_FinetuningExamples(collate, tokenizer.eos_token_id), batch_size=stock.batch_size,
         sampler=stock.sampler, drop_last=stock.drop_last, num_workers=stock.num_workers,
         pin_memory=stock.pin_memory, prefetch_factor=stock.prefetch_factor if stock.num_workers else None,
         persistent_workers=stock.persistent_workers, timeout=stock.timeout,
@@ -89,22 +90,21 @@ def build_finetuning_dataloader(
 
 
 class _FinetuningExamples:
-    """LLM-Foundry's tokenized turns (``input_ids``, ``labels`` lists) -> our collator's examples."""
+    """LLM-Foundry's tokenized turns -> ``{input_ids, labels}``: prompts masked, EOS ends the response."""
 
-    def __init__(self, collate: PaddingCollator) -> None:
-        self.collate = collate
+    def __init__(self, collate: PaddingCollator, eos_id: int | None) -> None:
+        self.collate, self.eos_id = collate, eos_id
 
     def __call__(self, examples: list[dict]) -> dict:
-        return self.collate([_example(e) for e in examples])
+        return self.collate([self._example(e) for e in examples])
 
-
-def _example(example: dict) -> dict:
-    import torch
-
-    turns = example.get("turns") or [example]
-    ids: list[int] = []
-    labels: list[int] = []
-    for turn in turns:
-        ids += list(turn["input_ids"]) + list(turn["labels"])
-        labels += [-100] * len(turn["input_ids"]) + list(turn["labels"])
-    return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}
+    def _example(self, example: dict) -> dict:
+        ids: list[int] = []
+        labels: list[int] = []
+        for turn in example.get("turns") or [example]:
+            ids += list(turn["input_ids"]) + list(turn["labels"])
+            labels += [IGNORE_INDEX] * len(turn["input_ids"]) + list(turn["labels"])
+        if self.eos_id is not None and ids and ids[-1] != self.eos_id:
+            ids.append(self.eos_id)
+            labels.append(self.eos_id)
+        return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny offline assets made by our own code, and tiny Llama models per backend."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """build_assets() output: tokenizer/, tiny-llama/, smollm2-135m/, text/{train,val}, finetune/*.jsonl."""
+    from foundry_attn.foundry.assets import build_assets
+
+    return build_assets(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(assets: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets / "tokenizer")
+
+
+def make_llama(impl: str = "sdpa", seed: int = 0, **shape: int) -> torch.nn.Module:
+    """A tiny random LlamaForCausalLM in fp32, eval mode, running ``impl`` (FA2: set on the config,
+    as 4.51 allows; run it under ``reference_flash_attn()`` on CPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0)
+    cfg.update(shape)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="eager" if impl == "flash_attention_2" else impl))
+    model.config._attn_implementation = impl
+    return model.eval()
+
+
+@pytest.fixture
+def llama():
+    return make_llama
