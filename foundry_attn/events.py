@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from foundry_attn.capability import Capability
+from foundry_attn.capability import Capability, probe
 
 ENV_EVENTS_DIR = "FOUNDRY_ATTN_EVENTS_DIR"
 
@@ -28,25 +28,27 @@ def default_events_dir(run_name: str | None = None) -> Path:
 
 
 class EventLog:
-    """Appends JSON lines to ``<dir>/events-rank<r>.jsonl``; checks it can write when created."""
+    """Appends JSON lines to ``<dir>/events-rank<r>.jsonl``; checks it can write when created.
+
+    ``cap`` stamps every line with host, device and versions; without it this machine is probed.
+    """
 
     def __init__(self, directory: str | os.PathLike, rank: int, cap: Capability | None = None) -> None:
         self.directory = Path(directory)
         self.rank = rank
         self.path = self.directory / f"events-rank{rank}.jsonl"
-        self._stamp: dict = {}
-        if cap is not None:
-            self._stamp = {
-                "host": cap.host,
-                "device_name": cap.device_name,
-                "capability": cap.sm,
-                "versions": {
-                    "torch": cap.torch_version,
-                    "transformers": cap.transformers_version,
-                    "flash_attn": cap.flash_attn_version,
-                    "transformer_engine": cap.transformer_engine_version,
-                },
-            }
+        cap = cap if cap is not None else probe()
+        self._stamp: dict = {
+            "host": cap.host,
+            "device_name": cap.device_name,
+            "capability": cap.sm,
+            "versions": {
+                "torch": cap.torch_version,
+                "transformers": cap.transformers_version,
+                "flash_attn": cap.flash_attn_version,
+                "transformer_engine": cap.transformer_engine_version,
+            },
+        }
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
@@ -72,9 +74,10 @@ class EventLog:
 
 
 def read_events(directory: str | os.PathLike, kind: str | None = None) -> list[dict]:
-    """All events in ``directory`` (every rank), optionally of one ``kind``, in file order per rank."""
+    """All events in ``directory`` (every rank, rank 0 first), optionally of one ``kind``, in file order per rank."""
     out = []
-    for path in sorted(Path(directory).glob("events-rank*.jsonl")):
+    paths = Path(directory).glob("events-rank*.jsonl")
+    for path in sorted(paths, key=lambda p: (len(p.name), p.name)):  # rank2 before rank10
         for line in path.read_text().splitlines():
             event = json.loads(line)
             if kind is None or event["kind"] == kind:

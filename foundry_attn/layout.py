@@ -78,7 +78,11 @@ class Layout:
         return out.to(device, non_blocking=True)
 
     def segment_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[rows, width] int: document number per position (1, 2, ...); padding is -1 and attends only itself."""
+        """[rows, width] int: document number per position (1, 2, ...); padding is -1.
+
+        Under a block-causal mask the pad tail is one more causal segment (as in ``position_ids``): it sees
+        only padding, no real token sees it, and no softmax row is empty.
+        """
         out = torch.full((self.rows, self.width), -1, dtype=torch.long)
         for r, row in enumerate(self.doc_lens):
             if row:

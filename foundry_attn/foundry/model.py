@@ -25,6 +25,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from composer.utils import dist
 from llmfoundry.models.hf import ComposerHFCausalLM
 
@@ -38,6 +39,7 @@ from foundry_attn.policy import (
     DEFAULT_FALLBACK,
     FA2,
     SDPA,
+    AttentionUnavailableError,
     Decision,
     summarize,
     validate_names,
@@ -80,6 +82,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self.attn_capability = cap
         self._fa2_reference = fa2_reference_kernel and decision.chosen == FA2
         self._block_masks = BlockMaskCache()
+        self._dtype_checked = False
         self._record(decision, cap, rank)
 
     def _build(self, tokenizer: Any, path: str, decision: Decision, reference: bool, kwargs: dict) -> Decision:
@@ -120,8 +123,27 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
     def attn_implementation(self) -> str:
         return self.model.config._attn_implementation
 
+    def _check_fa2_dtype(self, device: torch.device) -> None:
+        """First forward only: FA2 with fp32 weights and no autocast fails inside flash-attn; fall back now."""
+        self._dtype_checked = True
+        if self.attn_implementation != FA2 or self._fa2_reference or device.type != "cuda":
+            return
+        if torch.is_autocast_enabled(device.type) or self.model.dtype in (torch.float16, torch.bfloat16):
+            return
+        reason = "fp32 weights without autocast at the first forward (FA2 needs fp16/bf16)"
+        if self.attn_decision.strict and self.attn_decision.requested != AUTO:
+            raise AttentionUnavailableError(
+                f"attn_strict: flash_attention_2 cannot run on {self.attn_capability.device_name}: check 'dtype' "
+                f"failed: {reason}. Fix: train with precision: amp_bf16 (or amp_fp16).")
+        self.attn_decision = self.attn_decision.with_rejection(FA2, reason, check="dtype")
+        self.model.config._attn_implementation = self.attn_decision.chosen
+        log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
+        self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
+
     def forward(self, batch: Mapping) -> Any:
         device = batch["input_ids"].device
+        if not self._dtype_checked:
+            self._check_fa2_dtype(device)
         with kernel_context(self.attn_implementation, device, self._fa2_reference):
             if has_layout(batch):
                 return forward_documents(self.model, batch, self._block_masks)

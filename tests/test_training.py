@@ -1,0 +1,109 @@
+"""The registered model, dataloaders and callbacks in real LLM-Foundry runs on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from foundry_attn.events import read_events
+from foundry_attn.policy import AttentionUnavailableError
+
+from .conftest import REPO
+
+YAML = str(REPO / "yamls" / "tiny_cpu.yaml")
+
+
+def _overrides(assets: Path, events: Path, *extra: str) -> list[str]:
+    return [f"variables.assets={assets}", f"model.events_dir={events}", "max_duration=4ba", "eval_interval=2ba",
+            "eval_subset_num_batches=1", "console_log_interval=1ba", f"save_folder={events.parent / 'ckpt'}",
+            "save_interval=1000ba", *extra]
+
+
+def test_train_from_yaml_registered_names(assets: Path, tmp_path: Path) -> None:
+    """A real LLM-Foundry run by the registered model / dataloader / callback names: sdpa on CPU."""
+    from llmfoundry.command_utils import train_from_yaml
+
+    trainer = train_from_yaml(YAML, _overrides(assets, tmp_path / "events"))
+    model = trainer.state.model
+    assert model.attn_decision.chosen == "sdpa"
+    assert "flash-attn is not installed" in model.attn_decision.reason
+    assert model.model.config._attn_implementation == "sdpa"
+    assert next(model.parameters()).dtype == torch.float32  # fallback keeps LLM-Foundry's dtype
+    [event] = read_events(tmp_path / "events", "attn_impl")
+    assert event["chosen"] == "sdpa" and event["rank"] == 0 and event["device_name"] == "cpu"
+    assert event["versions"]["torch"] == torch.__version__
+    trainer.close()
+
+
+def test_finetuning_loader_fa2_reference(assets: Path, tmp_path: Path) -> None:
+    """The finetuning loader in pack mode, through transformers' FA2 path on the reference kernel."""
+    from llmfoundry.command_utils import train_from_yaml
+
+    trainer = train_from_yaml(str(REPO / "yamls" / "tiny_finetune_cpu.yaml"), _overrides(
+        assets, tmp_path / "events", "model.attn_implementation=flash_attention_2",
+        "model.fa2_reference_kernel=true"))
+    assert trainer.state.model.attn_decision.chosen == "flash_attention_2"
+    assert "reference" in trainer.state.model.attn_decision.reason
+    trainer.close()
+
+
+@pytest.mark.parametrize("key", ["attn_implementation", "attn_fallback"])
+def test_unknown_names_fail_before_building(assets: Path, tmp_path: Path, key: str) -> None:
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    value = "flash2" if key == "attn_implementation" else ["flash2", "sdpa"]
+    with pytest.raises(ValueError, match="valid names: .*flash_attention_2"):
+        FoundryAttnCausalLM(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"),
+                            pretrained=False, events_dir=str(tmp_path), **{key: value})
+
+
+def test_strict_fails_with_check_device_and_fix(assets: Path, tmp_path: Path) -> None:
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    with pytest.raises(AttentionUnavailableError, match=r"on cpu .*flash-attn installed.*Fix: pip install flash-attn"):
+        FoundryAttnCausalLM(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"),
+                            pretrained=False, events_dir=str(tmp_path), attn_implementation="flash_attention_2",
+                            attn_strict=True)
+
+
+def test_unwritable_events_dir_fails_at_start(assets: Path, tmp_path: Path) -> None:
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError, match="not writable"):
+        FoundryAttnCausalLM(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"),
+                            pretrained=False, events_dir=str(blocker / "events"))
+
+
+def test_explicit_request_falls_back_down_the_chain(assets: Path, tmp_path: Path) -> None:
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    model = FoundryAttnCausalLM(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"),
+                                pretrained=False, events_dir=str(tmp_path), attn_implementation="flash_attention_2",
+                                attn_fallback=["eager"])
+    assert model.attn_decision.chosen == "eager" and model.attn_decision.fallback
+    assert model.model.config._attn_implementation == "eager"
+
+
+def test_two_ranks_gloo(assets: Path, tmp_path: Path) -> None:
+    """`composer -n 2 train.py ...` on CPU: one event per rank, one summary line on rank 0."""
+    events = tmp_path / "events"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    cmd = [str(Path(sys.executable).parent / "composer"), "-n", "2", "--stdout", str(tmp_path / "rank{rank}.out"),
+           "--stderr", str(tmp_path / "rank{rank}.err"), str(REPO / "train.py"), YAML,
+           *_overrides(assets, events, "global_train_batch_size=4", "device_train_microbatch_size=2",
+                       "device_eval_batch_size=2")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    logs = proc.stdout + proc.stderr + "".join(p.read_text() for p in tmp_path.glob("rank*.*"))
+    assert proc.returncode == 0, logs[-4000:]
+    decisions = read_events(events, "attn_impl")
+    assert sorted(e["rank"] for e in decisions) == [0, 1]
+    assert logs.count("attention: 2/2 ranks sdpa") >= 1
+    rank1 = "".join(p.read_text() for p in tmp_path.glob("rank1.*"))
+    assert "attention: 2/2 ranks" not in rank1
