@@ -107,3 +107,17 @@ def test_two_ranks_gloo(assets: Path, tmp_path: Path) -> None:
     assert logs.count("attention: 2/2 ranks sdpa") >= 1
     rank1 = "".join(p.read_text() for p in tmp_path.glob("rank1.*"))
     assert "attention: 2/2 ranks" not in rank1
+
+
+def test_gpu_yaml_falls_back_on_cpu(assets: Path, tmp_path: Path) -> None:
+    """The SmolLM2-135M-shaped GPU yaml asks for FA2; here it runs on sdpa and says why (2 layers to stay fast)."""
+    from llmfoundry.command_utils import train_from_yaml
+
+    trainer = train_from_yaml(str(REPO / "yamls" / "smollm2_135m_gpu.yaml"), _overrides(
+        assets, tmp_path / "events", "precision=fp32", "max_duration=1ba", "global_train_batch_size=2",
+        "device_train_microbatch_size=2", "variables.max_seq_len=256", "model.config_overrides={num_hidden_layers: 2}"))
+    decision = trainer.state.model.attn_decision
+    assert (decision.requested, decision.chosen) == ("flash_attention_2", "sdpa")
+    assert decision.candidates[0].check == "flash-attn installed"
+    assert trainer.state.model.model.config.hidden_size == 576
+    trainer.close()
