@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE := disabled
 
-.PHONY: demo demo-fa2-reference test lint doctor bench clean
+.PHONY: demo demo-fa2-reference blog-case test lint doctor bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,14 +22,26 @@ $(ASSETS)/.done: $(STAMP)
 	$(BIN)/foundry-attn assets $(ASSETS)
 	touch $@
 
-## tiny Llama, tiny packed data, CPU, two callbacks; prints the attention choice, fill ratio, unpad calls
+## tiny Llama, tiny packed data, CPU, all callbacks: the attention choice and why, fill ratios, a falling loss;
+## then a short second run through transformers' FA2 code path on the pure-PyTorch reference kernel (CPU),
+## where the tracer shows zero _upad_input calls per step on our unpad-once path
 demo: $(ASSETS)/.done
-	cd $(CURDIR) && $(BIN)/composer train.py yamls/tiny_cpu.yaml
+	$(BIN)/composer train.py yamls/tiny_cpu.yaml
+	@echo "=== second run: FA2 code path on the pure-PyTorch REFERENCE kernel (not flash-attn) ==="
+	$(BIN)/composer train.py yamls/tiny_cpu.yaml model.attn_implementation=flash_attention_2 \
+		model.fa2_reference_kernel=true max_duration=10ba eval_interval=10ba run_name=tiny-cpu-fa2-reference \
+		model.events_dir=./runs/tiny-cpu-fa2-reference/attn_events
 
 ## the same run through transformers' FA2 code path on the pure-PyTorch *reference* kernel (not flash-attn)
 demo-fa2-reference: $(ASSETS)/.done
 	$(BIN)/composer train.py yamls/tiny_cpu.yaml model.attn_implementation=flash_attention_2 \
-		model.fa2_reference_kernel=true
+		model.fa2_reference_kernel=true run_name=tiny-cpu-fa2-reference \
+		model.events_dir=./runs/tiny-cpu-fa2-reference/attn_events
+
+## the public report, on CPU: 6 rows x 2048 (real 220,217,295,183,130,350) through the stock HF FA2 path
+## (_upad_input in every layer) and our unpad-once path (none; the same cu_seqlens reach the varlen kernel)
+blog-case: $(STAMP)
+	$(BIN)/python tests/test_blog_case.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

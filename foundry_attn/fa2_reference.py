@@ -22,15 +22,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import threading
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from foundry_attn.flash_symbols import Patch, patch_attribute
+
 REFERENCE_NAME = "fa2-reference (pure PyTorch, not flash-attn)"
-_NO_ATTR = object()
-_lock = threading.RLock()
 
 
 def _segment_mask(
@@ -157,36 +156,23 @@ def reference_flash_attn() -> Iterator[None]:
     """Install the reference kernels where transformers looks them up; restore everything on exit.
 
     Patches the module globals of ``transformers.modeling_flash_attention_utils`` (which it reads at
-    call time) and makes ``is_flash_attn_2_available`` answer True. Nests with itself and with
-    ``upad_tracer`` as long as contexts close in reverse order (a ``with`` block guarantees it).
+    call time) and makes ``is_flash_attn_2_available`` answer True. The patches are replacement layers
+    (``foundry_attn.flash_symbols.patch_attribute``): they sit *beneath* any tracer wrapper (``upad_tracer``),
+    so a tracer attached before or after still counts the calls, and contexts and tracers may close in
+    any order. Nests with itself.
     """
-    saved: list[tuple[object, str, object]] = []
-    with _lock:
-        try:
-            for mod_name in _FA_MODULES:
-                mod = importlib.import_module(mod_name)
-                for name, value in _KERNELS.items():
-                    saved.append((mod, name, mod.__dict__.get(name, _NO_ATTR)))
-                    setattr(mod, name, value)
-            for mod_name in _CHECK_MODULES:
-                mod = importlib.import_module(mod_name)
-                for name in _AVAILABILITY:
-                    if name in mod.__dict__:
-                        saved.append((mod, name, mod.__dict__[name]))
-                        setattr(mod, name, _always_true)
-        except BaseException:
-            _restore(saved)
-            raise
+    patches: list[Patch] = []
     try:
+        for mod_name in _FA_MODULES:
+            mod = importlib.import_module(mod_name)
+            for name, value in _KERNELS.items():
+                patches.append(patch_attribute(mod, name, replace=value))
+        for mod_name in _CHECK_MODULES:
+            mod = importlib.import_module(mod_name)
+            for name in _AVAILABILITY:
+                if name in mod.__dict__:
+                    patches.append(patch_attribute(mod, name, replace=_always_true))
         yield
     finally:
-        with _lock:
-            _restore(saved)
-
-
-def _restore(saved: list[tuple[object, str, object]]) -> None:
-    for mod, name, value in reversed(saved):
-        if value is _NO_ATTR:
-            delattr(mod, name)
-        else:
-            setattr(mod, name, value)
+        for patch in reversed(patches):
+            patch.remove()

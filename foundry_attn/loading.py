@@ -19,11 +19,11 @@ from foundry_attn.policy import (
     FA2,
     FLEX,
     SDPA,
+    AttentionUnavailableError,
     Candidate,
     Decision,
     ModelTraits,
     choose,
-    fa2_smoke_test,
 )
 
 COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -90,10 +90,12 @@ def decide(
     model_class = model_class_for(config)
     traits = ModelTraits.from_model_class(model_class, config)
     dtype = resolve_compute_dtype(compute_dtype, cap)
-    decision = choose(requested, fallback, cap, dtype, traits, strict,
-                      smoke_test=None if fa2_reference else fa2_smoke_test)
-    if fa2_reference:
-        decision = _with_reference(decision, traits)
+    if fa2_reference:  # strict applies to the request as the reference kernel serves it
+        decision = _with_reference(choose(requested, fallback, cap, dtype, traits, smoke_test=None), traits)
+        if strict and requested not in (AUTO, decision.chosen):
+            raise AttentionUnavailableError(f"attn_strict: {requested} cannot run: {decision.reason}")
+    else:
+        decision = choose(requested, fallback, cap, dtype, traits, strict)
     for cand in decision.candidates:  # transformers' own checks, for what we are about to load
         if cand.name != decision.chosen or (cand.name == FA2 and fa2_reference):
             continue

@@ -18,6 +18,7 @@ import torch
 from packaging.version import Version
 
 from foundry_attn.capability import Capability
+from foundry_attn.fa2_reference import REFERENCE_NAME
 
 FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
 IMPLEMENTATIONS: tuple[str, ...] = (FA2, FLEX, SDPA, EAGER)
@@ -249,6 +250,8 @@ def summarize(decisions: Sequence[dict]) -> str:
         counts[d["chosen"]] = counts.get(d["chosen"], 0) + 1
         if d["fallback"]:
             reasons.setdefault(d["reason"].split(": ", 1)[-1], []).append(d["rank"])
+        elif d["reason"].startswith(REFERENCE_NAME):  # never let the reference kernel pass for flash-attn
+            reasons.setdefault(REFERENCE_NAME, []).append(d["rank"])
     parts = [f"{c}/{n} {'ranks ' if i == 0 else ''}{impl}"
              for i, (impl, c) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))]
     detail = "; ".join(f"{', '.join(f'rank {r}' for r in ranks)}: {why}" for why, ranks in reasons.items())

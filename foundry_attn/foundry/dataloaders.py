@@ -19,10 +19,13 @@ Both return a Composer ``DataSpec`` that counts only real tokens.
 from __future__ import annotations
 
 import inspect
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from composer.core import DataSpec
+from composer.core.data_spec import _default_split_batch
 from llmfoundry.data.finetuning.dataloader import build_finetuning_dataloader as _stock_finetuning
 from llmfoundry.data.text_data import StreamingTextDataset, build_streams
 from llmfoundry.data.text_data import build_text_dataloader as _stock_text
@@ -39,8 +42,15 @@ def _collator(tokenizer: Any, max_seq_len: int, padding: str, overflow: str) -> 
     return PaddingCollator(tokenizer.pad_token_id, tokenizer.eos_token_id, max_seq_len, padding, overflow)
 
 
+def _split_packed(batch: Any, microbatch_size: int | float) -> Sequence:
+    """Composer's own split; a packed batch often has fewer rows than the microbatch size, by design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Cannot split .* into batches of size", category=UserWarning)
+        return _default_split_batch(batch, microbatch_size)
+
+
 def _data_spec(dl: DataLoader) -> DataSpec:
-    return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func())
+    return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func(), split_batch=_split_packed)
 
 
 def build_text_dataloader(

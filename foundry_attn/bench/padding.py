@@ -1,0 +1,468 @@
+"""Padding benchmark: what padding costs a training step, and what masking and packing win back.
+
+    foundry-attn bench padding --json            # the README numbers: CPU, SDPA, about 1-2 minutes on 2 cores
+    foundry-attn bench padding --json --quick    # smoke run: 1 layer, small vocab, 1 timed step per mode
+    python -m foundry_attn.bench.padding --json --device cuda   # GPU: bf16, plus FA2 when flash-attn imports
+
+Workload (issue #3, the blog's batch): six documents of 220, 217, 295, 183, 130 and 350 tokens (1395 real
+tokens) at ``max_seq_len`` 2048. Tokens are seeded random ids; every document ends with EOS and pad == EOS,
+so the collator's true lengths are exactly these six. Model: ``LlamaForCausalLM`` with SmolLM2-135M's layer
+shapes (hidden 576, 9 heads, 3 KV heads, head dim 64, MLP 1536, tied embeddings), 2 layers and vocab 8192 so
+a run stays short; fp32 on CPU, bf16 on CUDA (FA2 needs half precision); train mode, dropout 0, seeded.
+
+Modes (one model, the same weights; SDPA unless named):
+
+- ``pad_max``: stock LLM-Foundry text collation: rows padded to 2048, no attention mask, labels = ids with
+  padding -100, ``model(input_ids=, labels=)``.
+- ``pad_longest``: rows padded to the longest (350) with a 2-D ``attention_mask`` (a tokenizer's
+  ``padding='longest'``), ``model(input_ids=, attention_mask=, labels=)``: transformers builds the 4-D mask.
+- ``mask``: ``PaddingCollator(mode='mask')`` on LLM-Foundry's 2048-token rows, then ``forward_documents``.
+- ``pack``: ``PaddingCollator(mode='pack')`` on the same rows (one row of 1395), then ``forward_documents``.
+- ``padded_full_batch`` ("a batch with no padding at all"): the same 1395 tokens in one row as one
+  document, plain causal attention and no mask (stock concatenated pretraining): dense SDPA's best case.
+- ``pack_fa2`` (CUDA with flash-attn only): ``pack`` under ``flash_attention_2`` (unpad once, varlen).
+  Skipped on CPU, where only the pure-PyTorch reference kernel exists.
+
+A step is forward + backward (no optimizer); grads are set to None between steps. Throughput = real tokens
+(1395 in every mode) / median step time. Every mode first runs untimed warm-up steps; then the modes are timed
+round-robin with the order rotated each round and Python's GC off inside a step, so load from other processes
+falls on all modes alike (``pad_max``, nine times the work, is timed in fewer rounds, spread evenly).
+Ratios are throughput ratios from the same run: ``pack_vs_X`` = pack tokens/s / X tokens/s.
+
+Peak memory (``peak_mem_mb``): bytes allocated above the resting state (weights, batch) at the step's peak:
+activations, gradients, temporaries. CUDA: ``torch.cuda.max_memory_allocated()`` minus the allocation before
+the step. CPU has no allocator statistics, and RSS is monotonic, shared by the process and blurred by
+malloc's caching, so a ``TorchDispatchMode`` adds up the storage of every op output that is a new allocation
+(not a view or in-place result) while it is alive and keeps the peak: the same quantity, without scratch
+memory inside kernels. Measured on the first warm-up step.
+
+Correctness guard, so that a fast but wrong path cannot pass: the ``pad_max``, ``pad_longest`` and ``pack``
+losses must equal ``mask``'s and the pack gradients must equal the mask gradients (fp32: 1e-4 absolute on the
+loss, 1e-4 relative L2 on the gradients), and the packed batch must match the flattening collator's token for
+token; otherwise no target counts as met.
+
+Collator: ``PaddingCollator`` (pack, mask) against ``transformers.DataCollatorWithFlattening`` on the same six
+examples, ``{"input_ids": [ids, ...]}`` each (the form both accept), timed round-robin per call, medians.
+``collator_pack_vs_flattening`` = flattening time / pack time (>= 1: ours is at least as fast). Ours is also
+timed on LLM-Foundry's rows (tensors padded to 2048), its input in training, for information.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from foundry_attn.forward import forward_documents, kernel_context
+from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
+from foundry_attn.policy import FA2, SDPA
+
+LENGTHS: tuple[int, ...] = (220, 217, 295, 183, 130, 350)
+MAX_SEQ_LEN = 2048
+PAD_ID = EOS_ID = 0
+SEED = 0
+COMMAND = "foundry-attn bench padding --json"
+TARGETS: dict[str, float] = {
+    "pack_vs_pad_max": 4.0,
+    "pack_vs_pad_longest": 1.2,
+    "pack_vs_padded_full_batch": 0.95,
+    "collator_pack_vs_flattening": 1.0,
+}
+MODES = ("pad_max", "pad_longest", "mask", "pack", "padded_full_batch")
+SLOW_MODE = "pad_max"
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How big and how long one run is."""
+
+    hidden_size: int = 576  # SmolLM2-135M's layer shapes ...
+    intermediate_size: int = 1536
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    layers: int = 2  # ... fewer layers (SmolLM2: 30) and a smaller vocab (SmolLM2: 49152)
+    vocab: int = 8192
+    warmup: int = 1
+    rounds: int = 5  # timed steps per mode ...
+    slow_rounds: int = 3  # ... except pad_max
+    collator_reps: int = 2000
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @classmethod
+    def make(cls, quick: bool, device: str | None = None) -> Settings:
+        dev = torch.device(device or "cpu")
+        dtype = "float32" if dev.type == "cpu" else "bfloat16"
+        if quick:  # a toy model: the smoke test checks the plumbing, not the numbers
+            return cls(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, layers=1, vocab=512, warmup=1, rounds=1, slow_rounds=1, collator_reps=50,
+                       device=str(dev), dtype=dtype)
+        return cls(device=str(dev), dtype=dtype)
+
+
+@dataclasses.dataclass
+class Mode:
+    """One way to run the batch: its attention implementation, its batch, and our path or the plain HF call."""
+
+    name: str
+    impl: str
+    batch: dict[str, Any]
+    ours: bool
+
+    @property
+    def positions(self) -> int:
+        return self.batch["input_ids"].numel()
+
+    def step(self, model: torch.nn.Module) -> torch.Tensor:
+        """Forward + backward; returns the detached loss."""
+        model.config._attn_implementation = self.impl
+        with kernel_context(self.impl, self.batch["input_ids"].device):
+            if self.ours:
+                out = forward_documents(model, self.batch)
+            else:
+                out = model(**self.batch, use_cache=False)
+            out.loss.backward()
+        return out.loss.detach()
+
+
+class PeakLiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages allocated while active and still alive (CPU's max_memory_allocated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, tuple) else (out,)
+        for ret, value in zip(func._schema.returns, results, strict=False):
+            if ret.alias_info is not None:  # a view or an in-place/out= result: no new storage
+                continue
+            for t in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(t, torch.Tensor):
+                    self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._refs:
+            return
+        size = storage.nbytes()
+
+        def freed(_ref: weakref.ref, key: int = key, size: int = size) -> None:
+            self.live -= size
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+
+def documents(vocab: int, seed: int = SEED) -> list[torch.Tensor]:
+    """The six documents: seeded random ids other than EOS, each ending with EOS."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = []
+    for n in LENGTHS:
+        doc = torch.randint(1, vocab, (n,), generator=gen)
+        doc[-1] = EOS_ID
+        docs.append(doc)
+    return docs
+
+
+def text_rows(docs: Sequence[torch.Tensor], width: int = MAX_SEQ_LEN) -> list[torch.Tensor]:
+    """LLM-Foundry's text rows: each document padded with pad (== EOS) to ``width``."""
+    rows = []
+    for doc in docs:
+        row = torch.full((width,), PAD_ID, dtype=torch.long)
+        row[: doc.numel()] = doc
+        rows.append(row)
+    return rows
+
+
+def build_model(settings: Settings, impl: str = SDPA) -> torch.nn.Module:
+    """SmolLM2-135M's layer shapes, fewer layers, smaller vocab; seeded, train mode, dropout 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = settings
+    config = LlamaConfig(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                         num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
+                         head_dim=s.head_dim, num_hidden_layers=s.layers, vocab_size=s.vocab,
+                         max_position_embeddings=MAX_SEQ_LEN, tie_word_embeddings=True, attention_dropout=0.0,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, use_cache=False, attn_implementation=impl)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    return model.to(device=settings.device, dtype=getattr(torch, settings.dtype)).train()
+
+
+def _to(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def make_modes(docs: Sequence[torch.Tensor], device: torch.device, fa2: bool) -> list[Mode]:
+    """The batches of every mode, collated once, on ``device``."""
+    rows = text_rows(docs)
+    lengths = torch.tensor([d.numel() for d in docs])
+    ids = torch.stack(rows)
+    labels = ids.masked_fill(torch.arange(MAX_SEQ_LEN)[None, :] >= lengths[:, None], IGNORE_INDEX)
+    longest = int(lengths.max())
+    attention_mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
+    flat = torch.cat(list(docs))[None]
+    pack = PaddingCollator(PAD_ID, EOS_ID, MAX_SEQ_LEN, mode="pack")(rows)
+    batches = {
+        "pad_max": ("plain", {"input_ids": ids, "labels": labels}),
+        "pad_longest": ("plain", {"input_ids": ids[:, :longest].clone(), "attention_mask": attention_mask,
+                                  "labels": labels[:, :longest].clone()}),
+        "mask": ("ours", PaddingCollator(PAD_ID, EOS_ID, MAX_SEQ_LEN, mode="mask")(rows)),
+        "pack": ("ours", pack),
+        "padded_full_batch": ("plain", {"input_ids": flat, "labels": flat.clone()}),
+    }
+    modes = [Mode(name, SDPA, _to(batch, device), kind == "ours") for name, (kind, batch) in batches.items()]
+    if fa2:
+        modes.append(Mode("pack_fa2", FA2, _to(pack, device), True))
+    return modes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None])
+
+
+def measured_step(model: torch.nn.Module, mode: Mode, device: torch.device) -> tuple[float, torch.Tensor, int]:
+    """A warm-up step that also measures peak memory: (loss, grads, peak bytes); grads left in place."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        loss = mode.step(model)
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        with PeakLiveBytes() as tracker:
+            loss = mode.step(model)
+        peak = tracker.peak
+    return float(loss), _grads(model), peak
+
+
+def timed_step(model: torch.nn.Module, mode: Mode, device: torch.device) -> tuple[float, float]:
+    """(wall, process CPU) seconds for one forward + backward, GC off inside it."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    gc.disable()
+    try:
+        _sync(device)
+        cpu, start = time.process_time(), time.perf_counter()
+        mode.step(model)
+        _sync(device)
+        return time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        gc.enable()
+
+
+def _due(round_: int, samples: int, rounds: int) -> bool:
+    """Whether a mode timed ``samples`` times over ``rounds`` rounds runs in this round (spread evenly)."""
+    return (round_ + 1) * samples // rounds > round_ * samples // rounds
+
+
+def time_round_robin(
+    variants: Sequence[tuple[str, Callable[[], T]]], rounds: int, samples: Mapping[str, int] | None = None,
+) -> dict[str, list[T]]:
+    """Call each ``(name, fn)`` (``fn`` returns its timing) round-robin, the order rotated every round."""
+    samples = samples or {}
+    times: dict[str, list[T]] = {name: [] for name, _ in variants}
+    for r in range(rounds):
+        shift = r % len(variants)
+        for name, fn in [*variants[shift:], *variants[:shift]]:
+            if _due(r, samples.get(name, rounds), rounds):
+                times[name].append(fn())
+    return times
+
+
+def _agree(losses: Mapping[str, float], grads: Mapping[str, torch.Tensor], dtype: str) -> dict[str, Any]:
+    """Losses of every padded/our mode against ``mask``; pack gradients against mask gradients."""
+    loss_tol, grad_tol = (1e-4, 1e-4) if dtype == "float32" else (2e-2, 5e-2)
+    ref = losses["mask"]
+    loss_diff = {name: abs(loss - ref) for name, loss in losses.items() if name not in ("mask", "padded_full_batch")}
+    grad_diff = {name: float((grads[name] - grads["mask"]).norm() / grads["mask"].norm())
+                 for name in grads if name != "mask"}
+    ok = all(d <= loss_tol for d in loss_diff.values()) and all(d <= grad_tol for d in grad_diff.values())
+    return {"ok": ok, "loss_abs_diff_vs_mask": loss_diff, "grad_rel_diff_vs_mask": grad_diff,
+            "loss_tolerance": loss_tol, "grad_tolerance": grad_tol}
+
+
+def bench_steps(settings: Settings) -> dict[str, Any]:
+    """Time every mode's training step; peak memory and the correctness guard from the warm-up."""
+    device = torch.device(settings.device)
+    fa2 = device.type == "cuda" and _flash_attn_importable()
+    model = build_model(settings)
+    modes = make_modes(documents(settings.vocab), device, fa2)
+    real = sum(LENGTHS)
+    losses, grads, peaks = {}, {}, {}
+    for mode in modes:
+        losses[mode.name], g, peaks[mode.name] = measured_step(model, mode, device)
+        if mode.name in ("mask", "pack", "pack_fa2"):
+            grads[mode.name] = g
+        for _ in range(settings.warmup - 1):
+            timed_step(model, mode, device)
+    correctness = _agree(losses, grads, settings.dtype)
+    del grads
+    variants = [(m.name, lambda m=m: timed_step(model, m, device)) for m in modes]
+    times = time_round_robin(variants, settings.rounds, {SLOW_MODE: min(settings.slow_rounds, settings.rounds)})
+    model.zero_grad(set_to_none=True)
+    result = {}
+    for mode in modes:
+        wall = [w for w, _ in times[mode.name]]
+        median = statistics.median(wall)
+        result[mode.name] = {
+            "tokens_per_s": real / median,
+            "step_ms": median * 1e3,
+            "min_step_ms": min(wall) * 1e3,  # for reading noise; throughput uses the median
+            "peak_mem_mb": peaks[mode.name] / 2**20,
+            "positions": mode.positions,
+            "fill": real / mode.positions,
+            "loss": losses[mode.name],
+            "samples_ms": [round(w * 1e3, 1) for w in wall],
+            "cpu_ms": statistics.median(c for _, c in times[mode.name]) * 1e3,  # process CPU time, all threads
+        }
+        # CPU seconds per wall second: near the thread count on a quiet machine; near 1 or below with 2 threads
+        # means other processes held the cores and the step times measure the scheduler, not the work.
+        result[mode.name]["parallelism"] = result[mode.name]["cpu_ms"] / result[mode.name]["step_ms"]
+    return {"modes": result, "correctness": correctness, "fa2": fa2}
+
+
+def _flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means no FA2 mode
+        return False
+    return True
+
+
+def _same_packing(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
+    return all(torch.equal(ours[k].reshape(-1), theirs[k].reshape(-1)) for k in ("input_ids", "labels", "position_ids"))
+
+
+def bench_collators(settings: Settings) -> dict[str, Any]:
+    """Median microseconds per call: our collator (pack, mask) vs DataCollatorWithFlattening, same examples."""
+    from transformers import DataCollatorWithFlattening
+
+    docs = documents(settings.vocab)
+    features = [{"input_ids": d.tolist()} for d in docs]
+    rows = text_rows(docs)
+    flattening = DataCollatorWithFlattening(return_tensors="pt")
+    pack = PaddingCollator(PAD_ID, EOS_ID, MAX_SEQ_LEN, mode="pack")
+    mask = PaddingCollator(PAD_ID, EOS_ID, MAX_SEQ_LEN, mode="mask")
+    same = _same_packing(pack(features), flattening(features))
+
+    def timer(fn: Callable[[Any], Any], examples: Any) -> Callable[[], float]:
+        def call() -> float:
+            start = time.perf_counter()
+            fn(examples)
+            return time.perf_counter() - start
+        return call
+
+    variants = [("flattening", timer(flattening, features)), ("pack", timer(pack, features)),
+                ("mask", timer(mask, features)), ("pack_rows", timer(pack, rows)), ("mask_rows", timer(mask, rows))]
+    for _, fn in variants:  # warm-up
+        fn()
+    gc.disable()
+    try:
+        times = time_round_robin(variants, settings.collator_reps)
+    finally:
+        gc.enable()
+    us = {f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()}
+    return {**us, "matches_flattening": same, "examples": "six {'input_ids': list[int]} (rows: tensors padded to 2048)"}
+
+
+def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
+    """The whole benchmark; ``quick`` is a smoke run (tiny model, one timed step), not for the README."""
+    started, load = time.perf_counter(), _loadavg()
+    settings = Settings.make(quick, device)
+    steps = bench_steps(settings)
+    collator = bench_collators(settings)
+    modes = steps["modes"]
+    pack = modes["pack"]["tokens_per_s"]
+    ratios = {
+        "pack_vs_pad_max": pack / modes["pad_max"]["tokens_per_s"],
+        "pack_vs_pad_longest": pack / modes["pad_longest"]["tokens_per_s"],
+        "pack_vs_padded_full_batch": pack / modes["padded_full_batch"]["tokens_per_s"],
+        "mask_vs_pad_max": modes["mask"]["tokens_per_s"] / modes["pad_max"]["tokens_per_s"],
+        "mask_vs_pad_longest": modes["mask"]["tokens_per_s"] / modes["pad_longest"]["tokens_per_s"],
+        "collator_pack_vs_flattening": collator["flattening_us"] / collator["pack_us"],
+        "collator_mask_vs_flattening": collator["flattening_us"] / collator["mask_us"],
+    }
+    if "pack_fa2" in modes:
+        ratios["pack_fa2_vs_pad_max"] = modes["pack_fa2"]["tokens_per_s"] / modes["pad_max"]["tokens_per_s"]
+        ratios["pack_fa2_vs_pack"] = modes["pack_fa2"]["tokens_per_s"] / pack
+    correct = steps["correctness"]["ok"] and collator["matches_flattening"]
+    targets = {name: {"target": target, "value": ratios[name], "met": correct and ratios[name] >= target}
+               for name, target in TARGETS.items()}
+    import transformers
+
+    return {
+        "command": COMMAND + (" --quick" if quick else ""),
+        "settings": {
+            **dataclasses.asdict(settings), "quick": quick, "attn_implementation": SDPA,
+            "fa2_mode": steps["fa2"], "lengths": list(LENGTHS), "real_tokens": sum(LENGTHS),
+            "max_seq_len": MAX_SEQ_LEN, "pad_id": PAD_ID, "eos_id": EOS_ID, "seed": SEED,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "peak_mem": "cuda max_memory_allocated delta" if settings.device.startswith("cuda")
+            else "peak live bytes of newly allocated tensor storages (TorchDispatchMode)",
+        },
+        "modes": modes,
+        "ratios": ratios,
+        "collator": collator,
+        "correctness": {**steps["correctness"], "collator_matches_flattening": collator["matches_flattening"]},
+        "targets": targets,
+        "all_targets_met": all(t["met"] for t in targets.values()),
+        "elapsed_s": time.perf_counter() - started,
+        "load_average_1min": {"start": load, "end": _loadavg()},  # other processes: read the numbers with it
+    }
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m foundry_attn.bench.padding [--json] [--quick] [--device cuda]``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run(quick=args.quick, device=args.device)
+    print(json.dumps(result, indent=2) if args.json else result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

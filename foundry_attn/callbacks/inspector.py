@@ -1,0 +1,557 @@
+"""``attention_inspector``: what the attention of a sampled batch really sees, at three levels.
+
+    callbacks:
+      attention_inspector:
+        log_interval: 50              # batches; the first batch is always inspected
+        events_dir: null              # default: the model's events_dir, else default_events_dir(run_name)
+        attention_selector: null      # regex on module name or class; default: attention-like classes
+        print_table: true             # a compact table on the console, the first time
+
+On a sampled batch it hooks the whole Hugging Face model, every decoder layer and every attention
+module (forward pre-hooks with kwargs, through DDP/FSDP wrappers), records per module: the mask (None,
+2-D, 4-D, BlockMask), its dtype and shape, whether it masks anything (2-D: padding; 4-D: a causally
+visible key), real tokens, fill ratio (real / positions), whether ``position_ids`` restart inside a row
+(packed), and the ``_attn_implementation`` of the config. Sampled: every ``log_interval``-th batch and
+the first; the hooks exist only from ``BEFORE_FORWARD`` to ``AFTER_FORWARD`` of a sampled batch's first
+microbatch (they record nothing after that forward, even one that raised), so unsampled batches run with
+no hook and no host sync. Output: metrics ``attn/fill_ratio`` (real tokens / positions of the collated
+batch), ``attn/compute_fill_ratio`` (the same at the attention modules: 1.0 when FA2 runs unpadded),
+``attn/mask_none_layers``, ``attn/mask_2d_layers``, ``attn/mask_4d_layers`` (attention modules by mask),
+``attn/mask_with_zeros_layers``, ``attn/packed_position_ids``, ``attn/real_tokens``,
+``attn/inspected_modules``; ``attn_inspect`` events (JSONL); a table on the console the first time (rank 0).
+
+:class:`ModelInspector` is the same probe without Composer::
+
+    with ModelInspector(hf_model).capture() as records:
+        hf_model(input_ids=ids, attention_mask=mask)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+from torch import nn
+
+from foundry_attn.events import EventLog, default_events_dir
+
+log = logging.getLogger(__name__)
+
+MODEL, LAYER, ATTENTION = "model", "layer", "attention"
+_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+_ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
+
+
+# ---- model discovery (torch only) ------------------------------------------------------------------------
+
+
+def check_log_interval(owner: str, log_interval: Any) -> int:
+    """``log_interval`` must be an integer >= 1 (batches)."""
+    if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 1:
+        raise ValueError(f"{owner}: log_interval must be an integer >= 1 (batches between samples; the first "
+                         f"batch is always sampled), got {log_interval!r}")
+    return log_interval
+
+
+def clean_name(name: str) -> str:
+    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    return ".".join(parts)
+
+
+def open_event_log(state: State, events_dir: str | None) -> EventLog:
+    """The callback's event log: ``events_dir`` if set, else the registered model's own events folder
+    (``foundry_attn_causal_lm``'s ``events_dir``), else ``default_events_dir(run_name)``."""
+    composer_model = getattr(state.model, "module", state.model)
+    model_log = getattr(composer_model, "attn_events", None)
+    directory = events_dir or getattr(model_log, "directory", None) or default_events_dir(state.run_name)
+    return EventLog(directory, dist.get_global_rank(), getattr(composer_model, "attn_capability", None))
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers)."""
+    for name, module in model.named_modules():
+        if _is_hf_model(module):
+            return clean_name(name), module
+    return None
+
+
+def attn_implementation(module: nn.Module | None) -> str | None:
+    """``config._attn_implementation`` of a Hugging Face model, or None."""
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+@dataclasses.dataclass
+class ModuleMap:
+    """The modules inspected: decoder layers and attention modules (name, module), in model order."""
+
+    layers: list[tuple[str, nn.Module]]
+    attention: list[tuple[str, nn.Module]]
+    attention_like: dict[str, int]  # class name -> count, found by the heuristic
+    selector: str | None = None
+    selector_matched: bool = True
+
+
+def discover_modules(model: nn.Module, attention_selector: str | None = None) -> ModuleMap:
+    """Decoder layers (the largest ``ModuleList`` of blocks holding attention) and attention modules.
+
+    Attention modules are, by default, the outermost modules whose class name says attention
+    (``LlamaAttention``, ``Qwen2Attention``, ``GPTNeoXAttention``, ...); ``attention_selector`` (a regex
+    searched in the module path and the class name) replaces that rule.
+    """
+    named = [(clean_name(n), m) for n, m in model.named_modules() if m is not model]
+    heuristic: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if _ATTENTION_LIKE.search(type(module).__name__) and not any(
+            name.startswith(parent + ".") for parent, _ in heuristic
+        ):
+            heuristic.append((name, module))
+    like: dict[str, int] = {}
+    for _, module in heuristic:
+        like[type(module).__name__] = like.get(type(module).__name__, 0) + 1
+    attention = heuristic
+    matched = True
+    if attention_selector:
+        pattern = re.compile(attention_selector)
+        attention = [(n, m) for n, m in named if pattern.search(n) or pattern.search(type(m).__name__)]
+        matched = bool(attention)
+    attn_ids = {id(m) for _, m in heuristic}
+    layers: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if isinstance(module, nn.ModuleList) and len(module) > len(layers):
+            children = [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(module)]
+            if all(any(id(sub) in attn_ids for sub in child.modules()) for _, child in children):
+                layers = children
+    if not layers:  # no stack of blocks: the parents of the attention modules
+        by_name = dict(named)
+        for name, _ in heuristic:
+            parent = name.rpartition(".")[0]
+            if parent in by_name and all(parent != n for n, _ in layers):
+                layers.append((parent, by_name[parent]))
+    return ModuleMap(layers, attention, like, attention_selector, matched)
+
+
+# ---- what one module was given -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _parameters(cls: type) -> tuple[tuple[str, ...], bool] | None:
+    """Names of ``cls.forward``'s positional parameters (without self), and whether it takes ``*args``."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in params if p.kind in kinds)
+    if names and names[0] == "self":
+        names = names[1:]
+    return names, any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
+def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A forward call's arguments by parameter name: positional ones named from the signature, keyword
+    ones as given (what lands in ``**kwargs`` is flat among them); unnamed extras as ``arg<i>``."""
+    spec = _parameters(type(module))
+    names = spec[0] if spec is not None else ()
+    out = dict(zip(names, args, strict=False))
+    for i in range(len(names), len(args)):
+        out[f"arg{i}"] = args[i]
+    out.update(kwargs)
+    return out
+
+
+def _first_tensor(arguments: Mapping[str, Any]) -> torch.Tensor | None:
+    for key in ("input_ids", "inputs_embeds", "hidden_states"):
+        value = arguments.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value
+    return next((v for v in arguments.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+
+
+def _describe_mask(mask: Any) -> dict[str, Any]:
+    """Kind, dtype, shape and whether the mask masks anything (reads device values: sampled batches only)."""
+    if mask is None:
+        return {"mask": "none", "mask_dtype": None, "mask_shape": None, "has_zeros": None}
+    if not isinstance(mask, torch.Tensor):
+        shape = getattr(mask, "shape", None)
+        return {"mask": type(mask).__name__, "mask_dtype": None, "mask_shape": list(shape) if shape else None,
+                "has_zeros": None}
+    out: dict[str, Any] = {"mask": f"{mask.dim()}-D", "mask_dtype": str(mask.dtype).replace("torch.", ""),
+                           "mask_shape": list(mask.shape), "has_zeros": None}
+    with torch.no_grad():
+        if mask.dim() == 2:
+            out["has_zeros"] = bool((mask == 0).any())
+            out["mask_real"] = int(mask.bool().sum())
+        elif mask.dim() == 4:
+            allowed = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.bool()
+            q, k = mask.shape[-2:]
+            causal = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril_(k - q)
+            out["has_zeros"] = bool((causal & ~allowed).any())  # masks a key that causality would show
+    return out
+
+
+def _position_restarts(position_ids: Any, mask: Any) -> int | None:
+    """How often positions restart inside a row (on real tokens when a matching 2-D mask is given)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return None
+    with torch.no_grad():
+        restart = position_ids[:, 1:] <= position_ids[:, :-1]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == position_ids.shape:
+            restart &= mask[:, 1:].bool()
+        return int(restart.sum())
+
+
+@dataclasses.dataclass
+class BatchInfo:
+    """What the collated batch holds: its ``[rows, width]`` and real tokens (from our collator or a mask)."""
+
+    shape: tuple[int, ...] | None = None
+    real_tokens: int | None = None
+
+    @classmethod
+    def from_batch(cls, batch: Any) -> BatchInfo:
+        if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+            return cls()
+        ids = batch["input_ids"]
+        real = None
+        if batch.get("total_tokens") is not None:
+            real = int(sum(batch["total_tokens"]))
+        elif isinstance(batch.get("attention_mask"), torch.Tensor) and batch["attention_mask"].dim() == 2:
+            real = int(batch["attention_mask"].bool().sum())
+        return cls(tuple(ids.shape), real if real is not None else ids.numel())
+
+    @property
+    def positions(self) -> int | None:
+        return None if self.shape is None else int(torch.Size(self.shape).numel())
+
+    @property
+    def fill_ratio(self) -> float | None:
+        if self.positions is None or self.real_tokens is None:
+            return None
+        return self.real_tokens / max(1, self.positions)
+
+
+class ModelInspector:
+    """Pre-hooks (with kwargs) on a model, its decoder layers and attention modules that record one forward.
+
+    ``capture()`` hooks, yields the record list, and unhooks; ``arm()``/``disarm()`` do the same in two steps.
+    Only the first forward after ``arm()`` is recorded; hooks never change inputs or outputs.
+    """
+
+    def __init__(self, model: nn.Module, attention_selector: str | None = None, modules: ModuleMap | None = None):
+        self.model = model
+        self.modules = modules if modules is not None else discover_modules(model, attention_selector)
+        self.records: list[dict[str, Any]] = []
+        self._handles: list[Any] = []
+        self._done = False
+        self._batch = BatchInfo()
+        self._masks: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._positions: dict[tuple[int, int], tuple[Any, Any, int | None]] = {}
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def targets(self) -> list[tuple[str, int, str, nn.Module]]:
+        out = [(MODEL, 0, type(self.model).__name__, self.model)]
+        out += [(LAYER, i, n, m) for i, (n, m) in enumerate(self.modules.layers)]
+        out += [(ATTENTION, i, n, m) for i, (n, m) in enumerate(self.modules.attention)]
+        return out
+
+    def arm(self, batch: BatchInfo | None = None) -> None:
+        self.disarm()
+        self.records, self._done, self._masks, self._positions = [], False, {}, {}
+        self._batch = batch or BatchInfo()
+        for level, index, name, module in self.targets():
+            hook = functools.partial(self._pre, level, index, name)
+            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        # marks the forward done even when it raises; hooks are removed later (never inside a hook)
+        self._handles.append(self.model.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+
+    def disarm(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._masks, self._positions = {}, {}
+
+    @contextlib.contextmanager
+    def capture(self, batch: BatchInfo | None = None) -> Iterator[list[dict[str, Any]]]:
+        self.arm(batch)
+        try:
+            yield self.records
+        finally:
+            self.disarm()
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._done = True
+
+    def _mask_info(self, mask: Any) -> dict[str, Any]:
+        if mask is None:
+            return _describe_mask(None)
+        hit = self._masks.get(id(mask))
+        if hit is None or hit[0] is not mask:
+            hit = self._masks[id(mask)] = (mask, _describe_mask(mask))
+        return hit[1]
+
+    def _restarts(self, position_ids: Any, mask: Any) -> int | None:
+        if not isinstance(position_ids, torch.Tensor):
+            return None
+        key = (id(position_ids), id(mask))
+        hit = self._positions.get(key)
+        if hit is None or hit[0] is not position_ids or hit[1] is not mask:
+            hit = self._positions[key] = (position_ids, mask, _position_restarts(position_ids, mask))
+        return hit[2]
+
+    def _pre(self, level: str, index: int, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._done:
+            return
+        try:
+            self.records.append(self._record(level, index, name, module, _arguments(module, args, kwargs)))
+        except Exception as exc:  # noqa: BLE001 - inspection never breaks training
+            self.records.append({"level": level, "index": index, "name": name, "cls": type(module).__name__,
+                                 "error": f"{type(exc).__name__}: {exc}"})
+
+    def _record(self, level: str, index: int, name: str, module: nn.Module, arguments: dict) -> dict[str, Any]:
+        mask = arguments.get("attention_mask")
+        rec: dict[str, Any] = {"level": level, "index": index, "name": name, "cls": type(module).__name__}
+        rec.update(self._mask_info(mask))
+        mask_real = rec.pop("mask_real", None)
+        x = _first_tensor(arguments)
+        rows_width = tuple(x.shape[:2]) if x is not None else None
+        positions = rows_width[0] * rows_width[1] if rows_width else None
+        cu = arguments.get("cu_seq_lens_q", arguments.get("cu_seqlens_q"))
+        if mask_real is not None and isinstance(mask, torch.Tensor) and tuple(mask.shape) == rows_width:
+            real, source = mask_real, "mask"
+        elif isinstance(cu, torch.Tensor) and cu.numel():
+            real, source = int(cu[-1]), "cu_seq_lens"
+        elif rows_width is not None and rows_width == self._batch.shape and self._batch.real_tokens is not None:
+            real, source = self._batch.real_tokens, "batch"
+        else:
+            real, source = positions, "assumed"
+        restarts = self._restarts(arguments.get("position_ids"), mask)
+        rec.update({
+            "rows_width": list(rows_width) if rows_width else None, "real_tokens": real, "positions": positions,
+            "fill_ratio": (real / positions) if real is not None and positions else None, "fill_source": source,
+            "position_restarts": restarts, "packed_positions": None if restarts is None else restarts > 0,
+            "attn_implementation": attn_implementation(self.model),
+        })
+        return rec
+
+
+# ---- summaries -------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> dict[str, float]:
+    """Composer metrics from one forward's records."""
+    attn = [r for r in records if r["level"] == ATTENTION and "error" not in r]
+    model = next((r for r in records if r["level"] == MODEL and "error" not in r), None)
+    out: dict[str, float] = {
+        "attn/inspected_modules": float(len(records)),
+        "attn/mask_none_layers": float(sum(r["mask"] == "none" for r in attn)),
+        "attn/mask_2d_layers": float(sum(r["mask"] == "2-D" for r in attn)),
+        "attn/mask_4d_layers": float(sum(r["mask"] == "4-D" for r in attn)),
+        "attn/mask_with_zeros_layers": float(sum(bool(r["has_zeros"]) for r in attn)),
+    }
+    fill = batch.fill_ratio if batch is not None else None
+    if fill is None and model is not None:
+        fill = model["fill_ratio"]
+    if fill is not None:
+        out["attn/fill_ratio"] = float(fill)
+    real = batch.real_tokens if batch is not None else None
+    if real is None and model is not None:
+        real = model["real_tokens"]
+    if real is not None:
+        out["attn/real_tokens"] = float(real)
+    fills = [r["fill_ratio"] for r in attn if r.get("fill_ratio") is not None]
+    if fills:
+        out["attn/compute_fill_ratio"] = float(sum(fills) / len(fills))
+    if model is not None and model.get("packed_positions") is not None:
+        out["attn/packed_position_ids"] = float(model["packed_positions"])
+    return out
+
+
+_COLUMNS = ("level", "modules", "mask", "dtype", "shape", "masks", "real", "fill", "packed", "impl")
+
+
+def _row(group: list[dict[str, Any]]) -> tuple[str, ...]:
+    r = group[0]
+    level = r["level"] if r["level"] == MODEL else f"{r['level']} {group[0]['index']}" + (
+        f"-{group[-1]['index']}" if len(group) > 1 else "")
+    if "error" in r:
+        return (level, r["cls"], "error", r["error"], "", "", "", "", "", "")
+    yes_no = {True: "yes", False: "no", None: "-"}
+    return (
+        level, r["cls"] + (f" x{len(group)}" if len(group) > 1 else ""), r["mask"], r["mask_dtype"] or "-",
+        "x".join(map(str, r["mask_shape"])) if r["mask_shape"] else "-", yes_no[r["has_zeros"]],
+        "-" if r["real_tokens"] is None else f"{r['real_tokens']}/{r['positions']}",
+        "-" if r["fill_ratio"] is None else f"{r['fill_ratio']:.3f}", yes_no[r["packed_positions"]],
+        r["attn_implementation"] or "-",
+    )
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    keys = ("level", "cls", "mask", "mask_dtype", "mask_shape", "has_zeros", "real_tokens", "positions",
+            "packed_positions", "attn_implementation", "error")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def format_table(records: list[dict[str, Any]], title: str = "attention_inspector") -> str:
+    """A compact text table; consecutive identical layers / attention modules share one row."""
+    order = {MODEL: 0, LAYER: 1, ATTENTION: 2}
+    groups: list[list[dict[str, Any]]] = []
+    for rec in sorted(records, key=lambda r: (order.get(r["level"], 3), r["index"])):
+        if groups and _same(groups[-1][-1], rec) and rec["level"] != MODEL:
+            groups[-1].append(rec)
+        else:
+            groups.append([rec])
+    rows = [_COLUMNS, *(_row(g) for g in groups)]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(_COLUMNS))]
+    lines = [title] + ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.append("masks: 2-D has padding / 4-D hides a causally visible key; real: real tokens/positions "
+                 "at that level; packed: position_ids restart inside a row")
+    return "\n".join(lines)
+
+
+# ---- the Composer callback -------------------------------------------------------------------------------
+
+
+class AttentionInspector(Callback):
+    """Inspect attention masks, fill and packing on sampled batches (see the module docstring for YAML)."""
+
+    def __init__(
+        self, log_interval: int = 50, events_dir: str | None = None, attention_selector: str | None = None,
+        print_table: bool = True,
+    ) -> None:
+        self.log_interval = check_log_interval("attention_inspector", log_interval)
+        if attention_selector is not None:
+            try:
+                re.compile(attention_selector)
+            except re.error as exc:
+                raise ValueError(f"attention_inspector: attention_selector {attention_selector!r} is not a valid "
+                                 f"regular expression: {exc}") from exc
+        self.events_dir = events_dir
+        self.attention_selector = attention_selector
+        self.print_table = print_table
+        self.events: EventLog | None = None
+        self.last_records: list[dict[str, Any]] = []
+        self.last_metrics: dict[str, float] = {}
+        self._inspector: ModelInspector | None = None
+        self._model_id: int | None = None
+        self._hf_name: str | None = None
+        self._sampled = False
+        self._step = 0
+        self._batch = BatchInfo()
+        self._printed = False
+        self._warned: set[str] = set()
+
+    # -- helpers
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+            if dist.get_global_rank() == 0:
+                print(message, flush=True)
+
+    def _resolve(self, state: State) -> ModelInspector | None:
+        if self._inspector is not None and self._model_id == id(state.model):
+            return self._inspector
+        found = find_hf_model(state.model)
+        if found is None:
+            self._warn_once("no_hf", "attention_inspector: no Hugging Face PreTrainedModel in state.model; "
+                                     "inspecting the whole model without decoder-layer discovery")
+            self._hf_name, model = "", state.model
+        else:
+            self._hf_name, model = found
+        inspector = ModelInspector(model, self.attention_selector)
+        mods = inspector.modules
+        if not mods.selector_matched:
+            classes = ", ".join(f"{c} x{n}" for c, n in mods.attention_like.items()) or "none"
+            self._warn_once("selector", f"attention_inspector: attention_selector {mods.selector!r} matched no "
+                                        f"module; attention-like classes found: {classes}. The attention level is "
+                                        f"not inspected.")
+        elif not mods.attention:
+            self._warn_once("no_attn", "attention_inspector: found no attention-like module (class names with "
+                                       "'Attention'/'Attn'); set attention_selector")
+        self._inspector, self._model_id = inspector, id(state.model)
+        return inspector
+
+    def _disarm(self) -> None:
+        if self._inspector is not None:
+            self._inspector.disarm()
+
+    # -- events
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if self.events is None:
+            self.events = open_event_log(state, self.events_dir)
+        self._resolve(state)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._step = int(state.timestamp.batch)
+        self._sampled = self._step % self.log_interval == 0
+        self._disarm()
+
+    def before_forward(self, state: State, logger: Logger) -> None:
+        if not self._sampled:
+            return
+        self._sampled = False  # the first microbatch only
+        inspector = self._resolve(state)
+        if inspector is not None:
+            self._batch = BatchInfo.from_batch(state.batch)
+            inspector.arm(self._batch)
+
+    def after_forward(self, state: State, logger: Logger) -> None:
+        self._disarm()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self._disarm()
+        inspector = self._inspector
+        if inspector is None or not inspector.records:
+            return
+        records, inspector.records = inspector.records, []
+        metrics = summarize(records, self._batch)
+        self.last_records, self.last_metrics = records, metrics
+        logger.log_metrics(metrics)
+        if self.events is not None:
+            self.events.append("attn_inspect", step=self._step, model=self._hf_name,
+                               attn_implementation=attn_implementation(inspector.model),
+                               batch={"shape": self._batch.shape, "real_tokens": self._batch.real_tokens,
+                                      "fill_ratio": self._batch.fill_ratio},
+                               metrics=metrics, modules=records)
+        if self.print_table and not self._printed and dist.get_global_rank() == 0:
+            self._printed = True
+            fill = self._batch.fill_ratio
+            title = (f"attention_inspector: batch {self._step}, rank {dist.get_global_rank()}, "
+                     f"implementation {attn_implementation(inspector.model)}"
+                     + (f", batch fill {fill:.3f} ({self._batch.real_tokens}/{self._batch.positions} real)"
+                        if fill is not None else ""))
+            table = format_table(records, title)
+            log.info("\n%s", table)
+            print(table, flush=True)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._disarm()
+
+    def close(self, state: State, logger: Logger) -> None:
+        self._disarm()
+
+    def post_close(self) -> None:
+        self._disarm()

@@ -1,0 +1,202 @@
+"""``upad_tracer``: how often transformers' flash-attention path unpads, and what reaches the kernel.
+
+    callbacks:
+      upad_tracer:
+        log_interval: 50        # batches; the first batch is always traced
+        events_dir: null        # default: the model's events_dir, else default_events_dir(run_name)
+        print_counts: true      # one console line per traced batch (rank 0)
+
+On a sampled batch it wraps the helpers that ``_flash_attention_forward`` calls (4.51: ``_upad_input``,
+``prepare_fa2_from_position_ids``, ``flash_attn_varlen_func``, ``flash_attn_func``, ``pad_input``; the
+later names are found by :func:`foundry_attn.flash_symbols.discover`) and counts the calls of the step.
+It also records cu_seqlens_q/k and max_seqlen_q/k of the first call and which entry point ran
+(``varlen`` or ``dense``). Metrics: ``attn/upad_calls_per_step``, ``attn/posids_calls_per_step``,
+``attn/varlen_calls_per_step``, ``attn/dense_calls_per_step``, ``attn/pad_calls_per_step``,
+``attn/max_seqlen``; ``upad_trace`` events (JSONL) carry the cu_seqlens lists.
+
+The wrappers are installed when the model's forward starts and removed when it ends, even when it
+raises (an ``always_call`` forward hook), and again at ``BATCH_END``, ``FIT_END`` and ``close``. They are
+layers (``foundry_attn.flash_symbols.patch_attribute``), so two tracers, and the FA2 reference kernel
+context that our model enters per forward, nest in any order. Calls recomputed by activation
+checkpointing during backward are not counted. A symbol missing from the installed transformers is
+reported once (which, which version) and training goes on; a run whose implementation is not flash
+attention is told once that there is nothing to trace.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+from torch import nn
+
+from foundry_attn.callbacks.inspector import attn_implementation, check_log_interval, find_hf_model, open_event_log
+from foundry_attn.events import EventLog
+from foundry_attn.fa2_reference import REFERENCE_NAME
+from foundry_attn.flash_symbols import (
+    DENSE,
+    PAD,
+    POSIDS,
+    ROLES,
+    UPAD,
+    VARLEN,
+    FlashCallTracer,
+    FlashSymbols,
+    discover,
+    symbol_label,
+)
+
+log = logging.getLogger(__name__)
+
+
+def is_flash(impl: str | None) -> bool:
+    """Implementations that run transformers' flash-attention utilities (FA2, FA3, flash kernels)."""
+    return impl is not None and "flash" in impl
+
+
+def short_list(values: list[int] | None, keep: int = 8) -> str:
+    if values is None:
+        return "-"
+    if len(values) <= keep:
+        return str(values)
+    head = ", ".join(map(str, values[: keep - 2]))
+    return f"[{head}, ..., {values[-1]}] ({len(values)} entries)"
+
+
+def uses_reference_kernel(model: nn.Module) -> bool:
+    """Our registered model running FA2 on the pure-PyTorch reference kernel (through DDP)."""
+    return any(bool(getattr(m, "_fa2_reference", False)) for m in (model, getattr(model, "module", None)) if m)
+
+
+class UpadTracer(Callback):
+    """Count flash-attention unpad / varlen / dense calls per sampled step (see the module docstring for YAML)."""
+
+    def __init__(self, log_interval: int = 50, events_dir: str | None = None, print_counts: bool = True) -> None:
+        self.log_interval = check_log_interval("upad_tracer", log_interval)
+        self.events_dir = events_dir
+        self.print_counts = print_counts
+        self.events: EventLog | None = None
+        self.tracer: FlashCallTracer | None = None
+        self.symbols: FlashSymbols | None = None
+        self.implementation: str | None = None
+        self.idle_reason: str | None = None
+        self.last_summary: dict[str, Any] = {}
+        self.last_metrics: dict[str, float] = {}
+        self._hf: nn.Module | None = None
+        self._model_id: int | None = None
+        self._reference = False
+        self._handles: list[Any] = []
+        self._step = 0
+        self._said: set[str] = set()
+
+    # -- helpers
+    def _say_once(self, key: str, message: str, **event: Any) -> None:
+        if key in self._said:
+            return
+        self._said.add(key)
+        log.warning(message)
+        if dist.get_global_rank() == 0:
+            print(message, flush=True)
+        if self.events is not None:
+            self.events.append(key, message=message, **event)
+
+    def _resolve(self, state: State) -> None:
+        """Find the HF model and decide once per model whether there is anything to trace."""
+        if self._model_id == id(state.model):
+            return
+        self._model_id = id(state.model)
+        found = find_hf_model(state.model)
+        self._hf = found[1] if found else None
+        self.implementation = attn_implementation(self._hf)
+        self._reference = uses_reference_kernel(state.model)
+        if self._hf is None:
+            self.idle_reason = "no Hugging Face PreTrainedModel in state.model"
+        elif not is_flash(self.implementation):
+            self.idle_reason = (f"the attention implementation is {self.implementation!r}, not flash_attention_2: "
+                                f"transformers' flash-attention utilities never run")
+        else:
+            self.symbols = discover()
+            missing = self.symbols.describe_missing()
+            if missing:
+                self._say_once("upad_trace_missing", "upad_tracer: " + "; ".join(missing) + "; training continues",
+                               symbols=self.symbols.as_dict())
+            self.idle_reason = None if self.symbols.found else "no flash-attention symbol could be found"
+        if self.idle_reason is not None:
+            self.tracer = None
+            self._say_once("upad_trace_idle", f"upad_tracer: nothing to trace ({self.idle_reason})",
+                           attn_implementation=self.implementation)
+        else:
+            assert self.symbols is not None
+            self.tracer = FlashCallTracer(self.symbols, record=True)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.tracer is not None:
+            self.tracer.attach()
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.detach()
+
+    def _unhook(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        if self.tracer is not None:
+            self.tracer.detach(force=True)
+
+    # -- events
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if self.events is None:
+            self.events = open_event_log(state, self.events_dir)
+        self._resolve(state)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._unhook()
+        self._step = int(state.timestamp.batch)
+        if self._step % self.log_interval:
+            return
+        self._resolve(state)
+        if self.tracer is None or self._hf is None:
+            return
+        self.tracer.reset(record=True)
+        self._handles = [
+            self._hf.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            self._hf.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
+        ]
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        traced = bool(self._handles)
+        self._unhook()
+        if not traced or self.tracer is None:
+            return
+        tracer = self.tracer
+        summary = tracer.summary()
+        metrics = {f"attn/{role}_calls_per_step": float(tracer.counts[role]) for role in ROLES}
+        if tracer.max_seqlen is not None:
+            metrics["attn/max_seqlen"] = float(tracer.max_seqlen)
+        self.last_summary, self.last_metrics = summary, metrics
+        logger.log_metrics(metrics)
+        kernel = REFERENCE_NAME if self._reference else "flash-attn"
+        if self.events is not None:
+            self.events.append("upad_trace", step=self._step, attn_implementation=self.implementation,
+                               kernel=kernel, **summary)
+        if self.print_counts and dist.get_global_rank() == 0:
+            assert self.symbols is not None
+            label = {role: symbol_label(self.symbols, role) for role in ROLES}
+            counts = ", ".join(f"{label[r]} {tracer.counts[r]}" for r in (UPAD, POSIDS, VARLEN, DENSE, PAD))
+            note = f" [kernel: {kernel}]" if "kernel_note" not in self._said else ""
+            self._said.add("kernel_note")
+            print(f"upad_tracer: batch {self._step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
+                  f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen}{note}", flush=True)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._unhook()
+
+    def close(self, state: State, logger: Logger) -> None:
+        self._unhook()
+
+    def post_close(self) -> None:
+        self._unhook()

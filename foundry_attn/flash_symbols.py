@@ -1,0 +1,431 @@
+"""transformers' flash-attention utilities: find them, patch them in layers, count their calls.
+
+    from foundry_attn.flash_symbols import FlashCallTracer, discover
+
+    print(discover().describe())            # which names this transformers uses; which are missing
+    with FlashCallTracer() as tracer:       # counts unpad / position-id / varlen / dense / pad calls
+        model(input_ids=ids, attention_mask=mask)
+    tracer.counts["upad"], tracer.first["varlen"]["cu_seqlens_q"]
+
+``_flash_attention_forward`` looks its helpers up in its own module at call time, so wrapping the module
+attributes reaches every caller. Which names it looks up changed across releases, so :func:`discover` reads
+them from the function's code instead of assuming them:
+
+============  =====================================  ==============================================
+role          4.51                                   later releases (4.54 ... 5.x)
+============  =====================================  ==============================================
+``upad``      ``_upad_input``                        ``_upad_input`` (+ unpad fn), then
+                                                     ``prepare_fa_kwargs_from_attn_mask``
+``posids``    ``prepare_fa2_from_position_ids``      ``_prepare_from_posids``, then
+                                                     ``prepare_fa_kwargs_from_position_ids``
+``varlen``    ``flash_attn_varlen_func`` (global)    2nd kernel of ``lazy_import_flash_attention()``
+``dense``     ``flash_attn_func`` (global)           1st kernel of ``lazy_import_flash_attention()``
+``pad``       ``pad_input`` (global)                 ``_pad_input`` / 3rd of a 4-tuple lazy import
+============  =====================================  ==============================================
+
+Patches are *layers* kept per attribute (:func:`patch_attribute`): replacements (the FA2 reference kernel)
+always sit beneath wrappers (tracers), and any layer can be removed in any order; the attribute is
+re-rendered from the layers left, and restored exactly when none is left. So two tracers and the FA2
+reference context nest without corrupting each other, whatever order they enter and leave in.
+Core module: torch, transformers and the standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import threading
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+FA_UTILS = "transformers.modeling_flash_attention_utils"
+UPAD, POSIDS, VARLEN, DENSE, PAD = "upad", "posids", "varlen", "dense", "pad"
+ROLES: tuple[str, ...] = (UPAD, POSIDS, VARLEN, DENSE, PAD)
+KERNEL_ROLES: tuple[str, ...] = (VARLEN, DENSE)
+#: per role, module-level names in order of preference (newest last)
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    UPAD: ("_upad_input", "prepare_fa_kwargs_from_attn_mask"),
+    POSIDS: ("prepare_fa2_from_position_ids", "_prepare_from_posids", "prepare_fa_kwargs_from_position_ids"),
+    VARLEN: ("flash_attn_varlen_func",),
+    DENSE: ("flash_attn_func",),
+    PAD: ("pad_input", "_pad_input"),
+}
+#: globals that the module imports from flash-attn (absent until flash-attn or the reference provides them)
+KERNEL_GLOBALS = frozenset({"flash_attn_varlen_func", "flash_attn_func", "pad_input"})
+LAZY_IMPORT = "lazy_import_flash_attention"
+#: position of each kernel in the first element returned by ``lazy_import_flash_attention``
+LAZY_INDEX = {DENSE: 0, VARLEN: 1, PAD: 2}
+
+_NO_ATTR = object()
+_lock = threading.RLock()
+
+
+# ---- layered patches ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Layer:
+    replace: Any = _NO_ATTR  # a value that replaces what is beneath (kernels), or
+    wrap: Callable[[Any], Any] | None = None  # a factory: callable beneath -> callable installed
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    module: ModuleType
+    name: str
+    base: Any
+    layers: list[_Layer] = dataclasses.field(default_factory=list)
+
+
+_slots: dict[tuple[int, str], _Slot] = {}
+
+
+class Patch:
+    """One layer on one module attribute; :meth:`remove` takes it out (idempotent)."""
+
+    def __init__(self, slot: _Slot, layer: _Layer) -> None:
+        self._slot, self._layer = slot, layer
+
+    def remove(self) -> None:
+        with _lock:
+            slot = self._slot
+            if self._layer not in slot.layers:
+                return
+            slot.layers.remove(self._layer)
+            _render(slot)
+            if not slot.layers:
+                _slots.pop((id(slot.module), slot.name), None)
+
+
+def _render(slot: _Slot) -> None:
+    """Attribute = base, then every replacement (last wins), then every wrapper (last outermost)."""
+    value = slot.base
+    for layer in slot.layers:
+        if layer.replace is not _NO_ATTR:
+            value = layer.replace
+    for layer in slot.layers:
+        if layer.wrap is not None and value is not _NO_ATTR and callable(value):
+            value = layer.wrap(value)
+    if value is _NO_ATTR:
+        if slot.name in slot.module.__dict__:
+            delattr(slot.module, slot.name)
+    else:
+        setattr(slot.module, slot.name, value)
+
+
+def patch_attribute(
+    module: ModuleType, name: str, *, replace: Any = _NO_ATTR, wrap: Callable[[Any], Any] | None = None
+) -> Patch:
+    """Add a layer to ``module.name``: ``replace=value`` (beneath all wrappers) or ``wrap=factory``.
+
+    A wrapper over an attribute that is absent or not callable is dormant until a replacement makes it
+    callable. When the last layer goes, the attribute gets back the object (or absence) it had before the
+    first layer came; a value written over a patched attribute by other code is discarded then.
+    """
+    if (replace is _NO_ATTR) == (wrap is None):
+        raise ValueError("patch_attribute: give exactly one of replace= or wrap=")
+    with _lock:
+        key = (id(module), name)
+        slot = _slots.get(key)
+        if slot is None:
+            slot = _slots[key] = _Slot(module, name, module.__dict__.get(name, _NO_ATTR))
+        layer = _Layer(replace=replace, wrap=wrap)
+        slot.layers.append(layer)
+        try:
+            _render(slot)
+        except BaseException:
+            Patch(slot, layer).remove()
+            raise
+        return Patch(slot, layer)
+
+
+def original(module: ModuleType, name: str) -> Any:
+    """What ``module.name`` is with every layer removed (``None`` if absent)."""
+    with _lock:
+        slot = _slots.get((id(module), name))
+        value = slot.base if slot is not None else module.__dict__.get(name, _NO_ATTR)
+    return None if value is _NO_ATTR else value
+
+
+# ---- discovery ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashSymbols:
+    """What the installed transformers calls, by role. ``found[role]`` is a module attribute name, or
+    ``lazy_import_flash_attention()[i]`` for kernels handed out by the lazy importer."""
+
+    transformers_version: str
+    module: str
+    found: dict[str, str]
+    missing: dict[str, tuple[str, ...]]
+    lazy_import: str | None = None
+    error: str | None = None
+
+    def describe_missing(self) -> list[str]:
+        """One line per role this transformers does not expose (empty when all are traceable)."""
+        if self.error:
+            return [f"transformers {self.transformers_version}: cannot inspect {self.module}: {self.error}"]
+        return [
+            f"transformers {self.transformers_version} has none of {', '.join(names)} in {self.module}: "
+            f"{role} calls are not counted"
+            for role, names in self.missing.items()
+        ]
+
+    def describe(self) -> str:
+        found = ", ".join(f"{role}={name}" for role, name in self.found.items()) or "nothing"
+        lines = [f"transformers {self.transformers_version} ({self.module}): {found}", *self.describe_missing()]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+
+        return str(transformers.__version__)
+    except Exception:  # noqa: BLE001 - a broken install is reported, not raised
+        return "unknown"
+
+
+def discover(module: ModuleType | None = None) -> FlashSymbols:
+    """Which flash-attention helpers ``_flash_attention_forward`` really looks up, per role; never raises."""
+    version = _transformers_version()
+    try:
+        mod = module if module is not None else importlib.import_module(FA_UTILS)
+    except Exception as exc:  # noqa: BLE001
+        return FlashSymbols(version, FA_UTILS, {}, dict(CANDIDATES), error=f"{type(exc).__name__}: {exc}")
+    forward = getattr(mod, "_flash_attention_forward", None)
+    code = getattr(forward, "__code__", None)
+    referenced = set(code.co_names) if code is not None else None
+
+    def usable(name: str) -> bool:
+        if referenced is not None and name not in referenced:
+            return False
+        return name in mod.__dict__ or (referenced is not None and name in KERNEL_GLOBALS)
+
+    lazy = LAZY_IMPORT if usable(LAZY_IMPORT) and callable(mod.__dict__.get(LAZY_IMPORT)) else None
+    lazy_code = getattr(mod.__dict__.get(LAZY_IMPORT), "__code__", None) if lazy else None
+    lazy_has_pad = lazy_code is not None and "_pad_fn" in lazy_code.co_names
+    found: dict[str, str] = {}
+    missing: dict[str, tuple[str, ...]] = {}
+    for role, names in CANDIDATES.items():
+        name = next((n for n in names if usable(n)), None)
+        if name is None and lazy and role in LAZY_INDEX and (role != PAD or lazy_has_pad):
+            name = f"{LAZY_IMPORT}()[{LAZY_INDEX[role]}]"
+        if name is None:
+            missing[role] = names + ((LAZY_IMPORT,) if role in LAZY_INDEX else ())
+        else:
+            found[role] = name
+    return FlashSymbols(version, getattr(mod, "__name__", FA_UTILS), found, missing, lazy)
+
+
+# ---- tracing -----------------------------------------------------------------------------------------------
+
+
+def _as_list(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.detach().flatten().tolist()]  # host read: sampled calls only
+    return [int(v) for v in value]
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+
+
+def _is_cu_pair(value: Any) -> bool:
+    return (isinstance(value, tuple) and len(value) == 2
+            and all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in value))
+
+
+def _seqlens_from_output(out: Any) -> dict[str, Any]:
+    """``(cu_q, cu_k), (max_q, max_k)`` wherever they sit in an unpad/position-id helper's result."""
+    items = list(out) if isinstance(out, tuple) else []
+    for i, item in enumerate(items):
+        if _is_cu_pair(item):
+            rec: dict[str, Any] = {"cu_seqlens_q": _as_list(item[0]), "cu_seqlens_k": _as_list(item[1])}
+            if i + 1 < len(items) and isinstance(items[i + 1], tuple) and len(items[i + 1]) == 2:
+                rec["max_seqlen_q"], rec["max_seqlen_k"] = (_as_int(v) for v in items[i + 1])
+            return rec
+    return {}
+
+
+def _describe_call(role: str, args: tuple, kwargs: dict, out: Any) -> dict[str, Any]:
+    """What a traced call was given / gave back, as plain Python (reads device values: sampled calls only)."""
+    if role == VARLEN:
+        def arg(key: str, pos: int) -> Any:
+            return kwargs[key] if key in kwargs else (args[pos] if len(args) > pos else None)
+
+        return {"cu_seqlens_q": _as_list(arg("cu_seqlens_q", 3)), "cu_seqlens_k": _as_list(arg("cu_seqlens_k", 4)),
+                "max_seqlen_q": _as_int(arg("max_seqlen_q", 5)), "max_seqlen_k": _as_int(arg("max_seqlen_k", 6)),
+                "q_shape": list(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None}
+    if role == DENSE:
+        q = args[0] if args else kwargs.get("q")
+        shape = list(q.shape) if isinstance(q, torch.Tensor) else None
+        return {"q_shape": shape, "max_seqlen_q": shape[1] if shape else None}
+    if role == PAD:
+        return {"out_shape": list(out.shape) if isinstance(out, torch.Tensor) else None}
+    return _seqlens_from_output(out)
+
+
+class FlashCallTracer:
+    """Counts calls into transformers' flash-attention helpers while attached.
+
+    ``counts[role]`` (calls since :meth:`reset`), ``first[role]`` (cu_seqlens / max_seqlen / shapes of the
+    first call of each role, only while ``record`` is true), ``entry`` (the first kernel that ran: ``varlen``
+    or ``dense``). ``attach``/``detach`` nest (a depth count); ``with tracer:`` attaches for the block.
+    """
+
+    def __init__(self, symbols: FlashSymbols | None = None, record: bool = True, module: ModuleType | None = None):
+        self.symbols = symbols if symbols is not None else discover(module)
+        self._module = module
+        self.record = record
+        self.counts: dict[str, int] = dict.fromkeys(ROLES, 0)
+        self.first: dict[str, dict[str, Any]] = {}
+        self.order: list[str] = []
+        self._patches: list[Patch] = []
+        self._depth = 0
+
+    # -- lifecycle
+    def reset(self, record: bool | None = None) -> None:
+        self.counts = dict.fromkeys(ROLES, 0)
+        self.first, self.order = {}, []
+        if record is not None:
+            self.record = record
+
+    @property
+    def attached(self) -> bool:
+        return self._depth > 0
+
+    def attach(self) -> None:
+        with _lock:
+            self._depth += 1
+            if self._depth > 1:
+                return
+            try:
+                mod = self._module if self._module is not None else importlib.import_module(self.symbols.module)
+                lazy_roles = []
+                for role, name in self.symbols.found.items():
+                    if name.startswith(LAZY_IMPORT):
+                        lazy_roles.append(role)
+                    else:
+                        self._patches.append(patch_attribute(mod, name, wrap=functools.partial(self._wrap, role)))
+                if lazy_roles and self.symbols.lazy_import:
+                    factory = functools.partial(self._wrap_lazy, tuple(lazy_roles))
+                    self._patches.append(patch_attribute(mod, self.symbols.lazy_import, wrap=factory))
+            except BaseException:
+                self._depth = 1
+                self.detach()
+                raise
+
+    def detach(self, force: bool = False) -> None:
+        """Undo one :meth:`attach` (all of them with ``force``); originals come back when the last goes."""
+        with _lock:
+            if self._depth == 0:
+                return
+            self._depth = 0 if force else self._depth - 1
+            if self._depth == 0:
+                patches, self._patches = self._patches, []
+                for patch in reversed(patches):
+                    patch.remove()
+
+    def __enter__(self) -> FlashCallTracer:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # -- wrappers
+    def _seen(self, role: str, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.record and role not in self.first:
+            try:
+                self.first[role] = _describe_call(role, args, kwargs, out)
+            except Exception as exc:  # noqa: BLE001 - tracing never breaks the forward
+                self.first[role] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _wrap(self, role: str, inner: Callable) -> Callable:
+        @functools.wraps(inner)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            self.counts[role] += 1
+            if role not in self.order:
+                self.order.append(role)
+            out = inner(*args, **kwargs)
+            self._seen(role, args, kwargs, out)
+            return out
+
+        traced.__foundry_attn_traced__ = role  # type: ignore[attr-defined]
+        return traced
+
+    def _wrap_lazy(self, roles: tuple[str, ...], inner: Callable) -> Callable:
+        """``lazy_import_flash_attention`` -> the same result with its kernels wrapped (cached per kernel)."""
+        cache: dict[int, Callable] = {}
+
+        @functools.wraps(inner)
+        def traced_lazy(*args: Any, **kwargs: Any) -> Any:
+            result = inner(*args, **kwargs)
+            try:
+                kernels, rest = result[0], result[1:]
+                kernels = list(kernels)
+            except (TypeError, IndexError, KeyError):
+                return result
+            for role in roles:
+                i = LAZY_INDEX[role]
+                if i < len(kernels) and callable(kernels[i]) and (role != PAD or len(kernels) == 4):
+                    fn = kernels[i]
+                    if id(fn) not in cache:
+                        cache[id(fn)] = self._wrap(role, fn)
+                    kernels[i] = cache[id(fn)]
+            return (tuple(kernels), *rest)
+
+        return traced_lazy
+
+    # -- results
+    @property
+    def entry(self) -> str | None:
+        """The first flash kernel that ran since :meth:`reset`: ``varlen`` or ``dense`` (None if neither)."""
+        return next((r for r in self.order if r in KERNEL_ROLES), None)
+
+    @property
+    def max_seqlen(self) -> int | None:
+        for role in (self.entry, VARLEN, DENSE, UPAD, POSIDS):
+            if role and role in self.first and self.first[role].get("max_seqlen_q") is not None:
+                return self.first[role]["max_seqlen_q"]
+        return None
+
+    @property
+    def cu_seqlens(self) -> list[int] | None:
+        """cu_seqlens_q of the first varlen call (else of the first unpad / position-id call)."""
+        for role in (VARLEN, UPAD, POSIDS):
+            if self.first.get(role, {}).get("cu_seqlens_q") is not None:
+                return self.first[role]["cu_seqlens_q"]
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "entry": self.entry, "max_seqlen": self.max_seqlen,
+                "cu_seqlens": self.cu_seqlens, "first": {k: dict(v) for k, v in self.first.items()},
+                "symbols": dict(self.symbols.found)}
+
+
+def symbol_label(symbols: FlashSymbols, role: str) -> str:
+    """A short human name for a role in this transformers, e.g. ``_upad_input``."""
+    return symbols.found.get(role) or f"{CANDIDATES[role][0]} (missing)"
+
+
+def iter_traced(module: ModuleType | None = None) -> Iterator[tuple[str, str]]:
+    """``(attribute, role)`` of every currently traced attribute of the flash-attention module (diagnosis)."""
+    mod = module if module is not None else importlib.import_module(FA_UTILS)
+    for name, value in list(vars(mod).items()):
+        role = getattr(value, "__foundry_attn_traced__", None)
+        if role is not None:
+            yield name, role

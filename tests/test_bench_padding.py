@@ -1,0 +1,53 @@
+"""The padding benchmark, untimed: a quick run through the CLI reports every mode, ratio and target.
+
+The numbers themselves belong to ``foundry-attn bench padding --json`` (README), not to a test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from foundry_attn.bench.padding import MODES, TARGETS, PeakLiveBytes, time_round_robin
+from foundry_attn.cli import main
+
+
+def test_quick_bench_reports_modes_ratios_and_targets(capsys) -> None:
+    assert main(["bench", "padding", "--json", "--quick"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"command", "settings", "modes", "ratios", "collator", "correctness", "targets",
+            "all_targets_met"} <= result.keys()
+    assert result["settings"]["quick"] is True
+    assert result["settings"]["real_tokens"] == 1395
+    for mode in MODES:
+        stats = result["modes"][mode]
+        assert stats["tokens_per_s"] > 0 and stats["step_ms"] > 0 and stats["peak_mem_mb"] > 0, mode
+    assert result["modes"]["pack"]["positions"] == 1395
+    assert result["modes"]["pad_max"]["positions"] == 6 * 2048
+    for name in TARGETS:
+        assert result["ratios"][name] > 0
+        assert set(result["targets"][name]) == {"target", "value", "met"}
+    for key in ("flattening_us", "pack_us", "mask_us"):
+        assert result["collator"][key] > 0
+    # a fast but wrong path cannot pass: every loss agrees with mask's, the packing with transformers'
+    assert result["correctness"]["ok"], result["correctness"]
+    assert result["correctness"]["collator_matches_flattening"]
+
+
+def test_peak_live_bytes_counts_new_storages_not_views() -> None:
+    x = torch.ones(1024, 256)  # 1 MiB, allocated before: not counted
+    with PeakLiveBytes() as tracker:
+        y = x.t() + 1  # a view of x (free) and one new 1 MiB tensor
+        z = y * 2  # another 1 MiB
+        del y, z
+    assert tracker.peak == 2 * 2**20
+    assert tracker.live == 0
+
+
+def test_round_robin_spreads_the_slow_variant() -> None:
+    calls: list[str] = []
+    variants = [(name, lambda name=name: calls.append(name) or 0.0) for name in ("a", "slow", "b")]
+    times = time_round_robin(variants, rounds=6, samples={"slow": 2})
+    assert [len(times[n]) for n in ("a", "slow", "b")] == [6, 2, 6]
+    assert calls[:4] == ["a", "b", "b", "a"]  # the order rotates every round; "slow" runs in rounds 2 and 5
