@@ -5,7 +5,10 @@
 
 - ``flash_attention_2``: unpad once into one flat row of real tokens and pass ``cu_seq_lens_q/k`` and
   ``max_length_q/k``; every layer runs ``flash_attn_varlen_func`` with no unpad, re-pad or host sync.
-- ``sdpa`` / ``eager``: a 4-D block-diagonal causal additive mask, built once on the batch's device.
+- ``sdpa``: the same flat row; each document runs its own causal SDPA call (``sdpa_varlen``), so no
+  L x L mask is built and no masked score is computed. Models outside transformers' attention registry,
+  or batches of more than ``MAX_DOCUMENTS`` documents, take the eager path below.
+- ``eager``: a 4-D block-diagonal causal additive mask, built once on the batch's device.
 - ``flex_attention``: a document ``BlockMask`` cached per device and layout (eager flex on CPU).
 
 Core module: torch and transformers only.
@@ -24,6 +27,7 @@ from foundry_attn.layout import Layout
 from foundry_attn.masks import BlockMaskCache, block_causal_additive, eager_flex_attention
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.policy import EAGER, FA2, FLEX, SDPA
+from foundry_attn.sdpa_varlen import BOUNDS_KEY, MAX_DOCUMENTS, document_sdpa, routes_through_attention_interface
 
 _BLOCK_MASKS = BlockMaskCache()
 
@@ -49,16 +53,12 @@ def forward_documents(model: Any, batch: Mapping, block_masks: BlockMaskCache | 
         positions = layout.position_ids(ids.device)
     labels = batch.get("labels")
     if impl == FA2:
-        flat = layout.real_indices(ids.device)
         cu = layout.cu_seq_lens(ids.device)
-        if labels is not None:
-            labels = labels.reshape(-1)[flat][None].clone()
-            labels[0, cu[:-1].long()] = IGNORE_INDEX  # one flat row: no document predicts the next
-        out = model(input_ids=ids.reshape(-1)[flat][None], position_ids=positions.reshape(-1)[flat][None],
-                    labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=layout.max_length,
-                    max_length_k=layout.max_length, use_cache=False)
-        out.foundry_layout = (flat, layout.rows, layout.width)
-        return out
+        return _forward_flat(model, ids, positions, labels, layout, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                             max_length_q=layout.max_length, max_length_k=layout.max_length)
+    if impl == SDPA and len(layout.lengths) <= MAX_DOCUMENTS and routes_through_attention_interface(model):
+        with document_sdpa():
+            return _forward_flat(model, ids, positions, labels, layout, **{BOUNDS_KEY: layout.bounds()})
     if impl == FLEX:
         mask: Any = (block_masks or _BLOCK_MASKS).get(layout, ids.device)
     elif impl in (SDPA, EAGER):
@@ -66,6 +66,22 @@ def forward_documents(model: Any, batch: Mapping, block_masks: BlockMaskCache | 
     else:
         raise ValueError(f"unsupported attention implementation {impl!r}; valid: {FA2}, {FLEX}, {SDPA}, {EAGER}")
     return model(input_ids=ids, position_ids=positions, attention_mask=mask, labels=labels, use_cache=False)
+
+
+def _forward_flat(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout,
+    **attention_kwargs: Any,
+) -> Any:
+    """Unpad once into one flat row of real tokens; ``attention_kwargs`` tell each layer the documents."""
+    flat = layout.real_indices(ids.device)
+    if labels is not None:
+        starts = torch.tensor(layout.bounds()[:-1], device=ids.device)
+        labels = labels.reshape(-1)[flat][None].clone()
+        labels[0, starts] = IGNORE_INDEX  # one flat row: no document predicts the next
+    out = model(input_ids=ids.reshape(-1)[flat][None], position_ids=positions.reshape(-1)[flat][None],
+                labels=labels, use_cache=False, **attention_kwargs)
+    out.foundry_layout = (flat, layout.rows, layout.width)
+    return out
 
 
 def repad_logits(out: Any) -> torch.Tensor:

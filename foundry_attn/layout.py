@@ -10,7 +10,8 @@ Core module: torch only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Mapping
 
 import torch
 
@@ -59,10 +60,13 @@ class Layout:
     def fill_ratio(self) -> float:
         return self.real_tokens / max(1, self.rows * self.width)
 
+    def bounds(self) -> list[int]:
+        """``[0, l0, l0+l1, ...]``: where each document starts and ends in the flat row of real tokens."""
+        return [0, *itertools.accumulate(self.lengths)]
+
     def cu_seq_lens(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """int32 ``[0, l0, l0+l1, ...]`` over the real tokens, as flash-attn varlen wants it."""
-        cu = torch.tensor([0, *self.lengths], dtype=torch.int32).cumsum_(0, dtype=torch.int32)
-        return cu.to(device, non_blocking=True)
+        """``bounds()`` as int32, as flash-attn varlen wants it."""
+        return torch.tensor(self.bounds(), dtype=torch.int32).to(device, non_blocking=True)
 
     def real_indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Flat indices (into ``rows * width``) of the real tokens, in order."""
@@ -94,6 +98,3 @@ class Layout:
     def signature(self) -> tuple:
         return (self.doc_lens, self.width)
 
-
-def flat_doc_lens(doc_lens: Sequence[Sequence[int]]) -> list[int]:
-    return [n for row in doc_lens for n in row]

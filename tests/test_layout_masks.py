@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.layout import Layout, flat_doc_lens
+from foundry_attn.layout import Layout
 from foundry_attn.masks import BlockMaskCache, block_causal_additive, eager_flex_attention
 from foundry_attn.packing import PaddingCollator
 
@@ -46,7 +46,8 @@ def test_from_batch_plain_input_ids() -> None:
 
 
 def test_properties() -> None:
-    assert LAYOUT.rows == 3 and LAYOUT.lengths == [2, 1, 3] == flat_doc_lens(LAYOUT.doc_lens)
+    assert LAYOUT.rows == 3 and LAYOUT.lengths == [2, 1, 3]
+    assert LAYOUT.bounds() == [0, 2, 3, 6]
     assert LAYOUT.real_tokens == 6 and LAYOUT.max_length == 3
     assert LAYOUT.has_padding and LAYOUT.fill_ratio == 0.5
     assert LAYOUT.signature() == (((2, 1), (3,), ()), 4)

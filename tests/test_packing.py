@@ -224,6 +224,60 @@ def test_text_not_split_when_disabled() -> None:
     assert batch["doc_lens"] == [[4]]
 
 
+
+def test_pack_mode_mixed_text_and_finetuning() -> None:
+    """Text examples are split at EOS together; a finetuning example between them keeps its place and labels."""
+    examples = [
+        torch.tensor([5, 6, 0, 7, 0, 0, 0]),  # padded text row: [5 6 0] [7 0]
+        {"input_ids": [9, 0, 3, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX, 3, 0]},  # one document, EOS inside
+        {"input_ids": [4, 0, 8, 8, 0, 0]},  # text: [4 0] [8 8 0]
+    ]
+    batch = PaddingCollator(PAD, EOS, 16, mode="pack")(examples)
+    check_invariants(batch, 16)
+    assert batch["doc_lens"] == [[3, 2, 4, 2, 3]]
+    assert batch["input_ids"].tolist() == [[5, 6, 0, 7, 0, 9, 0, 3, 0, 4, 0, 8, 8, 0]]
+    i = IGNORE_INDEX
+    assert batch["labels"].tolist() == [[i, 6, 0, i, 0, i, i, 3, 0, i, 0, i, 8, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 0, 1, 2]]
+
+
+@pytest.mark.parametrize("mode", ["mask", "pack"])
+def test_input_kinds_give_identical_batches(mode: str) -> None:
+    """Lists, tuples, numpy arrays and tensors of any int dtype collate to the same batch."""
+    np = pytest.importorskip("numpy")
+    text = [[5, 6, 0, 7, 0, 0], [3, 0, 0, 0, 0, 0], [8, 8, 8, 8, 8, 0]]
+    finetune = {"input_ids": [9, 0, 3, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX, 3, 0], "attention_mask": [1] * 4}
+    kinds = [
+        lambda x: x,
+        tuple,
+        np.array,
+        torch.tensor,
+        lambda x: torch.tensor(x, dtype=torch.int32),
+    ]
+    collate = PaddingCollator(PAD, EOS, 8, mode=mode)
+    batches = []
+    for kind in kinds:
+        examples = [{"input_ids": kind(r)} for r in text]
+        examples.append({k: kind(v) for k, v in finetune.items()})
+        examples.append({"input_ids": kind([4, 4, 0, 0]), "attention_mask": kind([1, 1, 1, 0])})
+        batches.append(collate(examples))
+    for batch in batches[1:]:
+        assert batch.keys() == batches[0].keys()
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == torch.long and torch.equal(value, batches[0][key]), key
+            else:
+                assert value == batches[0][key], key
+    check_invariants(batches[0], 8)
+
+
+def test_non_int_and_empty_lists_fall_back_to_torch() -> None:
+    examples = [{"input_ids": [5, 6, 0], "labels": [IGNORE_INDEX, 6.0, 0.0]}, {"input_ids": [], "labels": []}]
+    batch = PaddingCollator(PAD, EOS, 8)(examples)
+    assert batch["doc_lens"] == [[3], []]
+    assert batch["labels"].dtype == torch.long
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, 6, 0], [IGNORE_INDEX] * 3]
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
 """Padding benchmark: what padding costs a training step, and what masking and packing win back.
 
-    foundry-attn bench padding --json            # the README numbers: CPU, SDPA, about 1-2 minutes on 2 cores
-    foundry-attn bench padding --json --quick    # smoke run: 1 layer, small vocab, 1 timed step per mode
+    foundry-attn bench padding --json            # the README numbers: CPU, SDPA, about 80 s on 2 quiet cores
+    foundry-attn bench padding --json --quick    # smoke run: a toy model, 1 timed step per mode
     python -m foundry_attn.bench.padding --json --device cuda   # GPU: bf16, plus FA2 when flash-attn imports
+    python -m foundry_attn.bench.padding --json --threads 1     # a shared box: see ``parallelism`` below
 
 Workload (issue #3, the blog's batch): six documents of 220, 217, 295, 183, 130 and 350 tokens (1395 real
 tokens) at ``max_seq_len`` 2048. Tokens are seeded random ids; every document ends with EOS and pad == EOS,
@@ -27,7 +28,10 @@ A step is forward + backward (no optimizer); grads are set to None between steps
 (1395 in every mode) / median step time. Every mode first runs untimed warm-up steps; then the modes are timed
 round-robin with the order rotated each round and Python's GC off inside a step, so load from other processes
 falls on all modes alike (``pad_max``, nine times the work, is timed in fewer rounds, spread evenly).
-Ratios are throughput ratios from the same run: ``pack_vs_X`` = pack tokens/s / X tokens/s.
+Ratios are throughput ratios from the same run: ``pack_vs_X`` = pack tokens/s / X tokens/s. Per mode the
+report also gives ``min_step_ms`` and ``parallelism`` (process CPU time / wall time): on a quiet machine it is
+close to the thread count; near 1 with 2 threads, other processes held the cores and the step times measure
+the scheduler rather than the work (rerun when quiet, or with ``--threads 1``, whose ratios stay meaningful).
 
 Peak memory (``peak_mem_mb``): bytes allocated above the resting state (weights, batch) at the step's peak:
 activations, gradients, temporaries. CUDA: ``torch.cuda.max_memory_allocated()`` minus the allocation before
