@@ -3,7 +3,7 @@
     foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
                         [--attn-strict] [--model-config ./build/tiny/tiny-llama]
     foundry-attn assets build/tiny
-    foundry-attn bench padding --json
+    foundry-attn bench padding --json [--device cuda] [--threads 1]
     foundry-attn bench callbacks --json
 """
 
@@ -61,11 +61,18 @@ def assets(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.which == "padding":
         from foundry_attn.bench.padding import run
+
+        result = run(quick=args.quick, device=args.device)
     else:
         from foundry_attn.bench.callbacks import run
-    result = run(quick=args.quick)
+
+        result = run(quick=args.quick)
     print(json.dumps(result, indent=2) if args.json else result)
     return 0
 
@@ -89,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("which", choices=("padding", "callbacks"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the README)")
+    p.add_argument("--device", default=None, help="padding: cpu or cuda (default: cuda when present)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
