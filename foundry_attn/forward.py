@@ -7,7 +7,7 @@
   ``max_length_q/k``; every layer runs ``flash_attn_varlen_func`` with no unpad, re-pad or host sync.
 - ``sdpa``: the same flat row; each document runs its own causal SDPA call (``sdpa_varlen``), so no
   L x L mask is built and no masked score is computed. Models outside transformers' attention registry,
-  or batches of more than ``MAX_DOCUMENTS`` documents, take the eager path below.
+  or batches of more than ``MAX_DOCUMENTS`` documents, get eager's 4-D mask instead.
 - ``eager``: a 4-D block-diagonal causal additive mask, built once on the batch's device.
 - ``flex_attention``: a document ``BlockMask`` cached per device and layout (eager flex on CPU).
 

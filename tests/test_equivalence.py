@@ -113,3 +113,12 @@ def test_stock_sdpa_contaminates_packed_documents() -> None:
         stock = MODELS["sdpa"](input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     want, _ = _alone(docs[1])
     assert (stock[0, 6:15] - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["mask", "pack"])
+def test_sdpa_with_the_4d_mask_matches_too(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_DOCUMENTS (or outside transformers' attention registry) SDPA takes the 4-D mask: same bar."""
+    import foundry_attn.forward
+
+    monkeypatch.setattr(foundry_attn.forward, "MAX_DOCUMENTS", 0)
+    check_equivalent("sdpa", mode, CASES["mixed"][0], empty_rows=1)
