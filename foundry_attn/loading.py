@@ -56,14 +56,14 @@ def model_class_for(config: PretrainedConfig) -> type:
 
 def transformers_load_check(model_class: type, config: PretrainedConfig, name: str, dtype: torch.dtype) -> str | None:
     """Run transformers' own load-time validation for ``name``; the error text, or None when it passes."""
-    config = copy.deepcopy(config)
+    checks = {FA2: ("_check_and_enable_flash_attn_2", {"torch_dtype": dtype}),
+              SDPA: ("_check_and_enable_sdpa", {}), FLEX: ("_check_and_enable_flex_attn", {})}
+    method, kwargs = checks.get(name, ("", {}))
+    check = getattr(model_class, method, None) if method else None
+    if check is None:  # eager, or a transformers release without this private check: our checks stand
+        return None
     try:
-        if name == FA2:
-            model_class._check_and_enable_flash_attn_2(config, torch_dtype=dtype, hard_check_only=True)
-        elif name == SDPA:
-            model_class._check_and_enable_sdpa(config, hard_check_only=True)
-        elif name == FLEX:
-            model_class._check_and_enable_flex_attn(config, hard_check_only=True)
+        check(copy.deepcopy(config), hard_check_only=True, **kwargs)
     except (ValueError, ImportError) as exc:
         return f"transformers refused it at load: {exc}"
     return None

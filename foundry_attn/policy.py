@@ -43,8 +43,14 @@ class ModelTraits:
 
     @classmethod
     def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
-        flags = {FA2: "_supports_flash_attn_2", FLEX: "_supports_flex_attn", SDPA: "_supports_sdpa"}
-        supports = {EAGER} | {impl for impl, flag in flags.items() if getattr(model_class, flag, False)}
+        flags = {  # transformers 4.51 names first; later releases renamed the FA2 flag
+            FA2: ("_supports_flash_attn_2", "_supports_flash_attn"),
+            FLEX: ("_supports_flex_attn",),
+            SDPA: ("_supports_sdpa",),
+        }
+        supports = {EAGER} | {
+            impl for impl, names in flags.items() if any(getattr(model_class, n, False) for n in names)
+        }
         return cls(model_class.__name__, head_dim_of(config) if config is not None else None, frozenset(supports))
 
 

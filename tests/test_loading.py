@@ -1,0 +1,49 @@
+"""From a model folder to a decision: class traits, compute dtype and transformers' own load checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from foundry_attn.capability import probe
+from foundry_attn.loading import decide, model_class_for, resolve_compute_dtype, transformers_load_check
+
+
+def test_transformers_load_check_catches_its_own_errors() -> None:
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+    assert transformers_load_check(LlamaForCausalLM, config, "sdpa", torch.float32) is None
+    assert transformers_load_check(LlamaForCausalLM, config, "eager", torch.float32) is None
+    error = transformers_load_check(LlamaForCausalLM, config, "flash_attention_2", torch.bfloat16)
+    assert error and "transformers refused it at load" in error and "flash_attn" in error
+
+    class NoFlash(LlamaForCausalLM):
+        _supports_flash_attn_2 = False
+
+    assert "does not support Flash Attention" in transformers_load_check(NoFlash, config, "flash_attention_2",
+                                                                         torch.bfloat16)
+
+
+def test_compute_dtype_on_cpu_and_bad_names() -> None:
+    cap = probe()
+    assert resolve_compute_dtype("auto", cap) == torch.float32
+    assert resolve_compute_dtype("bf16", cap) == torch.bfloat16
+    with pytest.raises(ValueError, match="valid values: auto, bf16, fp16, fp32"):
+        resolve_compute_dtype("float8", cap)
+
+
+def test_decide_reads_the_model_folder(assets: Path) -> None:
+    decision = decide(str(assets / "tiny-llama"), config_overrides={"head_dim": 512})
+    assert decision.chosen == "sdpa"
+    assert model_class_for(LlamaConfig()) is LlamaForCausalLM
+    smol = decide(str(assets / "smollm2-135m"), "flash_attention_2")
+    assert (smol.requested, smol.chosen, smol.candidates[0].check) == ("flash_attention_2", "sdpa",
+                                                                       "flash-attn installed")
+
+
+def test_reference_kernel_is_explicit_and_strict_accepts_it(assets: Path) -> None:
+    decision = decide(str(assets / "tiny-llama"), "flash_attention_2", strict=True, fa2_reference=True)
+    assert decision.chosen == "flash_attention_2" and "not flash-attn" in decision.reason
+    assert decide(str(assets / "tiny-llama")).chosen == "sdpa"  # never chosen without the opt-in
