@@ -29,14 +29,12 @@ demo: $(ASSETS)/.done
 	$(BIN)/composer train.py yamls/tiny_cpu.yaml
 	@echo "=== second run: FA2 code path on the pure-PyTorch REFERENCE kernel (not flash-attn) ==="
 	$(BIN)/composer train.py yamls/tiny_cpu.yaml model.attn_implementation=flash_attention_2 \
-		model.fa2_reference_kernel=true max_duration=10ba eval_interval=10ba run_name=tiny-cpu-fa2-reference \
-		model.events_dir=./runs/tiny-cpu-fa2-reference/attn_events
+		model.fa2_reference_kernel=true max_duration=10ba eval_interval=10ba run_name=tiny-cpu-fa2-reference
 
 ## the same run through transformers' FA2 code path on the pure-PyTorch *reference* kernel (not flash-attn)
 demo-fa2-reference: $(ASSETS)/.done
 	$(BIN)/composer train.py yamls/tiny_cpu.yaml model.attn_implementation=flash_attention_2 \
-		model.fa2_reference_kernel=true run_name=tiny-cpu-fa2-reference \
-		model.events_dir=./runs/tiny-cpu-fa2-reference/attn_events
+		model.fa2_reference_kernel=true run_name=tiny-cpu-fa2-reference
 
 ## the public report, on CPU: 6 rows x 2048 (real 220,217,295,183,130,350) through the stock HF FA2 path
 ## (_upad_input in every layer) and our unpad-once path (none; the same cu_seqlens reach the varlen kernel)

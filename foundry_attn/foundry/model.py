@@ -8,7 +8,7 @@
       attn_fallback: [flash_attention_2, sdpa, eager]
       attn_strict: false                   # true: fail if the request cannot run, naming the check
       attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
-      events_dir: null                     # default ./<run_name>/attn_events
+      events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR or ./$RUN_NAME/attn_events
       fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
     callbacks:
       attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
