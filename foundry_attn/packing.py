@@ -238,7 +238,3 @@ class PaddingCollator:
             batch["attention_mask"] = (positions[None, :] < torch.tensor(total)[:, None]).long()
         return batch
 
-
-def fill_ratio(batch: Mapping) -> float:
-    """Real tokens / positions of a collated batch."""
-    return sum(batch["total_tokens"]) / max(1, batch["input_ids"].numel())

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from foundry_attn.packing import IGNORE_INDEX, PaddingCollator, fill_ratio, split_at_eos, true_lengths
+from foundry_attn.layout import Layout
+from foundry_attn.packing import IGNORE_INDEX, PaddingCollator, split_at_eos, true_lengths
 
 EOS = PAD = 0  # the test tokenizer's choice: pad == EOS
 
@@ -77,7 +78,7 @@ def test_mask_mode_with_tokenizer_pad_eq_eos(tokenizer) -> None:
     assert batch["labels"][1].tolist() == [IGNORE_INDEX, docs[1][1], EOS] + [IGNORE_INDEX] * 4
     assert (batch["labels"][2] == IGNORE_INDEX).all()
     assert batch["total_tokens"] == [7, 3, 0] and batch["loss_generating_tokens"] == [6, 2, 0]
-    assert fill_ratio(batch) == pytest.approx(10 / 21)
+    assert Layout.from_batch(batch).fill_ratio == pytest.approx(10 / 21)
 
 
 def test_mask_mode_pad_differs_from_eos() -> None:

@@ -46,7 +46,6 @@ from foundry_attn.policy import (
 )
 
 log = logging.getLogger(__name__)
-_PACKING_KEYS = ("doc_lens", "total_tokens", "loss_generating_tokens")
 
 
 class FoundryAttnCausalLM(ComposerHFCausalLM):
@@ -114,9 +113,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self.attn_events.append("attn_impl", **info)
         gathered = dist.all_gather_object({"rank": rank, "device_name": cap.device_name, "sm": cap.sm, **info})
         if rank == 0:
-            line = summarize(gathered)
-            log.warning(line)
-            print(line, flush=True)
+            log.warning(summarize(gathered))
 
     # ---- forward ------------------------------------------------------------------------------------
     @property
@@ -147,7 +144,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         with kernel_context(self.attn_implementation, device, self._fa2_reference):
             if has_layout(batch):
                 return forward_documents(self.model, batch, self._block_masks)
-            return super().forward({k: v for k, v in batch.items() if k not in _PACKING_KEYS})
+            return super().forward(batch)  # Composer passes on only the keys the HF forward names
 
     def eval_forward(self, batch: Mapping, outputs: Any | None = None) -> Any:
         """Metrics need ``[batch, seq, vocab]`` logits: re-pad a flat FA2 output, once, only here."""
