@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.flash_symbols import Patch, patch_attribute
+from foundry_attn.patching import Patch, patch_attribute
 
 REFERENCE_NAME = "fa2-reference (pure PyTorch, not flash-attn)"
 
@@ -157,7 +157,7 @@ def reference_flash_attn() -> Iterator[None]:
 
     Patches the module globals of ``transformers.modeling_flash_attention_utils`` (which it reads at
     call time) and makes ``is_flash_attn_2_available`` answer True. The patches are replacement layers
-    (``foundry_attn.flash_symbols.patch_attribute``): they sit *beneath* any tracer wrapper (``upad_tracer``),
+    (``foundry_attn.patching``): they sit *beneath* any tracer wrapper (``upad_tracer``),
     so a tracer attached before or after still counts the calls, and contexts and tracers may close in
     any order. Nests with itself.
     """

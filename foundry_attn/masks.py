@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from foundry_attn.layout import Layout
+from foundry_attn.patching import patch_attribute
 
 
 def block_causal_additive(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,9 +69,8 @@ def _eager_flex(query, key, value, training=False, **kwargs):  # noqa: ANN001 - 
 def eager_flex_attention() -> Iterator[None]:
     """Run transformers' flex path uncompiled (the only dependable flex on CPU in torch 2.7)."""
     module = importlib.import_module("transformers.integrations.flex_attention")
-    original = module.compile_friendly_flex_attention
-    module.compile_friendly_flex_attention = _eager_flex
+    patch = patch_attribute(module, "compile_friendly_flex_attention", replace=_eager_flex)
     try:
         yield
     finally:
-        module.compile_friendly_flex_attention = original
+        patch.remove()

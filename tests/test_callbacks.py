@@ -12,7 +12,8 @@ import torch
 
 from foundry_attn import flash_symbols as fs
 from foundry_attn.fa2_reference import reference_flash_attn
-from foundry_attn.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN, FlashCallTracer, discover, patch_attribute
+from foundry_attn.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN, FlashCallTracer, discover
+from foundry_attn.patching import patch_attribute
 
 FA_MODULES = ("transformers.modeling_flash_attention_utils", "transformers.modeling_utils", "transformers.utils",
               "transformers.utils.import_utils")

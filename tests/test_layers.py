@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CORE = ["capability", "policy", "loading", "packing", "layout", "masks", "forward", "sdpa_varlen",
+CORE = ["capability", "policy", "loading", "packing", "layout", "masks", "forward", "sdpa_varlen", "patching",
         "fa2_reference", "flash_symbols", "events", "cli"]
 
 

@@ -16,7 +16,7 @@ It also records cu_seqlens_q/k and max_seqlen_q/k of the first call and which en
 
 The wrappers are installed when the model's forward starts and removed when it ends, even when it
 raises (an ``always_call`` forward hook), and again at ``BATCH_END``, ``FIT_END`` and ``close``. They are
-layers (``foundry_attn.flash_symbols.patch_attribute``), so two tracers, and the FA2 reference kernel
+layers (``foundry_attn.patching``), so two tracers, and the FA2 reference kernel
 context that our model enters per forward, nest in any order. Calls recomputed by activation
 checkpointing during backward are not counted. A symbol missing from the installed transformers is
 reported once (which, which version) and training goes on; a run whose implementation is not flash
