@@ -15,21 +15,16 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundry_attn.callbacks.common import foundry_model
 from foundry_attn.policy import summarize
 
 
-def find_decision(model: Any) -> Any:
-    """The ``Decision`` of a ``foundry_attn_causal_lm``, through DDP/FSDP wrappers; None for other models."""
-    for module in (model, getattr(model, "module", None)):
-        if module is not None and getattr(module, "attn_decision", None) is not None:
-            return module.attn_decision
-    return None
-
-
 def decision_hparams(model: Any) -> dict[str, Any]:
-    decision = find_decision(model)
-    if decision is None:
+    """``attn/*`` hyperparameters of a ``foundry_attn_causal_lm`` (through DDP); empty for other models."""
+    ours = foundry_model(model)
+    if ours is None:
         return {}
+    decision = ours.attn_decision
     return {"attn/requested": decision.requested, "attn/chosen": decision.chosen,
             "attn/fallback": decision.fallback, "attn/reason": decision.reason,
             "attn/compute_dtype": decision.compute_dtype}

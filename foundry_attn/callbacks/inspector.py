@@ -38,66 +38,29 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from composer.core import Callback, State
+from composer.core import State
 from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
-from foundry_attn.events import EventLog, default_events_dir
+from foundry_attn.callbacks.common import (
+    ReleasingCallback,
+    attn_implementation,
+    check_log_interval,
+    clean_name,
+    find_hf_model,
+    open_event_log,
+    say_once,
+)
+from foundry_attn.events import EventLog
 
 log = logging.getLogger(__name__)
 
 MODEL, LAYER, ATTENTION = "model", "layer", "attention"
-_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
 
 
 # ---- model discovery (torch only) ------------------------------------------------------------------------
-
-
-def check_log_interval(owner: str, log_interval: Any) -> int:
-    """``log_interval`` must be an integer >= 1 (batches)."""
-    if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 1:
-        raise ValueError(f"{owner}: log_interval must be an integer >= 1 (batches between samples; the first "
-                         f"batch is always sampled), got {log_interval!r}")
-    return log_interval
-
-
-def clean_name(name: str) -> str:
-    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
-    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
-    return ".".join(parts)
-
-
-def open_event_log(state: State, events_dir: str | None) -> EventLog:
-    """The callback's event log: ``events_dir`` if set, else the registered model's own events folder
-    (``foundry_attn_causal_lm``'s ``events_dir``), else ``default_events_dir(run_name)``."""
-    composer_model = getattr(state.model, "module", state.model)
-    model_log = getattr(composer_model, "attn_events", None)
-    directory = events_dir or getattr(model_log, "directory", None) or default_events_dir(state.run_name)
-    return EventLog(directory, dist.get_global_rank(), getattr(composer_model, "attn_capability", None))
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(module, PreTrainedModel)
-
-
-def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers)."""
-    for name, module in model.named_modules():
-        if _is_hf_model(module):
-            return clean_name(name), module
-    return None
-
-
-def attn_implementation(module: nn.Module | None) -> str | None:
-    """``config._attn_implementation`` of a Hugging Face model, or None."""
-    config = getattr(module, "config", None)
-    return getattr(config, "_attn_implementation", None)
 
 
 @dataclasses.dataclass
@@ -434,7 +397,7 @@ def format_table(records: list[dict[str, Any]], title: str = "attention_inspecto
 # ---- the Composer callback -------------------------------------------------------------------------------
 
 
-class AttentionInspector(Callback):
+class AttentionInspector(ReleasingCallback):
     """Inspect attention masks, fill and packing on sampled batches (see the module docstring for YAML)."""
 
     def __init__(
@@ -465,11 +428,7 @@ class AttentionInspector(Callback):
 
     # -- helpers
     def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message)
-            if dist.get_global_rank() == 0:
-                print(message, flush=True)
+        say_once(self._warned, key, message)
 
     def _resolve(self, state: State) -> ModelInspector | None:
         if self._inspector is not None and self._model_id == id(state.model):
@@ -494,7 +453,7 @@ class AttentionInspector(Callback):
         self._inspector, self._model_id = inspector, id(state.model)
         return inspector
 
-    def _disarm(self) -> None:
+    def release(self) -> None:
         if self._inspector is not None:
             self._inspector.disarm()
 
@@ -507,7 +466,7 @@ class AttentionInspector(Callback):
     def batch_start(self, state: State, logger: Logger) -> None:
         self._step = int(state.timestamp.batch)
         self._sampled = self._step % self.log_interval == 0
-        self._disarm()
+        self.release()
 
     def before_forward(self, state: State, logger: Logger) -> None:
         if not self._sampled:
@@ -519,10 +478,10 @@ class AttentionInspector(Callback):
             inspector.arm(self._batch)
 
     def after_forward(self, state: State, logger: Logger) -> None:
-        self._disarm()
+        self.release()
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        self._disarm()
+        self.release()
         inspector = self._inspector
         if inspector is None or not inspector.records:
             return
@@ -546,12 +505,3 @@ class AttentionInspector(Callback):
             table = format_table(records, title)
             log.info("\n%s", table)
             print(table, flush=True)
-
-    def fit_end(self, state: State, logger: Logger) -> None:
-        self._disarm()
-
-    def close(self, state: State, logger: Logger) -> None:
-        self._disarm()
-
-    def post_close(self) -> None:
-        self._disarm()

@@ -25,15 +25,22 @@ attention is told once that there is nothing to trace.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from composer.core import Callback, State
+from composer.core import State
 from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
-from foundry_attn.callbacks.inspector import attn_implementation, check_log_interval, find_hf_model, open_event_log
+from foundry_attn.callbacks.common import (
+    ReleasingCallback,
+    attn_implementation,
+    check_log_interval,
+    find_hf_model,
+    foundry_model,
+    open_event_log,
+    say_once,
+)
 from foundry_attn.events import EventLog
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_symbols import (
@@ -48,8 +55,6 @@ from foundry_attn.flash_symbols import (
     discover,
     symbol_label,
 )
-
-log = logging.getLogger(__name__)
 
 
 def is_flash(impl: str | None) -> bool:
@@ -68,10 +73,10 @@ def short_list(values: list[int] | None, keep: int = 8) -> str:
 
 def uses_reference_kernel(model: nn.Module) -> bool:
     """Our registered model running FA2 on the pure-PyTorch reference kernel (through DDP)."""
-    return any(bool(getattr(m, "_fa2_reference", False)) for m in (model, getattr(model, "module", None)) if m)
+    return bool(getattr(foundry_model(model), "_fa2_reference", False))
 
 
-class UpadTracer(Callback):
+class UpadTracer(ReleasingCallback):
     """Count flash-attention unpad / varlen / dense calls per sampled step (see the module docstring for YAML)."""
 
     def __init__(self, log_interval: int = 50, events_dir: str | None = None, print_counts: bool = True) -> None:
@@ -94,13 +99,7 @@ class UpadTracer(Callback):
 
     # -- helpers
     def _say_once(self, key: str, message: str, **event: Any) -> None:
-        if key in self._said:
-            return
-        self._said.add(key)
-        log.warning(message)
-        if dist.get_global_rank() == 0:
-            print(message, flush=True)
-        if self.events is not None:
+        if say_once(self._said, key, message) and self.events is not None:
             self.events.append(key, message=message, **event)
 
     def _resolve(self, state: State) -> None:
@@ -140,7 +139,7 @@ class UpadTracer(Callback):
         if self.tracer is not None:
             self.tracer.detach()
 
-    def _unhook(self) -> None:
+    def release(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -154,7 +153,7 @@ class UpadTracer(Callback):
         self._resolve(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        self._unhook()
+        self.release()
         self._step = int(state.timestamp.batch)
         if self._step % self.log_interval:
             return
@@ -169,7 +168,7 @@ class UpadTracer(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         traced = bool(self._handles)
-        self._unhook()
+        self.release()
         if not traced or self.tracer is None:
             return
         tracer = self.tracer
@@ -191,12 +190,3 @@ class UpadTracer(Callback):
             self._said.add("kernel_note")
             print(f"upad_tracer: batch {self._step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
                   f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen}{note}", flush=True)
-
-    def fit_end(self, state: State, logger: Logger) -> None:
-        self._unhook()
-
-    def close(self, state: State, logger: Logger) -> None:
-        self._unhook()
-
-    def post_close(self) -> None:
-        self._unhook()
