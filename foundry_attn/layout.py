@@ -10,6 +10,7 @@ Core module: torch only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping
 
@@ -39,7 +40,7 @@ class Layout:
     def rows(self) -> int:
         return len(self.doc_lens)
 
-    @property
+    @functools.cached_property  # read by every derived quantity below; the layout is frozen
     def lengths(self) -> list[int]:
         """All document lengths, row after row."""
         return [n for row in self.doc_lens for n in row]
