@@ -1,16 +1,17 @@
 """One forward of a HF causal LM that honours document boundaries under every backend.
 
-    out = forward_documents(hf_model, batch)        # batch from foundry_attn.packing
+    attach(hf_model, "sdpa")                        # once: foundry_attn.adapters
+    out = forward_documents(hf_model, batch)        # batch from foundry_attn.packing, or any 2-D mask
     logits = repad_logits(out)                      # [rows, width, vocab], only if you need them
 
-- ``flash_attention_2``: unpad once into one flat row of real tokens and pass ``cu_seq_lens_q/k`` and
-  ``max_length_q/k``; every layer runs ``flash_attn_varlen_func`` with no unpad, re-pad or host sync.
-- ``sdpa``: the same flat row; each document runs its own causal SDPA call (``sdpa_varlen``), so no
-  L x L mask is built and no masked score is computed. Models outside transformers' attention registry,
-  or batches of more than ``MAX_DOCUMENTS`` documents, get eager's 4-D mask instead.
-- ``eager``: a 4-D block-diagonal causal additive mask, built once on the batch's device.
-- ``flex_attention``: a document ``BlockMask`` cached per device and layout (eager flex on CPU).
+The batch is unpadded once into one flat row of real tokens. Every attention call of the model then
+carries the documents as an argument (``foundry_documents``) to our function for its backend
+(``foundry_attn.adapters``): FA2 varlen with ``cu_seq_lens``, one causal SDPA call per document, eager
+math per document, or one flex call with a document ``BlockMask``. No L x L mask is built: the model's own
+mask code gets a zero-stride 4-D placeholder, which it passes through unchanged.
 
+A model whose base ``forward`` passes nothing on to attention (GPT-2 in transformers 4.51) keeps its
+stock backend and runs one document per row, right-padded, with a 2-D mask: exact, at the cost of padding.
 Core module: torch and transformers only.
 """
 
@@ -22,84 +23,102 @@ from typing import Any
 
 import torch
 
+from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.layout import Layout
-from foundry_attn.masks import BlockMaskCache, block_causal_additive, eager_flex_attention
 from foundry_attn.packing import IGNORE_INDEX
-from foundry_attn.policy import EAGER, FA2, FLEX, SDPA
-from foundry_attn.sdpa_varlen import BOUNDS_KEY, MAX_DOCUMENTS, document_sdpa, routes_through_attention_interface
-
-_BLOCK_MASKS = BlockMaskCache()
+from foundry_attn.policy import FA2
 
 
 def kernel_context(impl: str, device: torch.device, fa2_reference: bool = False) -> contextlib.AbstractContextManager:
-    """The patch a backend needs around its forward: the FA2 reference kernel, or eager flex on CPU."""
+    """The FA2 reference kernel around a block that runs transformers' *stock* FA2 code (CPU stand-in).
+
+    Models attached with ``attach(model, "flash_attention_2", fa2_reference=True)`` need no context: their
+    attention function installs the reference kernel for each call itself.
+    """
     if impl == FA2 and fa2_reference:
         return reference_flash_attn()
-    if impl == FLEX and device.type == "cpu":
-        return eager_flex_attention()
     return contextlib.nullcontext()
 
 
-def forward_documents(model: Any, batch: Mapping, block_masks: BlockMaskCache | None = None) -> Any:
+def forward_documents(model: Any, batch: Mapping) -> Any:
     """Run ``model`` (a HF causal LM) on ``batch`` so that no document sees another."""
     ids = batch["input_ids"]
     layout = Layout.from_batch(batch)
     if layout.real_tokens == 0:
         raise ValueError("empty batch: no real tokens (every row is padding)")
-    impl = model.config._attn_implementation
     positions = batch.get("position_ids")
-    if positions is None:
-        positions = layout.position_ids(ids.device)
+    if positions is None:  # ours restart per document; a user's mask keeps HF's default (index in the row)
+        positions = (layout.position_ids(ids.device) if batch.get("doc_lens") is not None
+                     else torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
     labels = batch.get("labels")
-    if impl == FA2:
-        cu = layout.cu_seq_lens(ids.device)
-        return _forward_flat(model, ids, positions, labels, layout, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                             max_length_q=layout.max_length, max_length_k=layout.max_length)
-    if impl == SDPA and len(layout.lengths) <= MAX_DOCUMENTS and routes_through_attention_interface(model):
-        with document_sdpa():
-            return _forward_flat(model, ids, positions, labels, layout, **{BOUNDS_KEY: layout.bounds()})
-    if impl == FLEX:
-        mask: Any = (block_masks or _BLOCK_MASKS).get(layout, ids.device)
-    elif impl in (SDPA, EAGER):
-        mask = block_causal_additive(layout.segment_ids(ids.device), model.dtype)
-    else:
-        raise ValueError(f"unsupported attention implementation {impl!r}; valid: {FA2}, {FLEX}, {SDPA}, {EAGER}")
-    return model(input_ids=ids, position_ids=positions, attention_mask=mask, labels=labels, use_cache=False)
+    if model.config._attn_implementation in REGISTERED:
+        return _forward_flat(model, ids, positions, labels, layout)
+    return _forward_rows(model, ids, positions, labels, layout)
 
 
-def _forward_flat(
-    model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout,
-    **attention_kwargs: Any,
-) -> Any:
-    """Unpad once into one flat row of real tokens; ``attention_kwargs`` tell each layer the documents."""
+def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[int]) -> torch.Tensor | None:
+    if labels is None:
+        return None
+    labels = labels.reshape(-1)[flat][None].clone()
+    labels[0, torch.tensor(starts, device=labels.device)] = IGNORE_INDEX  # no document predicts the next
+    return labels
+
+
+def _forward_flat(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
+                  layout: Layout) -> Any:
+    """Unpad once into one flat row of real tokens; every attention call gets the documents."""
     flat = layout.real_indices(ids.device)
-    if labels is not None:
-        starts = torch.tensor(layout.bounds()[:-1], device=ids.device)
-        labels = labels.reshape(-1)[flat][None].clone()
-        labels[0, starts] = IGNORE_INDEX  # one flat row: no document predicts the next
+    docs = Documents(tuple(layout.bounds()))
+    total = docs.bounds[-1]
+    placeholder = torch.zeros((), dtype=model.dtype, device=ids.device).expand(1, 1, total, total)
     out = model(input_ids=ids.reshape(-1)[flat][None], position_ids=positions.reshape(-1)[flat][None],
-                labels=labels, use_cache=False, **attention_kwargs)
-    out.foundry_layout = (flat, layout.rows, layout.width)
+                attention_mask=placeholder, labels=_flat_labels(labels, flat, list(docs.bounds[:-1])),
+                use_cache=False, **{DOCS_KEY: docs})
+    out.foundry_layout = (torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
+    return out
+
+
+def _forward_rows(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
+                  layout: Layout) -> Any:
+    """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
+    flat = layout.real_indices(ids.device)
+    lengths = layout.lengths
+    width = max(lengths)
+    dst = torch.cat([torch.arange(d * width, d * width + n) for d, n in enumerate(lengths)]).to(ids.device)
+    rows = len(lengths)
+
+    def scatter(values: torch.Tensor, fill: int) -> torch.Tensor:
+        out = values.new_full((rows * width,), fill)
+        out[dst] = values.reshape(-1)[flat]
+        return out.view(rows, width)
+
+    mask = scatter(torch.ones_like(ids), 0)
+    pos = scatter(positions, 0)
+    row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
+    if row_labels is not None:
+        row_labels[:, 0] = IGNORE_INDEX
+    out = model(input_ids=scatter(ids, 0), position_ids=pos, attention_mask=mask, labels=row_labels, use_cache=False)
+    out.foundry_layout = (dst, flat, layout.rows, layout.width)
     return out
 
 
 def repad_logits(out: Any) -> torch.Tensor:
-    """``[rows, width, vocab]`` logits; a flat FA2 output is scattered back once (zeros at padding)."""
+    """``[rows, width, vocab]`` logits of the original batch (zeros at padding), scattered back once."""
     packed = getattr(out, "foundry_layout", None)
     if packed is None:
         return out.logits
-    flat, rows, width = packed
-    logits = out.logits[0]
+    src, dst, rows, width = packed
+    logits = out.logits.reshape(-1, out.logits.shape[-1])
     padded = logits.new_zeros(rows * width, logits.shape[-1])
-    padded[flat] = logits
+    padded[dst] = logits[src]
     out.logits = padded.view(rows, width, -1)
     out.foundry_layout = None
     return out.logits
 
 
 def has_layout(batch: Mapping) -> bool:
-    """A batch to lay out ourselves: ours (``doc_lens``), or any with a 2-D right-padding mask."""
+    """A batch to lay out ourselves: ours (``doc_lens``), or any with a 2-D mask (either padding side)."""
     if batch.get("mode") is not None:  # ICL / generation batches keep the stock path
         return False
     mask = batch.get("attention_mask")

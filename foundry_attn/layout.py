@@ -1,7 +1,8 @@
 """Where the documents of a batch are: built once per (micro)batch on the host, no device sync.
 
 A batch from ``foundry_attn.packing`` carries ``doc_lens`` (per row, its documents' lengths, real
-tokens first and padding after). From that alone this module derives everything each attention
+tokens first and padding after); a user's 2-D ``attention_mask`` may pad on either side
+(``starts``). From that alone this module derives everything each attention
 backend needs: ``cu_seq_lens`` (int32) and ``max_length`` (a Python int) for FA2 varlen, the flat
 indices of real tokens for unpad-once, and per-position segment ids for block masks.
 Core module: torch only.
@@ -23,22 +24,41 @@ class Layout:
 
     doc_lens: tuple[tuple[int, ...], ...]
     width: int
+    starts: tuple[int, ...] = ()  # per row, where its first real token sits (left padding); empty: all 0
 
     @classmethod
     def from_batch(cls, batch: Mapping) -> Layout:
-        """From ``doc_lens``; else from a right-padded ``attention_mask`` (one host sync); else full rows."""
+        """From ``doc_lens``; else from a 2-D ``attention_mask`` (one host sync); else full rows.
+
+        A mask row must be one contiguous run of ones (right, left or both sides padded); a row with gaps
+        is refused, never misread.
+        """
         ids = batch["input_ids"]
         rows, width = ids.shape
         if batch.get("doc_lens") is not None:
             return cls(tuple(tuple(int(n) for n in row) for row in batch["doc_lens"]), width)
         mask = batch.get("attention_mask")
-        if mask is not None and mask.dim() == 2:
-            return cls(tuple((n,) if n else () for n in mask.sum(-1).tolist()), width)
-        return cls(((width,),) * rows, width)
+        if mask is None or mask.dim() != 2:
+            return cls(((width,),) * rows, width)
+        real = mask.bool()
+        pos = torch.arange(width, device=mask.device)
+        first = torch.where(real, pos, width).amin(-1)
+        last = torch.where(real, pos, -1).amax(-1)
+        count = real.sum(-1)
+        first, last, count = (t.tolist() for t in (first, last, count))
+        gaps = [r for r in range(rows) if count[r] and last[r] - first[r] + 1 != count[r]]
+        if gaps:
+            raise ValueError(f"attention_mask rows {gaps[:8]} have gaps (more than one run of real tokens); "
+                             "foundry_attn takes one contiguous run per row (right or left padding), or doc_lens")
+        return cls(tuple((n,) if n else () for n in count), width,
+                   tuple(f if n else 0 for f, n in zip(first, count, strict=True)))
 
     @property
     def rows(self) -> int:
         return len(self.doc_lens)
+
+    def start(self, row: int) -> int:
+        return self.starts[row] if self.starts else 0
 
     @functools.cached_property  # read by every derived quantity below; the layout is frozen
     def lengths(self) -> list[int]:
@@ -71,14 +91,15 @@ class Layout:
 
     def real_indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Flat indices (into ``rows * width``) of the real tokens, in order."""
-        idx = [torch.arange(r * self.width, r * self.width + sum(row)) for r, row in enumerate(self.doc_lens)]
+        idx = [torch.arange(r * self.width + self.start(r), r * self.width + self.start(r) + sum(row))
+               for r, row in enumerate(self.doc_lens)]
         return torch.cat(idx).to(device, non_blocking=True) if idx else torch.zeros(0, dtype=torch.long)
 
     def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[rows, width] positions restarting at every document; the pad tail counts from 0 as well."""
+        """[rows, width] positions restarting at every document; padding counts from 0 as well."""
         out = torch.empty(self.rows, self.width, dtype=torch.long)
         for r, row in enumerate(self.doc_lens):
-            sizes = [*row, self.width - sum(row)]
+            sizes = [self.start(r), *row, self.width - self.start(r) - sum(row)]
             out[r] = torch.cat([torch.arange(n) for n in sizes])
         return out.to(device, non_blocking=True)
 
@@ -91,11 +112,11 @@ class Layout:
         out = torch.full((self.rows, self.width), -1, dtype=torch.long)
         for r, row in enumerate(self.doc_lens):
             if row:
-                out[r, : sum(row)] = torch.repeat_interleave(
+                out[r, self.start(r): self.start(r) + sum(row)] = torch.repeat_interleave(
                     torch.arange(1, len(row) + 1), torch.tensor(row, dtype=torch.long)
                 )
         return out.to(device, non_blocking=True)
 
     def signature(self) -> tuple:
-        return (self.doc_lens, self.width)
+        return (self.doc_lens, self.width, self.starts)
 

@@ -7,23 +7,20 @@ Core module: torch and transformers only. The Composer model (``foundry_attn.fou
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from foundry_attn.capability import Capability
-from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.policy import (
     AUTO,
     FA2,
     FLEX,
     SDPA,
-    AttentionUnavailableError,
-    Candidate,
     Decision,
     ModelTraits,
     choose,
+    fa2_smoke_test,
 )
 
 COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -79,23 +76,21 @@ def decide(
     fa2_reference: bool = False,
     trust_remote_code: bool = True,
     config_overrides: dict | None = None,
+    config: PretrainedConfig | None = None,
 ) -> Decision:
-    """Choose the attention implementation for the model at ``model_path`` on this device."""
+    """Choose the attention implementation for the model at ``model_path`` (or ``config``) on this device."""
     from foundry_attn.capability import probe
 
     cap = cap or probe()
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    for key, value in (config_overrides or {}).items():
-        setattr(config, key, value)
+    if config is None:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        for key, value in (config_overrides or {}).items():
+            setattr(config, key, value)
     model_class = model_class_for(config)
     traits = ModelTraits.from_model_class(model_class, config)
     dtype = resolve_compute_dtype(compute_dtype, cap)
-    if fa2_reference:  # strict applies to the request as the reference kernel serves it
-        decision = _with_reference(choose(requested, fallback, cap, dtype, traits, smoke_test=None), traits)
-        if strict and requested not in (AUTO, decision.chosen):
-            raise AttentionUnavailableError(f"attn_strict: {requested} cannot run: {decision.reason}")
-    else:
-        decision = choose(requested, fallback, cap, dtype, traits, strict)
+    decision = choose(requested, fallback, cap, dtype, traits, strict,
+                      smoke_test=None if fa2_reference else fa2_smoke_test, fa2_reference=fa2_reference)
     for cand in decision.candidates:  # transformers' own checks, for what we are about to load
         if cand.name != decision.chosen or (cand.name == FA2 and fa2_reference):
             continue
@@ -105,15 +100,3 @@ def decide(
         decision = decision.with_rejection(cand.name, error)
     return decision
 
-
-def _with_reference(decision: Decision, traits: ModelTraits) -> Decision:
-    """An explicit YAML opt-in: FA2 runs on the pure-PyTorch reference kernel (never chosen silently)."""
-    if FA2 not in traits.supports:
-        return decision
-    cands = tuple(
-        Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
-        if c.name == FA2 else c
-        for c in decision.candidates
-    )
-    chosen = next(c.name for c in cands if c.available)
-    return dataclasses.replace(decision, chosen=chosen, candidates=cands)

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 from packaging.version import Version
 
+from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, ModelNeeds, refusal
 from foundry_attn.capability import Capability
 from foundry_attn.fa2_reference import REFERENCE_NAME
 
-FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
 IMPLEMENTATIONS: tuple[str, ...] = (FA2, FLEX, SDPA, EAGER)
 AUTO = "auto"
 DEFAULT_FALLBACK: tuple[str, ...] = (FA2, SDPA, EAGER)
@@ -35,11 +35,13 @@ class AttentionUnavailableError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelTraits:
-    """What the model asks of an attention kernel. ``supports`` holds the implementations its class has."""
+    """What the model asks of an attention kernel. ``supports`` holds the implementations its class has;
+    ``needs`` what each backend must honour per document (softcap, dropout)."""
 
     class_name: str = "?"
     head_dim: int | None = None
     supports: frozenset[str] = frozenset(IMPLEMENTATIONS)
+    needs: ModelNeeds = ModelNeeds()
 
     @classmethod
     def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
@@ -51,7 +53,10 @@ class ModelTraits:
         supports = {EAGER} | {
             impl for impl, names in flags.items() if any(getattr(model_class, n, False) for n in names)
         }
-        return cls(model_class.__name__, head_dim_of(config) if config is not None else None, frozenset(supports))
+        name = model_class.__name__
+        if config is None:
+            return cls(name, None, frozenset(supports))
+        return cls(name, head_dim_of(config), frozenset(supports), ModelNeeds.of(name, config))
 
 
 def head_dim_of(config: object) -> int | None:
@@ -78,6 +83,7 @@ class Decision:
     candidates: tuple[Candidate, ...]
     strict: bool = False
     compute_dtype: str = "float32"
+    isolation: str = ""  # the isolation probe: "passed in N ms", "off", "skipped here"
 
     @property
     def fallback(self) -> bool:
@@ -100,18 +106,19 @@ class Decision:
             "reason": self.reason,
             "strict": self.strict,
             "compute_dtype": self.compute_dtype,
+            "isolation": self.isolation,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }
 
     def with_rejection(self, name: str, reason: str, check: str = "load") -> Decision:
-        """The same decision after ``name`` failed when really loaded (transformers' own validation)."""
+        """The same decision after ``name`` failed a later check (transformers' load, the documents, isolation)."""
         cands = tuple(
             Candidate(c.name, False, reason, check, "see the error above") if c.name == name else c
             for c in self.candidates
         )
         chosen = next((c.name for c in cands if c.available), None)
         if chosen is None or (self.strict and self.requested != AUTO):
-            raise AttentionUnavailableError(f"{name} failed to load: {reason}")
+            raise AttentionUnavailableError(f"attention: {name} failed check '{check}': {reason}")
         return dataclasses.replace(self, chosen=chosen, candidates=cands)
 
 
@@ -156,11 +163,18 @@ def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:
 
 
 def check_fa2(
-    cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None
+    cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None,
+    fa2_reference: bool = False,
 ) -> Candidate:
     if FA2 not in traits.supports:
         return _fail(FA2, "model class", f"{traits.class_name} has no flash_attention_2 support",
                      "use a model class with _supports_flash_attn_2, or sdpa")
+    if fa2_reference:  # an explicit YAML opt-in, never chosen silently: FA2 code paths on the CPU reference kernel
+        inexact = refusal(FA2, traits.needs) or (
+            f"the reference kernel has no dropout ({traits.needs.dropout})" if traits.needs.dropout else None)
+        if inexact:
+            return _fail(FA2, "exactness", f"{REFERENCE_NAME}: {inexact}", "set attention_dropout: 0, or use eager")
+        return Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
     if cap.flash_attn_version is None:
         return _fail(FA2, "flash-attn installed", cap.flash_attn_error or "flash-attn is not installed",
                      "pip install flash-attn --no-build-isolation")
@@ -184,16 +198,19 @@ def check_fa2(
         if error:
             return _fail(FA2, "kernel call", f"{cap.device_name} {cap.sm}: {error}",
                          "reinstall flash-attn built for this GPU and torch, or use sdpa")
+    inexact = refusal(FA2, traits.needs, cap.flash_attn_version)
+    if inexact:
+        return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
     return Candidate(FA2, True, f"flash-attn {cap.flash_attn_version} on {cap.device_name} {cap.sm}")
 
 
 def check(
     name: str, cap: Capability, dtype: torch.dtype, traits: ModelTraits,
-    smoke_test: SmokeTest | None = fa2_smoke_test,
+    smoke_test: SmokeTest | None = fa2_smoke_test, fa2_reference: bool = False,
 ) -> Candidate:
     """Whether ``name`` can run here, with the reason either way."""
     if name == FA2:
-        return check_fa2(cap, dtype, traits, smoke_test)
+        return check_fa2(cap, dtype, traits, smoke_test, fa2_reference)
     if name not in traits.supports:
         return _fail(name, "model class", f"{traits.class_name} has no {name} support", "pick another implementation")
     torch_version = Version(cap.torch_version.split("+")[0])
@@ -201,6 +218,9 @@ def check(
         return _fail(name, "torch version", f"torch {cap.torch_version} < 2.5", "pip install 'torch>=2.5'")
     if name == SDPA and torch_version < Version("2.1.1"):
         return _fail(name, "torch version", f"torch {cap.torch_version} < 2.1.1", "pip install 'torch>=2.1.1'")
+    inexact = refusal(name, traits.needs)
+    if inexact:
+        return _fail(name, "exactness", inexact, "pick a backend that honours it (eager honours all)")
     where = f"{cap.device_name} {cap.sm}" if cap.cuda else "cpu"
     detail = {FLEX: "torch flex_attention", SDPA: "torch scaled_dot_product_attention", EAGER: "plain matmul"}
     return Candidate(name, True, f"{detail[name]} on {where}")
@@ -214,6 +234,7 @@ def choose(
     traits: ModelTraits | None = None,
     strict: bool = False,
     smoke_test: SmokeTest | None = fa2_smoke_test,
+    fa2_reference: bool = False,
 ) -> Decision:
     """Check every candidate in order and pick the first that runs.
 
@@ -225,7 +246,8 @@ def choose(
     requested, fallback = validate_names(requested, fallback)
     cap = cap or probe()
     traits = traits or ModelTraits()
-    candidates = tuple(check(n, cap, dtype, traits, smoke_test) for n in candidate_order(requested, fallback))
+    candidates = tuple(check(n, cap, dtype, traits, smoke_test, fa2_reference)
+                       for n in candidate_order(requested, fallback))
     chosen = next((c for c in candidates if c.available), None)
     first = candidates[0]
     where = f"{cap.device_name} ({cap.sm}) on {cap.host}"

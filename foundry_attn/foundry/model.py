@@ -10,17 +10,19 @@
       attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
       events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR or ./$RUN_NAME/attn_events
       fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
+      attn_isolation_check: true           # packed vs alone on two tiny documents at build; a leak rejects
     callbacks:
       attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
 
-Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches
-(``doc_lens``) under every backend: FA2 gets ``cu_seq_lens``/``max_length`` for a flat batch of real
-tokens (unpadded once, no per-layer unpad or host sync); SDPA and eager get a 4-D block-diagonal
-causal mask; flex gets a cached document ``BlockMask``.
+Every other ``hf_causal_lm`` key works unchanged. The model's attention is pointed at our function for
+the chosen backend (``foundry_attn.adapters``) and the forward honours ``foundry_attn`` batches
+(``doc_lens``) and 2-D masks under every backend: one flat row of real tokens (unpadded once), the
+documents passed to every attention call as an argument.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -28,12 +30,15 @@ from typing import Any
 import torch
 from composer.utils import dist
 from llmfoundry.models.hf import ComposerHFCausalLM
+from llmfoundry.utils.config_utils import set_config_overrides
+from transformers import AutoConfig
 
+from foundry_attn.adapters import attach, backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import EventLog, default_events_dir
-from foundry_attn.forward import forward_documents, has_layout, kernel_context, repad_logits
+from foundry_attn.forward import forward_documents, has_layout, repad_logits
+from foundry_attn.isolation import isolation_check
 from foundry_attn.loading import decide
-from foundry_attn.masks import BlockMaskCache
 from foundry_attn.policy import (
     AUTO,
     DEFAULT_FALLBACK,
@@ -61,6 +66,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         attn_compute_dtype: str = "auto",
         events_dir: str | None = None,
         fa2_reference_kernel: bool = False,
+        attn_isolation_check: bool = True,
         use_flash_attention_2: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -71,16 +77,16 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         rank = dist.get_global_rank()
         cap = probe()
         self.attn_events = EventLog(events_dir or default_events_dir(), rank, cap)  # fails now if unwritable
-        decision = decide(
-            pretrained_model_name_or_path, requested, fallback, attn_strict, attn_compute_dtype, cap,
-            fa2_reference=fa2_reference_kernel, trust_remote_code=kwargs.get("trust_remote_code", True),
-            config_overrides=kwargs.get("config_overrides"),
-        )
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path,
+                                            trust_remote_code=kwargs.get("trust_remote_code", True))
+        set_config_overrides(config, kwargs.get("config_overrides") or {})  # a bad key fails here, not as attention
+        decision = decide(pretrained_model_name_or_path, requested, fallback, attn_strict, attn_compute_dtype, cap,
+                          fa2_reference=fa2_reference_kernel, config=config)
         decision = self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
+        decision = self._attach(decision, fa2_reference_kernel, attn_isolation_check)
         self.attn_decision = decision
         self.attn_capability = cap
         self._fa2_reference = fa2_reference_kernel and decision.chosen == FA2
-        self._block_masks = BlockMaskCache()
         self._dtype_checked = False
         self._record(decision, cap, rank)
 
@@ -98,9 +104,29 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 log.warning("attention: building with %s failed: %s", decision.chosen, exc)
                 decision = decision.with_rejection(decision.chosen, f"model build failed: {exc}")
                 continue
-            if load_as != decision.chosen:  # 4.51 switches Llama-style models by this attribute alone
-                self.model.config._attn_implementation = decision.chosen
             return decision
+
+    def _attach(self, decision: Decision, reference: bool, isolation: bool) -> Decision:
+        """Point attention at our function for the choice, probe isolation; a failure moves down the chain."""
+        while True:
+            check = "documents"
+            try:
+                attach(self.model, decision.chosen, fa2_reference=reference)
+                failure, ms = isolation_check(self.model) if isolation and self._probe_runs(decision, reference) \
+                    else (None, None)
+                check = "isolation"
+            except ValueError as exc:
+                failure, ms = str(exc), None
+            if failure is None:
+                note = f"passed in {ms:.0f} ms" if ms is not None else "off" if not isolation else "skipped here"
+                return dataclasses.replace(decision, isolation=note)
+            log.warning("attention: %s rejected: %s", decision.chosen, failure)
+            decision = decision.with_rejection(decision.chosen, failure, check=check)
+
+    def _probe_runs(self, decision: Decision, reference: bool) -> bool:
+        """The probe runs where the weights are: not on meta, not real FA2 on a CPU-built model."""
+        device = next(self.model.parameters()).device
+        return device.type != "meta" and not (decision.chosen == FA2 and not reference and device.type != "cuda")
 
     def _record(self, decision: Decision, cap: Any, rank: int) -> None:
         info = decision.as_dict()
@@ -118,7 +144,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
     # ---- forward ------------------------------------------------------------------------------------
     @property
     def attn_implementation(self) -> str:
-        return self.model.config._attn_implementation
+        """The backend attention runs (``sdpa``, not our registered ``foundry_sdpa``)."""
+        return backend_of(self.model.config._attn_implementation)
 
     def _check_fa2_dtype(self, device: torch.device) -> None:
         """First forward only: FA2 with fp32 weights and no autocast fails inside flash-attn; fall back now."""
@@ -133,7 +160,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 f"attn_strict: flash_attention_2 cannot run on {self.attn_capability.device_name}: check 'dtype' "
                 f"failed: {reason}. Fix: train with precision: amp_bf16 (or amp_fp16).")
         self.attn_decision = self.attn_decision.with_rejection(FA2, reason, check="dtype")
-        self.model.config._attn_implementation = self.attn_decision.chosen
+        attach(self.model, self.attn_decision.chosen)
         log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 
@@ -141,10 +168,9 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         device = batch["input_ids"].device
         if not self._dtype_checked:
             self._check_fa2_dtype(device)
-        with kernel_context(self.attn_implementation, device, self._fa2_reference):
-            if has_layout(batch):
-                return forward_documents(self.model, batch, self._block_masks)
-            return super().forward(batch)  # Composer passes on only the keys the HF forward names
+        if has_layout(batch):
+            return forward_documents(self.model, batch)
+        return super().forward(batch)  # Composer passes on only the keys the HF forward names
 
     def eval_forward(self, batch: Mapping, outputs: Any | None = None) -> Any:
         """Metrics need ``[batch, seq, vocab]`` logits: re-pad a flat FA2 output, once, only here."""

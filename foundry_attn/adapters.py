@@ -1,0 +1,369 @@
+"""Document-aware attention functions, registered in transformers' attention interface by name.
+
+    from foundry_attn.adapters import attach
+    attach(hf_model, "sdpa")            # config._attn_implementation = "foundry_sdpa", for good
+    out = forward_documents(hf_model, batch)
+
+Each backend (``flash_attention_2``, ``sdpa``, ``eager``, ``flex_attention``) has one function here,
+registered once under ``foundry_<backend>`` with ``AttentionInterface.register``. The model runs one flat
+row of real tokens, and every layer's call carries the documents as a keyword argument
+(``foundry_documents``) that transformers passes through to the attention function. Nothing is patched
+for the length of a forward: checkpoint recompute, DDP/FSDP wrappers and ``torch.compile`` re-run the same
+call with the same arguments, so they see the same documents.
+
+Each function also honours what the layer passes with the call: ``sliding_window`` (per layer),
+``softcap``, ``scaling``, ``dropout``, grouped KV heads. What a backend cannot honour is declared in
+:data:`BACKENDS`; :func:`refusal` turns a model that needs it into a reason, and the function itself
+raises rather than drop it. Windows follow each backend's stock convention in transformers 4.51: sdpa,
+eager and flex let a query see ``sliding_window`` keys (itself included), FA2 ``sliding_window + 1``.
+Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from foundry_attn.fa2_reference import reference_flash_attn
+
+DOCS_KEY = "foundry_documents"
+PREFIX = "foundry_"
+FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
+FA2_REFERENCE = "fa2_reference"  # registered as foundry_fa2_reference: FA2 code paths on the CPU reference kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """Where each document sits in the flat row: ``bounds = (0, l0, l0 + l1, ...)`` as Python ints."""
+
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int]) -> Documents:
+        return cls((0, *itertools.accumulate(lengths)))
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int]]:
+        return list(itertools.pairwise(self.bounds))
+
+    @functools.cached_property
+    def max_length(self) -> int:
+        return max((e - s for s, e in self.spans), default=0)
+
+    def cu_seq_lens(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.bounds, dtype=torch.int32, device=device)
+
+    def document_ids(self, device: torch.device) -> torch.Tensor:
+        lengths = torch.tensor([e - s for s, e in self.spans])
+        return torch.repeat_interleave(torch.arange(len(self.spans)), lengths).to(device)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return torch.cat([torch.arange(e - s) for s, e in self.spans]).to(device)[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What one backend's document-aware function can honour, per layer."""
+
+    name: str
+    softcap: bool
+    dropout: bool
+    window: bool = True
+    gqa: bool = True
+    causal: bool = True
+
+    @property
+    def registered_name(self) -> str:
+        return PREFIX + self.name
+
+
+BACKENDS: dict[str, Backend] = {
+    FA2: Backend(FA2, softcap=True, dropout=True),
+    SDPA: Backend(SDPA, softcap=False, dropout=True),
+    EAGER: Backend(EAGER, softcap=True, dropout=True),
+    # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
+    # torch 2.7): refused until it is proven exact
+    FLEX: Backend(FLEX, softcap=False, dropout=False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelNeeds:
+    """What a model's attention asks of a kernel beyond causal/window/GQA, read from its config."""
+
+    class_name: str = "?"
+    softcap: float | None = None
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, class_name: str, config: Any) -> ModelNeeds:
+        dropout = max(float(getattr(config, n, 0.0) or 0.0) for n in ("attention_dropout", "attn_pdrop"))
+        return cls(class_name, getattr(config, "attn_logit_softcapping", None) or None, dropout)
+
+
+def passes_kwargs(model: Any) -> bool:
+    """Whether the base model's ``forward`` takes ``**kwargs`` (GPT-2's does not: nothing reaches attention)."""
+    base = getattr(model, "base_model", model)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> str | None:
+    """Why ``backend`` cannot run this model's documents exactly, or None when it can."""
+    caps = BACKENDS[backend]
+    if needs.softcap and not caps.softcap:
+        return f"{backend} cannot apply {needs.class_name}'s attention logit softcap ({needs.softcap}) per document"
+    if needs.dropout and not caps.dropout:
+        return f"{backend} cannot apply attention dropout ({needs.dropout}); set attention_dropout: 0 or use sdpa"
+    if backend == FA2 and needs.softcap and fa2_version is not None:
+        from packaging.version import Version
+
+        if Version(fa2_version) < Version("2.6.0"):
+            return f"flash-attn {fa2_version} has no softcap (needs >= 2.6.0) for {needs.class_name}"
+    return None
+
+
+# ---- the attention functions ---------------------------------------------------------------------------
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: causal, and (with a window) a query sees at most ``window`` keys, itself included."""
+    i = torch.arange(n, device=device)
+    rel = i[:, None] - i[None, :]
+    return (rel >= 0) & (rel < window) if window else rel >= 0
+
+
+def _documents(kwargs: dict, attention_mask: Any) -> Documents | None:
+    """The documents of this call; a placeholder mask without them means a caller dropped our argument."""
+    docs = kwargs.pop(DOCS_KEY, None)
+    if docs is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 \
+            and not any(attention_mask.stride()) and attention_mask.numel() > 1:
+        raise RuntimeError(
+            "foundry_attn: the documents did not reach this attention call: a layer dropped the "
+            f"'{DOCS_KEY}' argument (GPT-NeoX does under HF gradient_checkpointing_enable()); use "
+            "activation checkpointing through Composer (checkpoint_wrapper) or another family")
+    return docs
+
+
+def _no_softcap(backend: str, softcap: float | None) -> None:
+    if softcap:
+        raise ValueError(f"foundry_attn: {backend} cannot apply attention logit softcap {softcap}; "
+                         "use eager, flex_attention or flash_attention_2 for this model")
+
+
+def sdpa_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   sliding_window: int | None = None, softcap: float | None = None,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask."""
+    docs = _documents(kwargs, attention_mask)
+    _no_softcap(SDPA, softcap)
+    if docs is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    pieces = []
+    for s, e in docs.spans:
+        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+        if sliding_window and e - s > sliding_window:
+            mask = _allowed(e - s, sliding_window, q.device)
+            pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
+        else:
+            pieces.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _eager(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor | None,
+           dropout: float, scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """transformers' eager attention: scores, softcap, additive mask, fp32 softmax, dropout. -> [B, H, S, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if additive is not None:
+        scores = scores + additive[..., : k.shape[-2]]
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, v)
+
+
+def eager_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' eager math, one document at a time (causal and window per document)."""
+    docs = _documents(kwargs, attention_mask)
+    if docs is None:
+        out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
+    pieces = []
+    for s, e in docs.spans:
+        allowed = _allowed(e - s, sliding_window, query.device)
+        additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+        additive.masked_fill_(~allowed, torch.finfo(query.dtype).min)
+        pieces.append(_eager(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], additive, dropout,
+                             scaling, softcap))
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+
+
+class _BlockMasks:
+    """Flex ``BlockMask`` per (device, documents, window), built on ``q.device`` (never moved)."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+
+    def get(self, docs: Documents, window: int | None, device: torch.device) -> Any:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        key = (str(device), docs.bounds, window)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        ids = docs.document_ids(device)
+
+        def document_causal(b, h, q_idx, kv_idx):  # flex's mask_mod signature
+            same = (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+            return same & (q_idx - kv_idx < window) if window else same
+
+        total = docs.bounds[-1]
+        mask = create_block_mask(document_causal, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device)
+        self._cache[key] = mask
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+        return mask
+
+
+BLOCK_MASKS = _BlockMasks()
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                   sliding_window: int | None = None, softcap: float | None = None,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """One flex call over the flat row with a document ``BlockMask`` (window in the mask, softcap as score_mod).
+
+    Uncompiled on CPU (the only dependable flex there in torch 2.7), compiled elsewhere.
+    """
+    docs = _documents(kwargs, attention_mask)
+    _no_softcap(FLEX, softcap)
+    if dropout:
+        raise ValueError(f"foundry_attn: flex_attention cannot apply attention dropout {dropout}")
+    if docs is None:
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        out, _ = flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap)
+        return out, None
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    kernel = flex_attention if query.device.type == "cpu" else _compiled_flex()
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    out = kernel(query, key, value, score_mod=score_mod if softcap else None,
+                 block_mask=BLOCK_MASKS.get(docs, sliding_window, query.device), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _fa2(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+         attention_mask: Any, dropout: float, scaling: float | None, sliding_window: int | None,
+         softcap: float | None, kwargs: dict) -> tuple[torch.Tensor, None]:
+    """transformers' own FA2 function with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    docs = _documents(kwargs, attention_mask)
+    if docs is None:  # a mask built by the model (generation): FA2 cannot take a 4-D mask; eager math can
+        out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
+    cu = docs.cu_seq_lens(query.device)
+    kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=docs.max_length, max_length_k=docs.max_length)
+    if kwargs.get("position_ids") is None:  # 4.51 takes the varlen path only when position_ids is given
+        kwargs["position_ids"] = docs.positions(query.device)
+    return flash_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                   sliding_window=sliding_window, softcap=softcap, **kwargs)
+
+
+def fa2_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                  sliding_window: int | None = None, softcap: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """FA2 varlen through transformers' FA2 code path: no per-layer unpad, no host sync."""
+    return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
+
+
+def fa2_reference_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:func:`fa2_documents` on the pure-PyTorch REFERENCE kernel (not flash-attn), installed for this call only."""
+    with reference_flash_attn():
+        return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
+
+
+FUNCTIONS = {FA2: fa2_documents, SDPA: sdpa_documents, EAGER: eager_documents, FLEX: flex_documents,
+             FA2_REFERENCE: fa2_reference_documents}
+REGISTERED = {PREFIX + name: name for name in FUNCTIONS}  # registered name -> backend (or fa2_reference)
+
+
+@functools.cache
+def register() -> None:
+    """Register every function with transformers (idempotent; registering changes nothing for other names)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    for name, fn in FUNCTIONS.items():
+        AttentionInterface.register(PREFIX + name, fn)
+
+
+def backend_of(impl: str | None) -> str | None:
+    """``foundry_sdpa`` -> ``sdpa``; ``foundry_fa2_reference`` -> ``flash_attention_2``; stock names unchanged."""
+    name = REGISTERED.get(impl or "", impl)
+    return FA2 if name == FA2_REFERENCE else name
+
+
+def attach(model: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
+    """Point ``model``'s attention at our function for ``backend`` (default: its current one), for good.
+
+    Models whose base ``forward`` passes no ``**kwargs`` to attention (GPT-2 in 4.51) keep the stock
+    name: :func:`foundry_attn.forward.forward_documents` then runs one document per row instead.
+    Returns the name now in ``config._attn_implementation``.
+    """
+    register()
+    config = model.config
+    backend = backend or backend_of(config._attn_implementation)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if passes_kwargs(model):
+        name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
+    elif (backend == FA2 and fa2_reference) or backend == FLEX:
+        raise ValueError(f"{type(model).__name__} passes no per-call arguments to attention, so {backend}"
+                         f"{' on the reference kernel' if fa2_reference else ''} cannot see the documents")
+    else:
+        name = backend
+    config._attn_implementation = name
+    return name
+

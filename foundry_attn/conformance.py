@@ -1,0 +1,220 @@
+"""Exact or refused: every (model family, backend) pair against stock transformers, document by document.
+
+    foundry-attn conformance --markdown      # the README table
+    cell("mistral", "sdpa", "pack", "hf_reentrant")  # -> Cell(status="exact", loss_err=..., grad_err=...)
+
+For each family a tiny random config keeps every attention feature of the real one (sliding windows of 4
+tokens, Gemma's softcap and ``query_pre_attn_scalar``, Gemma3's local/global pattern, GQA, MoE). A batch of
+documents longer and shorter than the window runs through ``forward_documents`` (``pack``: several per row;
+``mask``: one per row, right-padded) with or without activation checkpointing, and its loss and gradients
+are compared with stock transformers running each document alone with the same backend, in fp32 (flex: stock
+eager, as stock flex cannot train on CPU). A pair the policy refuses is recorded with its reason.
+Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, attach
+from foundry_attn.forward import forward_documents, kernel_context
+from foundry_attn.packing import IGNORE_INDEX
+
+BACKENDS = (FA2, SDPA, EAGER, FLEX)
+MODES = ("pack", "mask")
+CHECKPOINTING = ("plain", "hf_reentrant", "hf_non_reentrant", "checkpoint_wrapper")
+LENGTHS = (5, 11, 3, 9)  # window 4: two documents longer, one shorter
+PACK_WIDTH = 16
+VOCAB = 64
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+
+_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _llama_like(module: str, config: str, model: str, **extra: Any) -> Callable[[], Any]:
+    def build() -> tuple[Any, type]:
+        import importlib
+
+        mod = importlib.import_module(f"transformers.models.{module}")
+        return getattr(mod, config)(**{**_SHAPE, **extra}), getattr(mod, model)
+
+    return build
+
+
+FAMILIES: dict[str, Callable[[], tuple[Any, type]]] = {
+    "llama": _llama_like("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "mistral": _llama_like("mistral", "MistralConfig", "MistralForCausalLM", sliding_window=4),
+    "mixtral": _llama_like("mixtral", "MixtralConfig", "MixtralForCausalLM", sliding_window=4, num_local_experts=4,
+                           num_experts_per_tok=2),
+    "qwen2": _llama_like("qwen2", "Qwen2Config", "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=4,
+                         max_window_layers=0),
+    "qwen3": _llama_like("qwen3", "Qwen3Config", "Qwen3ForCausalLM", head_dim=8),
+    "gemma2": _llama_like("gemma2", "Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=4,
+                          query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3": _llama_like("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=4,
+                          sliding_window_pattern=2, query_pre_attn_scalar=16),
+    "phi3": _llama_like("phi3", "Phi3Config", "Phi3ForCausalLM", sliding_window=4, pad_token_id=0),
+    "gpt_neox": _llama_like("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.5),
+    "gpt2": _llama_like("gpt2", "GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+    "olmo2": _llama_like("olmo2", "Olmo2Config", "Olmo2ForCausalLM"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    family: str
+    backend: str
+    mode: str
+    checkpointing: str
+    status: str  # "exact" | "refused" | "WRONG"
+    detail: str = ""
+    loss_err: float | None = None
+    grad_err: float | None = None
+
+
+def build(family: str, backend: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny model of ``family``, stock, loaded for ``backend`` (flex/FA2 load as eager, then switch)."""
+    config, model_class = FAMILIES[family]()
+    config._attn_implementation = backend if backend in (SDPA, EAGER) else EAGER
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.config._attn_implementation = backend
+    return model.train()
+
+
+def refusal(family: str, backend: str) -> str | None:
+    """What the policy says of this pair on the CPU (FA2 on the reference kernel), or None."""
+    from foundry_attn.loading import decide
+    from foundry_attn.policy import AttentionUnavailableError
+
+    config, _ = FAMILIES[family]()
+    try:
+        decide(None, backend, (backend,), strict=True, compute_dtype="fp32", fa2_reference=True, config=config)
+        attach(build(family, backend), backend, fa2_reference=True)
+    except (AttentionUnavailableError, ValueError) as exc:
+        return str(exc).split("failed: ", 1)[-1]
+    return None
+
+
+def _documents(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=gen) for n in LENGTHS]
+
+
+def _batch(docs: list[torch.Tensor], mode: str) -> dict[str, Any]:
+    """``pack``: documents end to end in rows of PACK_WIDTH; ``mask``: one per row, right-padded."""
+    if mode == "mask":
+        rows = [[d] for d in docs]
+        width = max(d.numel() for d in docs)
+    else:
+        rows, used = [[]], 0
+        for d in docs:
+            if used + d.numel() > PACK_WIDTH:
+                rows.append([])
+                used = 0
+            rows[-1].append(d)
+            used += d.numel()
+        width = PACK_WIDTH
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for r, row in enumerate(rows):
+        flat = torch.cat(row)
+        ids[r, : flat.numel()] = flat
+        labels[r, : flat.numel()] = flat
+    return {"input_ids": ids, "labels": labels, "doc_lens": [[d.numel() for d in row] for row in rows]}
+
+
+@contextlib.contextmanager
+def _checkpointing(model: torch.nn.Module, kind: str) -> Any:
+    if kind.startswith("hf_"):
+        model.gradient_checkpointing_enable({"use_reentrant": kind == "hf_reentrant"})
+    elif kind == "checkpoint_wrapper":  # what Composer applies for fsdp_config.activation_checkpointing
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
+
+        layers = tuple({type(m) for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block",
+                                                                                        "Layer"))})
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                           checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: isinstance(m, layers) and m is not model)
+    yield
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+@functools.lru_cache(maxsize=64)
+def _truth(family: str, backend: str) -> tuple[float, torch.Tensor]:
+    """Stock transformers, each document alone, same backend: the mean loss over every target, its gradient."""
+    stock = EAGER if backend == FLEX else backend
+    model = build(family, stock)
+    docs = _documents()
+    targets = sum(d.numel() - 1 for d in docs)
+    total = 0.0
+    with kernel_context(stock, torch.device("cpu"), fa2_reference=True):
+        for d in docs:
+            logits = model(input_ids=d[None]).logits[0, :-1]
+            loss = F.cross_entropy(logits.float(), d[1:], reduction="sum") / targets
+            loss.backward()
+            total += loss.item()
+    return total, _grads(model)
+
+
+def cell(family: str, backend: str, mode: str = "pack", checkpointing: str = "plain") -> Cell:
+    """Run one cell of the table."""
+    why = refusal(family, backend)
+    if why:
+        return Cell(family, backend, mode, checkpointing, "refused", why)
+    model = build(family, backend)
+    attach(model, backend, fa2_reference=True)
+    try:
+        with _checkpointing(model, checkpointing):
+            out = forward_documents(model, _batch(_documents(), mode))
+            out.loss.backward()
+    except RuntimeError as exc:  # refused at the first forward, loudly (the documents did not arrive)
+        if "did not reach" not in str(exc):
+            raise
+        return Cell(family, backend, mode, checkpointing, "refused", str(exc).split(": ", 1)[-1])
+    want_loss, want_grad = _truth(family, backend)
+    grad = _grads(model)
+    loss_err = abs(out.loss.item() - want_loss)
+    grad_err = ((grad - want_grad).norm() / want_grad.norm()).item()
+    ok = loss_err <= LOSS_TOL and grad_err <= GRAD_TOL
+    return Cell(family, backend, mode, checkpointing, "exact" if ok else "WRONG", "", loss_err, grad_err)
+
+
+def table(cells: list[Cell]) -> str:
+    """Markdown: one row per family, one column per backend; a refusal shows its reason."""
+    by = {(c.family, c.backend): c for c in cells}
+    worst: dict[tuple[str, str], Cell] = {}
+    for c in cells:
+        key = (c.family, c.backend)
+        if c.status == "WRONG" or key not in worst:
+            worst[key] = c
+    lines = ["| family | " + " | ".join(BACKENDS) + " |", "| --- |" + " --- |" * len(BACKENDS)]
+    for family in FAMILIES:
+        row = []
+        for backend in BACKENDS:
+            c = worst.get((family, backend)) or by.get((family, backend))
+            row.append("" if c is None else "exact" if c.status == "exact" else
+                       f"refused: {c.detail}" if c.status == "refused" else "**WRONG**")
+        lines.append(f"| {family} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def run_all(families: tuple[str, ...] = tuple(FAMILIES)) -> list[Cell]:
+    return [cell(f, b, m, k) for f in families for b in BACKENDS for m in MODES for k in CHECKPOINTING]
