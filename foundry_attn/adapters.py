@@ -144,11 +144,15 @@ def _allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
     return (rel >= 0) & (rel < window) if window else rel >= 0
 
 
+def is_placeholder(mask: Any) -> bool:
+    """The zero-stride 4-D mask ``forward_documents`` hands the model: nothing is masked by it."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.numel() > 1 and not any(mask.stride())
+
+
 def _documents(kwargs: dict, attention_mask: Any) -> Documents | None:
     """The documents of this call; a placeholder mask without them means a caller dropped our argument."""
     docs = kwargs.pop(DOCS_KEY, None)
-    if docs is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 \
-            and not any(attention_mask.stride()) and attention_mask.numel() > 1:
+    if docs is None and is_placeholder(attention_mask):
         raise RuntimeError(
             "foundry_attn: the documents did not reach this attention call: a layer dropped the "
             f"'{DOCS_KEY}' argument (GPT-NeoX does under HF gradient_checkpointing_enable()); use "

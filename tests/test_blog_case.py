@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from foundry_attn.adapters import attach
 from foundry_attn.callbacks.inspector import BatchInfo, ModelInspector, format_table
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN, FlashCallTracer
@@ -79,10 +80,13 @@ def run_stock(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[dict, list
 
 def run_unpad_once(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[dict, list[dict], torch.Tensor]:
     inspector = ModelInspector(model)
-    with reference_flash_attn(), FlashCallTracer() as tracer, torch.no_grad(), inspector.capture(
-        BatchInfo.from_batch(batch)
-    ) as records:
-        out = forward_documents(model, {k: v for k, v in batch.items() if k != "labels"})
+    stock = model.config._attn_implementation
+    attach(model, "flash_attention_2", fa2_reference=True)  # FA2 code paths, reference kernel per call
+    try:
+        with FlashCallTracer() as tracer, torch.no_grad(), inspector.capture(BatchInfo.from_batch(batch)) as records:
+            out = forward_documents(model, {k: v for k, v in batch.items() if k != "labels"})
+    finally:
+        model.config._attn_implementation = stock
     return tracer.summary(), list(records), repad_logits(out)
 
 

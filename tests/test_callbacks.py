@@ -230,32 +230,20 @@ def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
-def test_inspector_reports_packed_positions_and_4d_document_masks(llama) -> None:
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_inspector_sees_the_flat_row(llama, impl: str) -> None:
+    """Unpadded once: one flat row of real tokens, no mask, one restart per document boundary."""
+    from foundry_attn.adapters import attach
     from foundry_attn.callbacks.inspector import BatchInfo, ModelInspector
     from foundry_attn.forward import forward_documents
 
-    model = llama("eager")
-    batch = {"input_ids": torch.randint(1, 64, (2, 8)), "doc_lens": [[3, 5], [4]], "total_tokens": [8, 4]}
-    inspector = ModelInspector(model)
-    with torch.no_grad(), inspector.capture(BatchInfo.from_batch(batch)) as records:
-        forward_documents(model, batch)
-    attn = [r for r in records if r["level"] == "attention"]
-    assert all(r["mask"] == "4-D" and r["has_zeros"] for r in attn)  # document boundaries are real
-    assert all(r["real_tokens"] == 12 and r["fill_source"] == "batch" for r in attn)
-    assert records[0]["packed_positions"] and records[0]["position_restarts"] == 2  # row 0 doc 2, row 1 pad tail
-
-
-def test_inspector_sees_the_flat_sdpa_row(llama) -> None:
-    """SDPA runs unpadded once: one flat row of real tokens, no mask, one restart per document boundary."""
-    from foundry_attn.callbacks.inspector import BatchInfo, ModelInspector
-    from foundry_attn.forward import forward_documents
-
-    model = llama("sdpa")
+    model = llama(impl)
+    attach(model)
     batch = {"input_ids": torch.randint(1, 64, (2, 8)), "doc_lens": [[3, 5], [4]], "total_tokens": [8, 4]}
     with torch.no_grad(), ModelInspector(model).capture(BatchInfo.from_batch(batch)) as records:
         forward_documents(model, batch)
     attn = [r for r in records if r["level"] == "attention"]
-    assert attn and all(r["mask"] == "none" for r in attn)
+    assert attn and all(r["mask"] == "none" and r["attn_implementation"] == impl for r in attn)
     assert records[0]["packed_positions"] and records[0]["position_restarts"] == 2
 
 

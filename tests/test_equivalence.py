@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from foundry_attn.forward import forward_documents, kernel_context, repad_logits
+from foundry_attn.adapters import attach
+from foundry_attn.forward import forward_documents, repad_logits
 from foundry_attn.layout import Layout
 from foundry_attn.packing import PaddingCollator
 
@@ -23,6 +24,8 @@ PAD = 63  # pad != EOS so a document may be a lone EOS; pad == EOS has its own c
 MAX_SEQ_LEN = 24
 BACKENDS = ("flash_attention_2", "sdpa", "eager", "flex_attention")
 MODELS = {impl: make_llama(impl) for impl in BACKENDS}
+for _impl, _model in MODELS.items():
+    attach(_model, _impl, fa2_reference=True)
 ALONE = make_llama("sdpa")
 
 
@@ -51,7 +54,7 @@ def check_equivalent(
     docs = _docs(lengths, seed)
     batch = PaddingCollator(pad, EOS, MAX_SEQ_LEN, mode)(_rows(docs, empty_rows, pad))
     model = MODELS[impl]
-    with torch.no_grad(), kernel_context(impl, torch.device("cpu"), fa2_reference=True):
+    with torch.no_grad():
         out = forward_documents(model, batch)
     logits = repad_logits(out)
     layout = Layout.from_batch(batch)
@@ -115,10 +118,20 @@ def test_stock_sdpa_contaminates_packed_documents() -> None:
     assert (stock[0, 6:15] - want).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("mode", ["mask", "pack"])
-def test_sdpa_with_the_4d_mask_matches_too(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past MAX_DOCUMENTS (or outside transformers' attention registry) SDPA takes the 4-D mask: same bar."""
-    import foundry_attn.forward
-
-    monkeypatch.setattr(foundry_attn.forward, "MAX_DOCUMENTS", 0)
-    check_equivalent("sdpa", mode, CASES["mixed"][0], empty_rows=1)
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("side", ["left", "right", "both"])
+def test_a_users_2d_mask_gives_the_stock_result(impl: str, side: str) -> None:
+    """No doc_lens: a right-, left- or both-sides-padded 2-D mask gives stock HF's logits on the real tokens."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 63, (3, 10), generator=gen)
+    lengths = [10, 6, 3]
+    offsets = {"left": [0, 4, 7], "right": [0, 0, 0], "both": [0, 2, 5]}[side]
+    mask = torch.zeros(3, 10, dtype=torch.long)
+    for r, (n, o) in enumerate(zip(lengths, offsets, strict=True)):
+        mask[r, o:o + n] = 1
+    stock = make_llama(impl)
+    with torch.no_grad():
+        want = stock(input_ids=ids, attention_mask=mask).logits
+        got = repad_logits(forward_documents(MODELS[impl], {"input_ids": ids, "attention_mask": mask}))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)

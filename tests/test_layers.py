@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CORE = ["capability", "policy", "loading", "packing", "layout", "masks", "forward", "sdpa_varlen", "patching",
-        "fa2_reference", "flash_symbols", "events", "cli"]
+CORE = ["capability", "policy", "loading", "packing", "layout", "forward", "adapters", "isolation", "conformance",
+        "patching", "fa2_reference", "flash_symbols", "events", "cli"]
 
 
 def test_core_imports_without_composer_or_llmfoundry() -> None:

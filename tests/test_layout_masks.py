@@ -1,15 +1,12 @@
-"""Layout (where the documents are) and the document masks built from it: additive 4-D and flex BlockMask."""
+"""Layout (where the documents are) and the document-aware attention functions that read it."""
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from foundry_attn.layout import Layout
-from foundry_attn.masks import BlockMaskCache, block_causal_additive, eager_flex_attention
 from foundry_attn.packing import PaddingCollator
 
 LAYOUT = Layout(((2, 1), (3,), ()), 4)  # row 0: two documents + 1 pad; row 1: one + 1 pad; row 2: all padding
@@ -50,7 +47,7 @@ def test_properties() -> None:
     assert LAYOUT.bounds() == [0, 2, 3, 6]
     assert LAYOUT.real_tokens == 6 and LAYOUT.max_length == 3
     assert LAYOUT.has_padding and LAYOUT.fill_ratio == 0.5
-    assert LAYOUT.signature() == (((2, 1), (3,), ()), 4)
+    assert LAYOUT.signature() == (((2, 1), (3,), ()), 4, ())
     assert Layout((), 4).max_length == 0
 
 
@@ -67,79 +64,60 @@ def test_cu_seq_lens_real_indices_segments_positions() -> None:
     assert full.segment_ids().tolist() == [[1, 1, 1, 1], [1, 1, 2, 2]] and not full.has_padding
 
 
-def loop_mask(layout: Layout) -> torch.Tensor:
-    """[rows, 1, L, L] bool by explicit loops: same segment (documents; the pad tail is one more) and not later."""
-    out = torch.zeros(layout.rows, 1, layout.width, layout.width, dtype=torch.bool)
-    for r, row in enumerate(layout.doc_lens):
-        bounds = [0]
-        for n in (*row, layout.width - sum(row)):
-            bounds.append(bounds[-1] + n)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            for i in range(a, b):
-                for j in range(a, i + 1):
-                    out[r, 0, i, j] = True
-    return out
+def test_left_padded_mask() -> None:
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 1, 1, 1]])
+    layout = Layout.from_batch({"input_ids": torch.zeros(3, 4, dtype=torch.long), "attention_mask": mask})
+    assert layout.doc_lens == ((2,), (3,), (3,)) and layout.starts == (2, 0, 1)
+    assert layout.real_indices().tolist() == mask.flatten().nonzero().flatten().tolist()
+    assert layout.position_ids()[0].tolist() == [0, 1, 0, 1]
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, Layout(((1, 1, 1, 1),), 4), Layout(((5,), (2, 3), (1, 2)), 6)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_causal_additive_equals_loop_mask(layout: Layout, dtype: torch.dtype) -> None:
-    mask = block_causal_additive(layout.segment_ids(), dtype)
-    assert mask.shape == (layout.rows, 1, layout.width, layout.width) and mask.dtype == dtype
-    allowed = loop_mask(layout)
-    assert (mask[allowed] == 0).all()
-    assert (mask[~allowed] == torch.finfo(dtype).min).all()
-    assert allowed.diagonal(dim1=-2, dim2=-1).all()  # no empty softmax row
+def test_gappy_mask_is_refused() -> None:
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(ValueError, match=r"rows \[0\] have gaps"):
+        Layout.from_batch({"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": mask})
 
 
-def test_additive_mask_makes_packed_documents_independent() -> None:
-    layout = Layout(((3, 2), (4,)), 5)
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_additive(layout.segment_ids(), q.dtype))
-    for r, row in enumerate(layout.doc_lens):
-        start = 0
-        for n in row:
-            s = slice(start, start + n)
-            alone = F.scaled_dot_product_attention(q[r : r + 1, :, s], k[r : r + 1, :, s], v[r : r + 1, :, s],
-                                                   is_causal=True)
-            torch.testing.assert_close(out[r : r + 1, :, s], alone, atol=1e-6, rtol=1e-6)
-            start += n
+def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Per-document reference: plain SDPA with an explicit causal (+ window) bool mask, GQA repeated."""
+    n = q.shape[2]
+    i = torch.arange(n)
+    allowed = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
 
 
-def test_block_mask_cache_per_layout_and_device() -> None:
-    cache = BlockMaskCache(size=2)
-    cpu = torch.device("cpu")
-    first = cache.get(LAYOUT, cpu)
-    assert cache.get(LAYOUT, cpu) is first
-    assert cache.get(Layout(LAYOUT.doc_lens, LAYOUT.width), "cpu") is first  # equal layout, same device name
-    other = cache.get(Layout(((4,), (3,), (1,)), 4), cpu)
-    assert other is not first
-    assert cache.get(LAYOUT, cpu) is first  # still cached (size 2), and now the most recent
-    cache.get(Layout(((1,), (1,), (1,)), 4), cpu)  # evicts the least recently used: `other`
-    assert cache.get(LAYOUT, cpu) is first
-    assert cache.get(Layout(((4,), (3,), (1,)), 4), cpu) is not other
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex_attention"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_adapters_match_each_document_alone(backend: str, window: int | None) -> None:
+    from foundry_attn.adapters import FUNCTIONS, Documents
+
+    docs = Documents.from_lengths([5, 1, 8, 2])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, generator=gen)
+    k, v = torch.randn(1, 2, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen)
+    module = torch.nn.Module()
+    out, _ = FUNCTIONS[backend](module, q, k, v, None, sliding_window=window, foundry_documents=docs)
+    for s, e in docs.spans:
+        want = _alone(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], window)
+        torch.testing.assert_close(out[:, s:e], want, atol=1e-5, rtol=1e-5)
 
 
-def test_flex_block_mask_matches_additive_mask_on_cpu() -> None:
-    from torch.nn.attention.flex_attention import flex_attention
+def test_block_masks_cached_per_documents_window_and_device() -> None:
+    from foundry_attn.adapters import BLOCK_MASKS, Documents
 
-    layout = Layout(((3, 2), (4,), ()), 6)
-    block_mask = BlockMaskCache().get(layout, torch.device("cpu"))
-    assert block_mask.shape[0] == layout.rows and tuple(block_mask.shape[-2:]) == (6, 6)
-    torch.manual_seed(1)
-    q, k, v = (torch.randn(3, 2, 6, 8) for _ in range(3))
-    got = flex_attention(q, k, v, block_mask=block_mask)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_additive(layout.segment_ids(), q.dtype))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    docs = Documents.from_lengths([3, 4])
+    first = BLOCK_MASKS.get(docs, None, torch.device("cpu"))
+    assert BLOCK_MASKS.get(Documents.from_lengths([3, 4]), None, torch.device("cpu")) is first
+    assert BLOCK_MASKS.get(docs, 2, torch.device("cpu")) is not first
 
 
-def test_eager_flex_attention_context_restores() -> None:
-    module = importlib.import_module("transformers.integrations.flex_attention")
-    original = module.compile_friendly_flex_attention
-    with eager_flex_attention():
-        assert module.compile_friendly_flex_attention is not original
-    assert module.compile_friendly_flex_attention is original
-    with pytest.raises(RuntimeError), eager_flex_attention():
-        raise RuntimeError("boom")
-    assert module.compile_friendly_flex_attention is original
+def test_sdpa_refuses_softcap_and_a_lost_documents_argument() -> None:
+    from foundry_attn.adapters import Documents, sdpa_documents
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        sdpa_documents(torch.nn.Module(), q, q, q, None, softcap=50.0, foundry_documents=Documents((0, 4)))
+    placeholder = torch.zeros(()).expand(1, 1, 4, 4)
+    with pytest.raises(RuntimeError, match="did not reach"):
+        sdpa_documents(torch.nn.Module(), q, q, q, placeholder)

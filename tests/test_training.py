@@ -32,7 +32,7 @@ def test_train_from_yaml_registered_names(assets: Path, tmp_path: Path) -> None:
     model = trainer.state.model
     assert model.attn_decision.chosen == "sdpa"
     assert "flash-attn is not installed" in model.attn_decision.reason
-    assert model.model.config._attn_implementation == "sdpa"
+    assert model.attn_implementation == "sdpa" and model.model.config._attn_implementation == "foundry_sdpa"
     assert next(model.parameters()).dtype == torch.float32  # fallback keeps LLM-Foundry's dtype
     [event] = read_events(tmp_path / "events", "attn_impl")
     assert event["chosen"] == "sdpa" and event["rank"] == 0 and event["device_name"] == "cpu"
@@ -88,7 +88,7 @@ def test_explicit_request_falls_back_down_the_chain(assets: Path, tmp_path: Path
                                 pretrained=False, events_dir=str(tmp_path), attn_implementation="flash_attention_2",
                                 attn_fallback=["eager"])
     assert model.attn_decision.chosen == "eager" and model.attn_decision.fallback
-    assert model.model.config._attn_implementation == "eager"
+    assert model.attn_implementation == "eager"
 
 
 def test_two_ranks_gloo(assets: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from composer.core import Callback, State
 from composer.utils import dist
 from torch import nn
 
+from foundry_attn.adapters import backend_of
 from foundry_attn.events import EventLog, default_events_dir
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,9 @@ def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def attn_implementation(module: nn.Module | None) -> str | None:
-    """``config._attn_implementation`` of a Hugging Face model, or None."""
+    """The attention backend of a Hugging Face model (``sdpa`` for our ``foundry_sdpa``), or None."""
     config = getattr(module, "config", None)
-    return getattr(config, "_attn_implementation", None)
+    return backend_of(getattr(config, "_attn_implementation", None))
 
 
 

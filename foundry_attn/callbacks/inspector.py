@@ -43,6 +43,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
+from foundry_attn.adapters import is_placeholder
 from foundry_attn.callbacks.common import (
     ReleasingCallback,
     attn_implementation,
@@ -152,7 +153,7 @@ def _first_tensor(arguments: Mapping[str, Any]) -> torch.Tensor | None:
 
 def _describe_mask(mask: Any) -> dict[str, Any]:
     """Kind, dtype, shape and whether the mask masks anything (reads device values: sampled batches only)."""
-    if mask is None:
+    if mask is None or is_placeholder(mask):  # the documents travel as arguments, not in a mask
         return {"mask": "none", "mask_dtype": None, "mask_shape": None, "has_zeros": None}
     if not isinstance(mask, torch.Tensor):
         shape = getattr(mask, "shape", None)

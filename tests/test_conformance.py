@@ -1,0 +1,87 @@
+"""Exact or refused: family x backend x {pack, mask} x checkpointing against stock transformers, doc by doc."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundry_attn import conformance
+from foundry_attn.adapters import FUNCTIONS, attach
+from foundry_attn.isolation import isolation_check
+
+#: (family, backend) -> a phrase the refusal must contain; every other cell must be exact
+REFUSED = {
+    ("gemma2", "sdpa"): "cannot apply Gemma2ForCausalLM's attention logit softcap",
+    ("gemma2", "flex_attention"): "cannot apply Gemma2ForCausalLM's attention logit softcap",
+    ("gpt2", "flash_attention_2"): "passes no per-call arguments to attention",
+    ("gpt2", "flex_attention"): "has no flex_attention support",
+}
+#: GPT-NeoX's HF gradient checkpointing drops **kwargs: refused loudly at the first forward
+DROPS_KWARGS = {("gpt_neox", kind) for kind in ("hf_reentrant", "hf_non_reentrant")}
+
+
+@pytest.mark.parametrize("family", list(conformance.FAMILIES))
+def test_every_cell_is_exact_or_refused(family: str) -> None:
+    for backend in conformance.BACKENDS:
+        for mode in conformance.MODES:
+            for kind in conformance.CHECKPOINTING if mode == "pack" else ("plain",):
+                c = conformance.cell(family, backend, mode, kind)
+                where = f"{family}/{backend}/{mode}/{kind}: {c}"
+                if (family, backend) in REFUSED:
+                    assert c.status == "refused" and REFUSED[family, backend] in c.detail, where
+                elif (family, kind) in DROPS_KWARGS:
+                    assert c.status == "refused" and "did not reach" in c.detail, where
+                else:
+                    assert c.status == "exact", where
+
+
+def test_isolation_probe_catches_a_broken_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    model = conformance.build("llama", "sdpa")
+    attach(model, "sdpa")
+    assert isolation_check(model)[0] is None
+
+    def leaky(module, query, key, value, attention_mask, **kwargs):  # ignores the documents
+        kwargs.pop("foundry_documents")
+        return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "foundry_sdpa", leaky)
+    failure, ms = isolation_check(model)
+    assert failure and "documents see each other" in failure and ms > 0
+    assert model.training  # mode restored
+
+
+def test_table_lists_every_family() -> None:
+    cells = [conformance.Cell("llama", b, "pack", "plain", "exact") for b in conformance.BACKENDS]
+    cells.append(conformance.Cell("gpt2", "flex_attention", "pack", "plain", "refused", "no flex"))
+    table = conformance.table(cells)
+    assert table.count("\n") == len(conformance.FAMILIES) + 1 and "refused: no flex" in table
+
+
+def test_strict_with_reference_is_recorded(tmp_path) -> None:
+    from foundry_attn.loading import decide
+
+    config, _ = conformance.FAMILIES["llama"]()
+    d = decide(None, "flash_attention_2", ("flash_attention_2", "sdpa"), strict=True, fa2_reference=True,
+               config=config)
+    assert d.strict and d.as_dict()["strict"] is True and d.chosen == "flash_attention_2"
+
+
+def test_a_bad_config_override_is_not_blamed_on_attention(assets, tmp_path, caplog) -> None:
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    with pytest.raises(ValueError, match="config does not have attribute"):
+        FoundryAttnCausalLM(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"),
+                            pretrained=False, events_dir=str(tmp_path), config_overrides={"no_such_key": 1})
+    assert "building with" not in caplog.text
+
+
+def test_model_records_the_isolation_probe(assets, tmp_path) -> None:
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    model = FoundryAttnCausalLM(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"),
+                                pretrained=False, events_dir=str(tmp_path), attn_implementation="eager")
+    assert model.attn_decision.isolation.startswith("passed in")
+    assert model.model.config._attn_implementation == "foundry_eager" and model.attn_implementation == "eager"
+    assert next(model.parameters()).dtype == torch.float32
