@@ -5,6 +5,7 @@
     foundry-attn assets build/tiny
     foundry-attn bench padding --json [--device cuda] [--threads 1]
     foundry-attn bench callbacks --json
+    foundry-attn conformance [--markdown] [--family mistral]
 """
 
 from __future__ import annotations
@@ -77,6 +78,20 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def conformance(args: argparse.Namespace) -> int:
+    """Every (family, backend) cell, exact or refused; ``--markdown`` prints the README table."""
+    from foundry_attn.conformance import FAMILIES, run_all, table
+
+    cells = run_all(tuple(args.family or FAMILIES))
+    if args.markdown:
+        print(table(cells))
+    else:
+        for c in cells:
+            print(f"{c.family:9} {c.backend:18} {c.mode:5} {c.checkpointing:19} {c.status:8} "
+                  f"{c.detail or f'loss {c.loss_err:.1e}, grad {c.grad_err:.1e} (relative)'}")
+    return 1 if any(c.status == "WRONG" for c in cells) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="foundry-attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="padding: cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
+    p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--family", action="append", help="only this family (repeatable)")
+    p.set_defaults(func=conformance)
     args = parser.parse_args(argv)
     return args.func(args)
 
