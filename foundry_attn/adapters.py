@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from foundry_attn.fa2_reference import reference_flash_attn
 
@@ -133,10 +134,6 @@ def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> 
 # ---- the attention functions ---------------------------------------------------------------------------
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
 def _allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[n, n] bool: causal, and (with a window) a query sees at most ``window`` keys, itself included."""
     i = torch.arange(n, device=device)
@@ -179,7 +176,7 @@ def sdpa_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     pieces = []
     for s, e in docs.spans:
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
@@ -195,7 +192,7 @@ def _eager(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.T
            dropout: float, scaling: float | None, softcap: float | None) -> torch.Tensor:
     """transformers' eager attention: scores, softcap, additive mask, fp32 softmax, dropout. -> [B, H, S, D]."""
     groups = q.shape[1] // k.shape[1]
-    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap:
@@ -288,7 +285,7 @@ def flex_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
     kernel = flex_attention if query.device.type == "cpu" else _compiled_flex()
     groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     out = kernel(query, key, value, score_mod=score_mod if softcap else None,
                  block_mask=BLOCK_MASKS.get(docs, sliding_window, query.device), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
