@@ -142,14 +142,15 @@ def _allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
 
 
 def is_placeholder(mask: Any) -> bool:
-    """The zero-stride 4-D mask ``forward_documents`` hands the model: nothing is masked by it."""
-    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.numel() > 1 and not any(mask.stride())
+    """The ``[1, 1, 1, 1]`` mask ``forward_documents`` hands the model: it masks nothing, and the model's own
+    mask code (Gemma's sliding-window step included) passes it on without growing it to L x L."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (1, 1)
 
 
-def _documents(kwargs: dict, attention_mask: Any) -> Documents | None:
+def _documents(kwargs: dict, attention_mask: Any, query: torch.Tensor) -> Documents | None:
     """The documents of this call; a placeholder mask without them means a caller dropped our argument."""
     docs = kwargs.pop(DOCS_KEY, None)
-    if docs is None and is_placeholder(attention_mask):
+    if docs is None and query.shape[2] > 1 and is_placeholder(attention_mask):
         raise RuntimeError(
             "foundry_attn: the documents did not reach this attention call: a layer dropped the "
             f"'{DOCS_KEY}' argument (GPT-NeoX does under HF gradient_checkpointing_enable()); use "
@@ -168,7 +169,7 @@ def sdpa_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                    sliding_window: int | None = None, softcap: float | None = None,
                    **kwargs: Any) -> tuple[torch.Tensor, None]:
     """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask."""
-    docs = _documents(kwargs, attention_mask)
+    docs = _documents(kwargs, attention_mask, query)
     _no_softcap(SDPA, softcap)
     if docs is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -209,7 +210,7 @@ def eager_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     sliding_window: int | None = None, softcap: float | None = None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' eager math, one document at a time (causal and window per document)."""
-    docs = _documents(kwargs, attention_mask)
+    docs = _documents(kwargs, attention_mask, query)
     if docs is None:
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -269,7 +270,7 @@ def flex_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
     Uncompiled on CPU (the only dependable flex there in torch 2.7), compiled elsewhere.
     """
-    docs = _documents(kwargs, attention_mask)
+    docs = _documents(kwargs, attention_mask, query)
     _no_softcap(FLEX, softcap)
     if dropout:
         raise ValueError(f"foundry_attn: flex_attention cannot apply attention dropout {dropout}")
@@ -297,7 +298,7 @@ def _fa2(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     """transformers' own FA2 function with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
     from transformers.integrations.flash_attention import flash_attention_forward
 
-    docs = _documents(kwargs, attention_mask)
+    docs = _documents(kwargs, attention_mask, query)
     if docs is None:  # a mask built by the model (generation): FA2 cannot take a 4-D mask; eager math can
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None

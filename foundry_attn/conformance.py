@@ -14,7 +14,6 @@ Core module: torch and transformers only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -133,8 +132,8 @@ def _batch(docs: list[torch.Tensor], mode: str) -> dict[str, Any]:
     return {"input_ids": ids, "labels": labels, "doc_lens": [[d.numel() for d in row] for row in rows]}
 
 
-@contextlib.contextmanager
-def _checkpointing(model: torch.nn.Module, kind: str) -> Any:
+def enable_checkpointing(model: Any, kind: str) -> None:
+    """Turn on one of :data:`CHECKPOINTING` for ``model``'s decoder layers."""
     if kind.startswith("hf_"):
         model.gradient_checkpointing_enable({"use_reentrant": kind == "hf_reentrant"})
     elif kind == "checkpoint_wrapper":  # what Composer applies for fsdp_config.activation_checkpointing
@@ -144,13 +143,11 @@ def _checkpointing(model: torch.nn.Module, kind: str) -> Any:
             checkpoint_wrapper,
         )
 
-        layers = tuple({type(m) for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block",
-                                                                                        "Layer"))})
+        layers = tuple({type(m) for m in model.modules() if type(m).__name__ in model._no_split_modules})
         apply_activation_checkpointing(
             model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
                                                            checkpoint_impl=CheckpointImpl.NO_REENTRANT),
             check_fn=lambda m: isinstance(m, layers) and m is not model)
-    yield
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
@@ -182,9 +179,9 @@ def cell(family: str, backend: str, mode: str = "pack", checkpointing: str = "pl
     model = build(family, backend)
     attach(model, backend, fa2_reference=True)
     try:
-        with _checkpointing(model, checkpointing):
-            out = forward_documents(model, _batch(_documents(), mode))
-            out.loss.backward()
+        enable_checkpointing(model, checkpointing)
+        out = forward_documents(model, _batch(_documents(), mode))
+        out.loss.backward()
     except RuntimeError as exc:  # refused at the first forward, loudly (the documents did not arrive)
         if "did not reach" not in str(exc):
             raise

@@ -8,7 +8,7 @@ The batch is unpadded once into one flat row of real tokens. Every attention cal
 carries the documents as an argument (``foundry_documents``) to our function for its backend
 (``foundry_attn.adapters``): FA2 varlen with ``cu_seq_lens``, one causal SDPA call per document, eager
 math per document, or one flex call with a document ``BlockMask``. No L x L mask is built: the model's own
-mask code gets a zero-stride 4-D placeholder, which it passes through unchanged.
+mask code gets a ``[1, 1, 1, 1]`` placeholder, which it passes through unchanged.
 
 A model whose base ``forward`` passes nothing on to attention (GPT-2 in transformers 4.51) keeps its
 stock backend and runs one document per row, right-padded, with a 2-D mask: exact, at the cost of padding.
@@ -41,8 +41,15 @@ def kernel_context(impl: str, device: torch.device, fa2_reference: bool = False)
     return contextlib.nullcontext()
 
 
+def unwrapped(model: Any) -> Any:
+    """The HF model inside DDP / FSDP1 wrappers, which hide its ``config`` (``torch.compile`` and FSDP2 keep it)."""
+    while not hasattr(model, "config") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 def forward_documents(model: Any, batch: Mapping) -> Any:
-    """Run ``model`` (a HF causal LM) on ``batch`` so that no document sees another."""
+    """Run ``model`` (a HF causal LM, or a DDP / FSDP / compiled wrapper of one) so that no document sees another."""
     ids = batch["input_ids"]
     layout = Layout.from_batch(batch)
     if layout.real_tokens == 0:
@@ -52,9 +59,22 @@ def forward_documents(model: Any, batch: Mapping) -> Any:
         positions = (layout.position_ids(ids.device) if batch.get("doc_lens") is not None
                      else torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
     labels = batch.get("labels")
-    if model.config._attn_implementation in REGISTERED:
-        return _forward_flat(model, ids, positions, labels, layout)
-    return _forward_rows(model, ids, positions, labels, layout)
+    no_targets = labels is not None and not _has_targets(batch, labels)
+    if no_targets:  # HF's mean over zero targets is nan: this microbatch adds zero loss instead
+        labels = None
+    forward = _forward_flat if unwrapped(model).config._attn_implementation in REGISTERED else _forward_rows
+    out = forward(model, ids, positions, labels, layout)
+    if no_targets:
+        out.loss = out.logits.sum() * 0.0  # zero, and connected to every parameter the forward used
+    return out
+
+
+def _has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
+    """Whether any token has a target (host counts when the collator gave them: no device sync)."""
+    counts = batch.get("loss_generating_tokens")
+    if counts is not None:
+        return sum(counts) > 0
+    return labels.device.type != "cpu" or bool((labels[:, 1:] != IGNORE_INDEX).any())
 
 
 def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[int]) -> torch.Tensor | None:
@@ -71,7 +91,7 @@ def _forward_flat(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels
     flat = layout.real_indices(ids.device)
     docs = Documents(tuple(layout.bounds()))
     total = docs.bounds[-1]
-    placeholder = torch.zeros((), dtype=model.dtype, device=ids.device).expand(1, 1, total, total)
+    placeholder = torch.zeros(1, 1, 1, 1, dtype=unwrapped(model).dtype, device=ids.device)
     out = model(input_ids=ids.reshape(-1)[flat][None], position_ids=positions.reshape(-1)[flat][None],
                 attention_mask=placeholder, labels=_flat_labels(labels, flat, list(docs.bounds[:-1])),
                 use_cache=False, **{DOCS_KEY: docs})

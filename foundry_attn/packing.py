@@ -13,6 +13,8 @@ Every batch (``mask`` and ``pack``) carries, besides ``input_ids``/``labels``/``
   (SDPA, eager, flex) from these on the host, per microbatch, without a device sync.
 - ``total_tokens`` / ``loss_generating_tokens``: per-row counts that LLM-Foundry's token counter reads.
 - ``attention_mask`` (``mask`` mode only), so a stock HF model also sees the padding.
+- ``examples``: per row, how many examples begin in it; they sum to the examples the batch was made from
+  (Composer's sample clock counts these, not rows, so a resumed run restarts at the right example).
 
 Labels are ``-100`` on padding and on the first token of every document, so no document is trained
 to predict its neighbour. When pad == EOS, the first EOS after a row's content is a real token.
@@ -192,11 +194,21 @@ class PaddingCollator:
     def __call__(self, examples: Sequence[torch.Tensor | Mapping]) -> dict:
         docs: list[Document] = []
         layout: list[list[int]] = []  # mask mode: one row per document, an empty row stays empty
+        firsts: set[int] = set()  # the documents that begin an example
+        empty_rows: list[int] = []  # the rows of examples without tokens (mask mode keeps them as empty rows)
         for pieces in self._documents(self._rows(examples)):
+            if pieces:
+                firsts.add(len(docs))
+            else:
+                empty_rows.append(len(layout))
             layout.extend([[len(docs) + k] for k in range(len(pieces))] or [[]])
             docs.extend(pieces)
         if self.mode == "pack":
             layout = self._first_fit(docs)
+            empty_rows = [0] * len(empty_rows)
+        started = [sum(i in firsts for i in row) for row in layout]
+        for r in empty_rows:
+            started[r] += 1
         doc_lens = [[docs[i][0].numel() for i in row] for row in layout]
         total = [sum(lens) for lens in doc_lens]
         width = max(1, max(total))
@@ -233,6 +245,7 @@ class PaddingCollator:
             "doc_lens": doc_lens,
             "total_tokens": total,
             "loss_generating_tokens": (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist(),
+            "examples": started,  # per row, the examples that begin in it: they sum to len(examples)
         }
         if self.mode == "mask":
             batch["attention_mask"] = (positions[None, :] < torch.tensor(total)[:, None]).long()

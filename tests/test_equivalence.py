@@ -72,8 +72,10 @@ def check_equivalent(
             start += n
             seen += 1
     assert seen == len(lengths)
-    # the training loss itself: the mean over every document's own targets, nothing across documents
-    torch.testing.assert_close(out.loss, torch.cat(token_losses).mean(), atol=1e-5, rtol=1e-5, equal_nan=True)
+    # the training loss itself: the mean over every document's own targets, nothing across documents (none: 0)
+    targets = torch.cat(token_losses)
+    torch.testing.assert_close(out.loss, targets.mean() if targets.numel() else torch.tensor(0.0), atol=1e-5,
+                               rtol=1e-5)
 
 
 CASES = {  # name: (lengths, rows entirely padding, pad id)
@@ -106,6 +108,20 @@ def test_length_one_documents_have_no_targets() -> None:
     batch = PaddingCollator(PAD, EOS, MAX_SEQ_LEN, "pack")(_rows(_docs([1, 1, 3], 0), 0))
     assert batch["doc_lens"] == [[1, 1, 3]]
     assert batch["loss_generating_tokens"] == [2]
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("mode", ["mask", "pack"])
+def test_a_microbatch_without_targets_adds_zero_loss(impl: str, mode: str) -> None:
+    """Only 1-token documents: HF's mean over no targets is nan; ours is 0, with zero gradients."""
+    model = make_llama(impl)
+    attach(model, impl, fa2_reference=True)
+    batch = PaddingCollator(PAD, EOS, MAX_SEQ_LEN, mode)(_rows(_docs([1, 1, 1], 0), 0))
+    assert batch["loss_generating_tokens"] in ([0], [0, 0, 0])
+    out = forward_documents(model.train(), batch)
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
 def test_stock_sdpa_contaminates_packed_documents() -> None:

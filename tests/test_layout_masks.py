@@ -118,6 +118,6 @@ def test_sdpa_refuses_softcap_and_a_lost_documents_argument() -> None:
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="softcap"):
         sdpa_documents(torch.nn.Module(), q, q, q, None, softcap=50.0, foundry_documents=Documents((0, 4)))
-    placeholder = torch.zeros(()).expand(1, 1, 4, 4)
+    placeholder = torch.zeros(1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="did not reach"):
         sdpa_documents(torch.nn.Module(), q, q, q, placeholder)

@@ -323,3 +323,12 @@ def test_true_lengths_matches_python_reference(data: list[list[int]], pad_is_eos
     batch = PaddingCollator(pad, eos, 6)([torch.tensor(r) for r in data])
     check_invariants(batch, 6)
     assert batch["total_tokens"] == got
+
+
+@pytest.mark.parametrize("mode", ["mask", "pack"])
+def test_batch_counts_examples_not_rows(mode: str) -> None:
+    """The sample clock: 4 examples (one empty), however many rows packing or splitting makes of them."""
+    rows = [torch.tensor([5, 6, EOS, 7, EOS]), torch.tensor([PAD, PAD]), torch.tensor([8, EOS, PAD]),
+            torch.arange(1, 12)]
+    batch = PaddingCollator(PAD, EOS, 4, mode=mode)(rows)
+    assert sum(batch["examples"]) == 4 and len(batch["examples"]) == batch["input_ids"].shape[0] != 4

@@ -68,7 +68,8 @@ def _step_timer() -> tuple[Any, Any, list[float]]:
 
 
 def _assets(root: Path) -> tuple[Any, Path]:
-    from foundry_attn.foundry.assets import TINY_SHAPE, build_tokenizer, llama_config
+    from foundry_attn.foundry.assets import build_tokenizer
+    from foundry_attn.shapes import TINY_SHAPE, llama_config
 
     tok = build_tokenizer(root / "tokenizer")
     llama_config(len(tok), **TINY_SHAPE).save_pretrained(root / "tiny-llama")

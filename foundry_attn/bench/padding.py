@@ -69,7 +69,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from foundry_attn.forward import forward_documents, kernel_context
+from foundry_attn.adapters import attach
+from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.policy import FA2, SDPA
 
@@ -133,13 +134,13 @@ class Mode:
 
     def step(self, model: torch.nn.Module) -> torch.Tensor:
         """Forward + backward; returns the detached loss."""
-        model.config._attn_implementation = self.impl
-        with kernel_context(self.impl, self.batch["input_ids"].device):
-            if self.ours:
-                out = forward_documents(model, self.batch)
-            else:
-                out = model(**self.batch, use_cache=False)
-            out.loss.backward()
+        if self.ours:  # our function for the backend, documents as call arguments
+            attach(model, self.impl)
+            out = forward_documents(model, self.batch)
+        else:
+            model.config._attn_implementation = self.impl
+            out = model(**self.batch, use_cache=False)
+        out.loss.backward()
         return out.loss.detach()
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
+
 EOS = "<|endoftext|>"
 UNK = "<unk>"
 _NOUNS = "cat dog bird fox owl cow pig hen bee ant frog fish bear wolf deer goat duck lamb mole seal".split()
@@ -44,19 +46,6 @@ def build_tokenizer(out: Path):
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=UNK)
     tok.save_pretrained(out)
     return tok
-
-
-def llama_config(vocab_size: int, **shape: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                       tie_word_embeddings=True, **shape)
-
-
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512)
-SMOLLM2_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                          num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0)
 
 
 def write_text_mds(out: Path, tokenizer, n_rows: int, max_seq_len: int, seed: int) -> None:
@@ -91,7 +80,7 @@ def build_assets(out: str | Path, max_seq_len: int = 128, train_rows: int = 512,
     tokenizer = build_tokenizer(out / "tokenizer")
     vocab = (len(tokenizer) + 63) // 64 * 64
     llama_config(vocab, **TINY_SHAPE).save_pretrained(out / "tiny-llama")
-    llama_config(49152, **SMOLLM2_135M_SHAPE).save_pretrained(out / "smollm2-135m")
+    llama_config(SMOLLM2_VOCAB, **SMOLLM2_135M_SHAPE).save_pretrained(out / "smollm2-135m")
     for split, rows, seed in (("train", train_rows, 0), ("val", val_rows, 1)):
         shutil.rmtree(out / "text" / split, ignore_errors=True)
         write_text_mds(out / "text" / split, tokenizer, rows, max_seq_len, seed)

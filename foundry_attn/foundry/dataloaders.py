@@ -13,16 +13,19 @@
       padding: pack
       dataset: {hf_name: ./build/tiny/finetune, split: train, max_seq_len: 128, decoder_only_format: true}
 
-Both return a Composer ``DataSpec`` that counts only real tokens.
+Both return a Composer ``DataSpec`` that counts only real tokens, and examples (not packed rows) as samples.
+The text loader reads whole rows: a row longer than ``max_seq_len`` reaches the collator intact, which splits
+(``overflow: split``) or truncates each document.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from composer.core import DataSpec
 from composer.core.data_spec import _default_split_batch
@@ -49,8 +52,48 @@ def _split_packed(batch: Any, microbatch_size: int | float) -> Sequence:
         return _default_split_batch(batch, microbatch_size)
 
 
+def _examples_in_batch(batch: Mapping) -> int:
+    """Composer's sample clock: examples consumed (a packed batch has fewer rows, a split one more)."""
+    return sum(batch["examples"]) if "examples" in batch else int(batch["input_ids"].shape[0])
+
+
 def _data_spec(dl: DataLoader) -> DataSpec:
-    return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func(), split_batch=_split_packed)
+    return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func(), split_batch=_split_packed,
+                    get_num_samples_in_batch=_examples_in_batch)
+
+
+class WholeRowTextDataset(StreamingTextDataset):
+    """LLM-Foundry's ``StreamingTextDataset`` that hands the collator whole rows, not rows cut to ``max_seq_len``:
+    the collator then splits (``overflow: split``) or truncates each document, so no token is lost unseen.
+
+    Its checkpoint state records the padding mode; resuming with another one fails with a clear error.
+    """
+
+    def __init__(self, *args: Any, padding: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.padding = padding
+
+    def _tokenize(self, text_sample: Mapping) -> dict[str, list[int]]:
+        if self.tokenizer.pad_token is None:
+            raise RuntimeError("tokenizing text on the fly needs a tokenizer with a pad token")
+        return self.tokenizer(text_sample["text"], truncation=False, padding=False)
+
+    def _read_binary_tokenized_sample(self, sample: dict[str, Any]) -> torch.Tensor:
+        tokens = sample["tokens"]
+        if not isinstance(tokens, np.ndarray):
+            tokens = np.frombuffer(tokens, dtype=getattr(np, self.token_encoding_type))
+        return torch.from_numpy(tokens.copy()).to(torch.int64)
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        return {**super().state_dict(num_samples, from_beginning), "foundry_attn_padding": self.padding}
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        saved = obj.get("foundry_attn_padding", "none")
+        if saved != self.padding:
+            raise ValueError(f"foundry_attn_text: this checkpoint was written with padding: {saved}, and this run "
+                             f"uses padding: {self.padding}; resume with padding: {saved} (the same examples make "
+                             "different batches under another mode)")
+        super().load_state_dict({k: v for k, v in obj.items() if k != "foundry_attn_padding"})
 
 
 def build_text_dataloader(
@@ -70,8 +113,8 @@ def build_text_dataloader(
     streams = build_streams(streams=cfg.pop("streams", None))
     allowed = set(inspect.signature(StreamingTextDataset).parameters) | set(
         inspect.signature(StreamingDataset).parameters)
-    text_dataset = StreamingTextDataset(
-        tokenizer=tokenizer, streams=streams, batch_size=int(device_batch_size),
+    text_dataset = WholeRowTextDataset(
+        tokenizer=tokenizer, streams=streams, batch_size=int(device_batch_size), padding=padding,
         **{k: v for k, v in cfg.items() if k in allowed},
     )
     dl = DataLoader(text_dataset, collate_fn=collate, batch_size=int(device_batch_size), **loader_kwargs)
