@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from foundry_attn.document_op import document_attention, eager_document, sdpa_document
 from foundry_attn.fa2_reference import reference_flash_attn
 
 DOCS_KEY = "foundry_documents"
@@ -40,11 +41,27 @@ FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
 FA2_REFERENCE = "fa2_reference"  # registered as foundry_fa2_reference: FA2 code paths on the CPU reference kernel
 
 
-@dataclasses.dataclass(frozen=True)
 class Documents:
-    """Where each document sits in the flat row: ``bounds = (0, l0, l0 + l1, ...)`` as Python ints."""
+    """Where each document sits in the flat row of one forward.
 
-    bounds: tuple[int, ...]
+    ``bounds = (0, l0, l0 + l1, ...)`` as Python ints for the eager paths, and the same bounds as int32 tensors
+    made once per forward (:meth:`of`): ``cu`` on the model's device (FA2, flex), ``host_bounds`` on the CPU
+    (:mod:`foundry_attn.document_op` reads it without a device sync). Under ``torch.compile`` only the tensors
+    are read, so a new layout is new data for the same graph, not a new graph. (A plain class, not a dataclass:
+    Dynamo guards every field of a dataclass it meets, and only the attributes read of a plain object.)
+    """
+
+    def __init__(self, bounds: tuple[int, ...], cu: torch.Tensor | None = None,
+                 host_bounds: torch.Tensor | None = None) -> None:
+        self.bounds, self.cu, self.host_bounds = tuple(bounds), cu, host_bounds
+
+    def __repr__(self) -> str:
+        return f"Documents(bounds={self.bounds})"
+
+    @classmethod
+    def of(cls, bounds: tuple[int, ...] | list[int], device: torch.device | str = "cpu") -> Documents:
+        host = torch.tensor(bounds, dtype=torch.int32)
+        return cls(tuple(bounds), host.to(device, non_blocking=True), host)
 
     @classmethod
     def from_lengths(cls, lengths: list[int]) -> Documents:
@@ -59,7 +76,12 @@ class Documents:
         return max((e - s for s, e in self.spans), default=0)
 
     def cu_seq_lens(self, device: torch.device) -> torch.Tensor:
+        if self.cu is not None and self.cu.device == torch.device(device):
+            return self.cu
         return torch.tensor(self.bounds, dtype=torch.int32, device=device)
+
+    def host(self) -> torch.Tensor:
+        return self.host_bounds if self.host_bounds is not None else torch.tensor(self.bounds, dtype=torch.int32)
 
     def document_ids(self, device: torch.device) -> torch.Tensor:
         lengths = torch.tensor([e - s for s, e in self.spans])
@@ -134,13 +156,6 @@ def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> 
 # ---- the attention functions ---------------------------------------------------------------------------
 
 
-def _allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[n, n] bool: causal, and (with a window) a query sees at most ``window`` keys, itself included."""
-    i = torch.arange(n, device=device)
-    rel = i[:, None] - i[None, :]
-    return (rel >= 0) & (rel < window) if window else rel >= 0
-
-
 def is_placeholder(mask: Any) -> bool:
     """The ``[1, 1, 1, 1]`` mask ``forward_documents`` hands the model: it masks nothing, and the model's own
     mask code (Gemma's sliding-window step included) passes it on without growing it to L x L."""
@@ -178,15 +193,22 @@ def sdpa_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                                       scaling=scaling, **kwargs)
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    pieces = []
-    for s, e in docs.spans:
-        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-        if sliding_window and e - s > sliding_window:
-            mask = _allowed(e - s, sliding_window, q.device)
-            pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
-        else:
-            pieces.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
-    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+    if torch.compiler.is_compiling():
+        out = _compiled(SDPA, query, key, value, docs, sliding_window, scaling, None, dropout)
+    else:
+        out = torch.cat([sdpa_document(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], sliding_window, scaling,
+                                       dropout) for s, e in docs.spans], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _compiled(kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: Documents,
+              window: int | None, scaling: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
+    """Under ``torch.compile``: every document in one opaque op over host-side bounds (no recompile per layout)."""
+    if dropout:
+        raise ValueError(f"foundry_attn: {kind} with attention dropout {dropout} under torch.compile is not "
+                         "supported; set attention_dropout: 0, or train uncompiled")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return document_attention(query, key, value, docs.host(), kind, window or 0, scale, softcap or 0.0)[0]
 
 
 def _eager(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor | None,
@@ -214,14 +236,16 @@ def eager_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if docs is None:
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
-    pieces = []
-    for s, e in docs.spans:
-        allowed = _allowed(e - s, sliding_window, query.device)
-        additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-        additive.masked_fill_(~allowed, torch.finfo(query.dtype).min)
-        pieces.append(_eager(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], additive, dropout,
-                             scaling, softcap))
-    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if torch.compiler.is_compiling():
+        out = _compiled(EAGER, query, key, value, docs, sliding_window, scaling, softcap,
+                        dropout if module.training else 0.0)
+    else:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = torch.cat([eager_document(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], sliding_window, scale,
+                                        softcap, dropout, module.training) for s, e in docs.spans], dim=2)
+    return out.transpose(1, 2).contiguous(), None
 
 
 class _BlockMasks:
@@ -303,7 +327,9 @@ def _fa2(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
     cu = docs.cu_seq_lens(query.device)
-    kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=docs.max_length, max_length_k=docs.max_length)
+    # compiled: the row length bounds every document and is already a (dynamic) shape, so no guard on the layout
+    longest = query.shape[2] if torch.compiler.is_compiling() else docs.max_length
+    kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     if kwargs.get("position_ids") is None:  # 4.51 takes the varlen path only when position_ids is given
         kwargs["position_ids"] = docs.positions(query.device)
     return flash_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,

@@ -70,6 +70,11 @@ def bench(args: argparse.Namespace) -> int:
         from foundry_attn.bench.padding import run
 
         result = run(quick=args.quick, device=args.device)
+    elif args.which == "compile":
+        from foundry_attn.bench.compile import WORKLOADS, run
+
+        result = run(device=args.device, layouts=12 if args.quick else 50, models=("tiny",) if args.quick else
+                     tuple(WORKLOADS))
     elif args.which == "isolation":
         from foundry_attn.bench.isolation import MODELS, run
 
@@ -113,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", nargs="?", default="build/tiny")
     p.set_defaults(func=assets)
     p = sub.add_parser("bench", help="side-by-side benchmarks; prints ratios from one run")
-    p.add_argument("which", choices=("padding", "callbacks", "isolation"))
+    p.add_argument("which", choices=("padding", "callbacks", "isolation", "compile"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the README)")
-    p.add_argument("--device", default=None, help="padding, isolation: cpu or cuda")
+    p.add_argument("--device", default=None, help="padding, isolation, compile: cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
     p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")

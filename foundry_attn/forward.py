@@ -18,6 +18,8 @@ Core module: torch and transformers only.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +52,25 @@ def unwrapped(model: Any) -> Any:
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
     """Run ``model`` (a HF causal LM, or a DDP / FSDP / compiled wrapper of one) so that no document sees another."""
+    inputs, placed, no_targets = prepare_documents(model, batch)
+    return finish_documents(model(**inputs, use_cache=False), placed, no_targets)
+
+
+@torch.compiler.disable
+def finish_documents(out: Any, placed: tuple, no_targets: bool) -> Any:
+    """Record where the tokens went (for :func:`repad_logits`); a microbatch without targets adds zero loss
+    (HF's mean over no target is nan), still connected to every parameter the forward used."""
+    out.foundry_layout = placed
+    if no_targets:
+        out.loss = out.logits.sum() * 0.0
+    return out
+
+
+@torch.compiler.disable
+def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple, bool]:
+    """The model's inputs for ``batch``, where its tokens went (for :func:`repad_logits`), and whether it has
+    no target at all. Host-side work on Python ints, so never traced: under ``torch.compile`` (Composer's
+    ``compile_config`` compiles the forward around this) the model sees only tensors and our ``Documents``."""
     ids = batch["input_ids"]
     layout = Layout.from_batch(batch)
     if layout.real_tokens == 0:
@@ -60,13 +81,11 @@ def forward_documents(model: Any, batch: Mapping) -> Any:
                      else torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
     labels = batch.get("labels")
     no_targets = labels is not None and not _has_targets(batch, labels)
-    if no_targets:  # HF's mean over zero targets is nan: this microbatch adds zero loss instead
-        labels = None
-    forward = _forward_flat if unwrapped(model).config._attn_implementation in REGISTERED else _forward_rows
-    out = forward(model, ids, positions, labels, layout)
     if no_targets:
-        out.loss = out.logits.sum() * 0.0  # zero, and connected to every parameter the forward used
-    return out
+        labels = None
+    flat_path = unwrapped(model).config._attn_implementation in REGISTERED
+    inputs, placed = (_flat if flat_path else _rows)(model, ids, positions, labels, layout)
+    return inputs, placed, no_targets
 
 
 def _has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
@@ -85,22 +104,34 @@ def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[i
     return labels
 
 
-def _forward_flat(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
-                  layout: Layout) -> Any:
+def _flat(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
+          layout: Layout) -> tuple[dict[str, Any], tuple]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents."""
     flat = layout.real_indices(ids.device)
-    docs = Documents(tuple(layout.bounds()))
+    docs = Documents.of(layout.bounds(), ids.device)
     total = docs.bounds[-1]
-    placeholder = torch.zeros(1, 1, 1, 1, dtype=unwrapped(model).dtype, device=ids.device)
-    out = model(input_ids=ids.reshape(-1)[flat][None], position_ids=positions.reshape(-1)[flat][None],
-                attention_mask=placeholder, labels=_flat_labels(labels, flat, list(docs.bounds[:-1])),
-                use_cache=False, **{DOCS_KEY: docs})
-    out.foundry_layout = (torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
-    return out
+    inputs = dict(input_ids=ids.reshape(-1)[flat][None], position_ids=positions.reshape(-1)[flat][None],
+                  labels=_flat_labels(labels, flat, list(docs.bounds[:-1])))
+    # under torch.compile: the row length and the document count vary from batch to batch; one dynamic graph
+    for value in (*inputs.values(), docs.cu, docs.host_bounds):
+        if value is not None:
+            torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
+    hf = unwrapped(model)
+    if "last_cache_position" in _base_parameters(type(hf.base_model)):  # Gemma2/3 read it from a 4-D mask with
+        inputs["last_cache_position"] = total  # .item() (a graph break); the mask is ours, so is the value
+    inputs["attention_mask"] = torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
+    inputs[DOCS_KEY] = docs
+    return inputs, (torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
 
 
-def _forward_rows(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
-                  layout: Layout) -> Any:
+@functools.lru_cache(maxsize=64)
+def _base_parameters(base_class: type) -> frozenset[str]:
+    """The parameter names of a base model's ``forward`` (what it reads besides ``**kwargs``)."""
+    return frozenset(inspect.signature(base_class.forward).parameters)
+
+
+def _rows(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
+          layout: Layout) -> tuple[dict[str, Any], tuple]:
     """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
     flat = layout.real_indices(ids.device)
     lengths = layout.lengths
@@ -113,14 +144,12 @@ def _forward_rows(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels
         out[dst] = values.reshape(-1)[flat]
         return out.view(rows, width)
 
-    mask = scatter(torch.ones_like(ids), 0)
-    pos = scatter(positions, 0)
     row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
     if row_labels is not None:
         row_labels[:, 0] = IGNORE_INDEX
-    out = model(input_ids=scatter(ids, 0), position_ids=pos, attention_mask=mask, labels=row_labels, use_cache=False)
-    out.foundry_layout = (dst, flat, layout.rows, layout.width)
-    return out
+    inputs = dict(input_ids=scatter(ids, 0), position_ids=scatter(positions, 0),
+                  attention_mask=scatter(torch.ones_like(ids), 0), labels=row_labels)
+    return inputs, (dst, flat, layout.rows, layout.width)
 
 
 def repad_logits(out: Any) -> torch.Tensor:
@@ -141,5 +170,7 @@ def has_layout(batch: Mapping) -> bool:
     """A batch to lay out ourselves: ours (``doc_lens``), or any with a 2-D mask (either padding side)."""
     if batch.get("mode") is not None:  # ICL / generation batches keep the stock path
         return False
+    if "doc_lens" in batch:  # only the key: under compile, reading the list would guard on its length
+        return True
     mask = batch.get("attention_mask")
-    return batch.get("doc_lens") is not None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2

@@ -1,4 +1,4 @@
-"""Train and resume like stock LLM-Foundry: a sample clock in examples, whole rows, no nan microbatches."""
+"""Train, compile and resume like stock LLM-Foundry: a sample clock in examples, whole rows, compile_config."""
 
 from __future__ import annotations
 
@@ -102,3 +102,16 @@ def test_text_rows_longer_than_max_seq_len_are_kept(tmp_path: Path, tokenizer: A
         want = 3 * 128 - (128 - 120)
     assert kept == want, (kept, want, batch["doc_lens"])
     assert max(map(sum, batch["doc_lens"])) <= 128
+
+
+def test_compile_config_trains_and_the_callbacks_step_aside(assets: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """``compile_config`` with attention_inspector + upad_tracer: one notice each, and the run trains."""
+    trainer = _train(assets, tmp_path, "compiled", "compile_config={backend: aot_eager}", "max_duration=3ba",
+                     "callbacks.attention_inspector.log_interval=1", "callbacks.upad_tracer.log_interval=1")
+    out = capsys.readouterr().out
+    for owner in ("attention_inspector", "upad_tracer"):
+        assert out.count(f"{owner}: the model runs under torch.compile") == 1, out[-3000:]
+    losses = [b["loss"] for b in SEEN["compiled"]]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert trainer.state.timestamp.batch == 3

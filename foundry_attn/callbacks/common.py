@@ -71,6 +71,17 @@ def attn_implementation(module: nn.Module | None) -> str | None:
 
 
 
+def compiled(model: Any) -> bool:
+    """Whether ``model`` runs under ``torch.compile``: wrapped (``torch.compile(model)``) or with its forward
+    compiled in place (what Composer does for ``compile_config``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
+
+
+COMPILED = ("{owner}: the model runs under torch.compile (compile_config); per-call hooks and patches inside a "
+            "compiled graph would break or change it, so {owner} steps aside for this run; training goes on")
+
 
 def say_once(said: set[str], key: str, message: str) -> bool:
     """Log ``message`` (and print it on rank 0) the first time ``key`` comes; True when it was said now."""

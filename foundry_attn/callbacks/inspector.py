@@ -45,10 +45,12 @@ from torch import nn
 
 from foundry_attn.adapters import is_placeholder
 from foundry_attn.callbacks.common import (
+    COMPILED,
     ReleasingCallback,
     attn_implementation,
     check_log_interval,
     clean_name,
+    compiled,
     find_hf_model,
     open_event_log,
     say_once,
@@ -434,6 +436,9 @@ class AttentionInspector(ReleasingCallback):
     def _resolve(self, state: State) -> ModelInspector | None:
         if self._inspector is not None and self._model_id == id(state.model):
             return self._inspector
+        if compiled(state.model):
+            self._warn_once("compiled", COMPILED.format(owner="attention_inspector"))
+            return None
         found = find_hf_model(state.model)
         if found is None:
             self._warn_once("no_hf", "attention_inspector: no Hugging Face PreTrainedModel in state.model; "

@@ -33,9 +33,11 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_attn.callbacks.common import (
+    COMPILED,
     ReleasingCallback,
     attn_implementation,
     check_log_interval,
+    compiled,
     find_hf_model,
     foundry_model,
     open_event_log,
@@ -111,7 +113,10 @@ class UpadTracer(ReleasingCallback):
         self._hf = found[1] if found else None
         self.implementation = attn_implementation(self._hf)
         self._reference = uses_reference_kernel(state.model)
-        if self._hf is None:
+        if compiled(state.model):
+            self.idle_reason = "the model runs under torch.compile"
+            self._say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer"))
+        elif self._hf is None:
             self.idle_reason = "no Hugging Face PreTrainedModel in state.model"
         elif not is_flash(self.implementation):
             self.idle_reason = (f"the attention implementation is {self.implementation!r}, not flash_attention_2: "

@@ -36,7 +36,7 @@ from transformers import AutoConfig
 from foundry_attn.adapters import attach, backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import EventLog, default_events_dir
-from foundry_attn.forward import forward_documents, has_layout, repad_logits
+from foundry_attn.forward import finish_documents, has_layout, prepare_documents, repad_logits
 from foundry_attn.isolation import isolation_check
 from foundry_attn.loading import decide
 from foundry_attn.policy import (
@@ -165,12 +165,19 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 
     def forward(self, batch: Mapping) -> Any:
-        device = batch["input_ids"].device
+        routed = self._route(batch)
+        if routed is None:
+            return super().forward(batch)  # Composer passes on only the keys the HF forward names
+        inputs, placed, no_targets = routed
+        return finish_documents(self.model(**inputs, use_cache=False), placed, no_targets)
+
+    @torch.compiler.disable
+    def _route(self, batch: Mapping) -> tuple | None:
+        """Host-side work before the model runs, never traced (``compile_config`` compiles ``forward``): the
+        first-forward dtype check, and our layout's inputs, or None for a batch that keeps the stock path."""
         if not self._dtype_checked:
-            self._check_fa2_dtype(device)
-        if has_layout(batch):
-            return forward_documents(self.model, batch)
-        return super().forward(batch)  # Composer passes on only the keys the HF forward names
+            self._check_fa2_dtype(batch["input_ids"].device)
+        return prepare_documents(self.model, batch) if has_layout(batch) else None
 
     def eval_forward(self, batch: Mapping, outputs: Any | None = None) -> Any:
         """Metrics need ``[batch, seq, vocab]`` logits: re-pad a flat FA2 output, once, only here."""
