@@ -53,6 +53,8 @@ doctor: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/foundry-attn bench padding --json
 	$(BIN)/foundry-attn bench callbacks --json
+	$(BIN)/foundry-attn bench compile --json
+	$(BIN)/foundry-attn bench isolation --json
 
 clean:
 	rm -rf build runs .pytest_cache

@@ -51,3 +51,13 @@ def test_round_robin_spreads_the_slow_variant() -> None:
     times = time_round_robin(variants, rounds=6, samples={"slow": 2})
     assert [len(times[n]) for n in ("a", "slow", "b")] == [6, 2, 6]
     assert calls[:4] == ["a", "b", "b", "a"]  # the order rotates every round; "slow" runs in rounds 2 and 5
+
+
+def test_quick_isolation_and_compile_benches_run_and_agree(capsys) -> None:
+    """The isolation-probe and compile benchmarks through the CLI, untimed: probes pass, one graph, losses agree."""
+    assert main(["bench", "isolation", "--json", "--quick"]) == 0
+    isolation = json.loads(capsys.readouterr().out)
+    assert isolation["all_passed"] and len(isolation["rows"]) == 4
+    assert main(["bench", "compile", "--json", "--quick"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["rows"]
+    assert row["graphs_after_warmup"] == 0 and row["graph_breaks"] == 0 and row["losses_agree"], row
