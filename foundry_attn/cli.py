@@ -1,11 +1,11 @@
-"""``foundry-attn``: doctor, tiny assets, benchmarks.
+"""``foundry-attn``: doctor, tiny assets, benchmarks, conformance, the fleet view of event logs.
 
     foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
                         [--attn-strict] [--model-config ./build/tiny/tiny-llama]
     foundry-attn assets build/tiny
-    foundry-attn bench padding --json [--device cuda] [--threads 1]
-    foundry-attn bench callbacks --json
+    foundry-attn bench padding|callbacks|compile|isolation|events --json [--device cuda] [--quick]
     foundry-attn conformance [--markdown] [--family mistral]
+    foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableError
 
@@ -70,6 +71,10 @@ def bench(args: argparse.Namespace) -> int:
         from foundry_attn.bench.padding import run
 
         result = run(quick=args.quick, device=args.device)
+    elif args.which == "events":
+        from foundry_attn.bench.events import run
+
+        result = run(runs=4 if args.quick else 100)
     elif args.which == "compile":
         from foundry_attn.bench.compile import WORKLOADS, run
 
@@ -102,6 +107,51 @@ def conformance(args: argparse.Namespace) -> int:
     return 1 if any(c.status == "WRONG" for c in cells) else 0
 
 
+def events(args: argparse.Namespace) -> int:
+    """``foundry-attn events PATH``: list events, ``--fell-back`` ranks, or the fleet ``--summary``."""
+    from foundry_attn import fleet
+    from foundry_attn.events import Skipped
+
+    skipped = Skipped()
+    try:
+        paths = fleet.files(args.path)
+        since = fleet.parse_time(args.since) if args.since else None
+    except (fleet.EventsError, ValueError) as exc:
+        print(f"foundry-attn events: {exc}", file=sys.stderr)
+        return 2
+    kind = "attn_impl" if (args.fell_back or args.summary) else args.kind
+    stream = fleet.events(paths, kind, args.run, since, skipped)
+    if args.fell_back or args.summary:
+        decided = fleet.decisions(stream)
+        result: Any = fleet.fell_back(decided) if args.fell_back else fleet.summary(decided)
+        found = bool(decided)
+    else:
+        result = list(stream) if args.json else [fleet.one_line(e) for e in stream]
+        found = bool(result)
+    if not found and args.kind is None and args.run is None and since is None:  # nothing at all, not filtered out
+        what = "attn_impl events (the model writes one per rank)" if kind else "events"
+        why = f" ({fleet.report_skipped(skipped)}); is it JSONL?" if skipped.lines else " in it"
+        print(f"foundry-attn events: {args.path}: no {what}{why}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(fleet.dumps(result))
+    elif args.fell_back:
+        print(fleet.table(result, fleet.FELL_BACK_COLUMNS) if result else "no rank fell back")
+    elif args.summary:
+        print(f"{result['fell_back']}/{result['ranks']} ranks fell back, in {result['runs']} run(s)")
+        rows = [{"device": k, **v, "rate": f"{v['rate']:.0%}"} for k, v in result["by_device"].items()]
+        print(fleet.table(rows, ("device", "ranks", "fell_back", "rate")))
+        if result["by_reason"]:
+            print(fleet.table([{"count": n, "reason": r} for r, n in result["by_reason"].items()],
+                              ("count", "reason")))
+    else:
+        print(fleet.table(result, ("time", "run", "launch", "rank", "kind", "what")))
+    note = fleet.report_skipped(skipped)
+    if note:
+        print(f"foundry-attn events: {note}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="foundry-attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", nargs="?", default="build/tiny")
     p.set_defaults(func=assets)
     p = sub.add_parser("bench", help="side-by-side benchmarks; prints ratios from one run")
-    p.add_argument("which", choices=("padding", "callbacks", "isolation", "compile"))
+    p.add_argument("which", choices=("padding", "callbacks", "isolation", "compile", "events"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the README)")
     p.add_argument("--device", default=None, help="padding, isolation, compile: cpu or cuda")
@@ -128,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--family", action="append", help="only this family (repeatable)")
     p.set_defaults(func=conformance)
+    p = sub.add_parser("events", help="events of a run or a tree of runs: --fell-back ranks, --summary by device")
+    p.add_argument("path", help="a run's events folder, a file, or a tree of runs")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--fell-back", action="store_true", help="every rank that did not get what it requested")
+    view.add_argument("--summary", action="store_true", help="fallback frequency by device class and by reason")
+    p.add_argument("--kind", help="only events of this kind (attn_impl, attn_inspect, upad_trace, ...)")
+    p.add_argument("--run", help="only this run")
+    p.add_argument("--since", help="only events at or after this time (ISO date/time, UTC, or epoch seconds)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=events)
     args = parser.parse_args(argv)
     return args.func(args)
 

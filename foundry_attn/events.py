@@ -4,15 +4,19 @@
     callbacks:
       attention_inspector: {events_dir: ./runs/my-run/attn_events}
 
-Each line carries ``kind``, ``rank``, ``host``, ``device_name``, ``capability``, library versions and
-``time``. Core module: standard library only (plus the capability snapshot).
+Each line carries ``kind``, ``rank``, ``run`` and ``launch`` (one id shared by every rank of a launch),
+``host``, ``device_name``, ``capability``, library versions and ``time``. Readers (:func:`iter_events`) skip
+a line that is not whole JSON and count it, so a file cut by a crash or another tool never hides the rest.
+Core module: standard library only (plus the capability snapshot).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from foundry_attn.capability import Capability, probe
@@ -33,12 +37,15 @@ class EventLog:
     ``cap`` stamps every line with host, device and versions; without it this machine is probed.
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int, cap: Capability | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, rank: int, cap: Capability | None = None,
+                 run: str | None = None, launch: str | None = None) -> None:
         self.directory = Path(directory)
         self.rank = rank
         self.path = self.directory / f"events-rank{rank}.jsonl"
         cap = cap if cap is not None else probe()
         self._stamp: dict = {
+            "run": run or os.environ.get("COMPOSER_RUN_NAME") or os.environ.get("RUN_NAME"),
+            "launch": launch,
             "host": cap.host,
             "device_name": cap.device_name,
             "capability": cap.sm,
@@ -51,7 +58,13 @@ class EventLog:
         }
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:  # a line left unfinished by someone else: our first event starts on a line of its own
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    os.write(fd, b"\n")
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise OSError(
                 f"events_dir {str(self.directory)!r} is not writable ({exc.strerror}); "
@@ -73,13 +86,79 @@ class EventLog:
         return event
 
 
+@dataclasses.dataclass
+class Skipped:
+    """Lines a reader passed over: not whole JSON objects (cut by a crash, written by another tool)."""
+
+    lines: int = 0
+    files: set[str] = dataclasses.field(default_factory=set)
+
+
+def event_files(path: str | os.PathLike) -> list[Path]:
+    """Every ``events-rank*.jsonl`` under ``path`` (one run's folder, or a tree of runs), rank 2 before rank 10."""
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    return sorted(root.rglob("events-rank*.jsonl"), key=lambda p: (str(p.parent), len(p.name), p.name))
+
+
+def iter_events(paths: Iterable[Path], kind: str | None = None, skipped: Skipped | None = None) -> Iterator[dict]:
+    """Events of ``paths`` in file order; lines that are not whole JSON events are skipped and counted.
+
+    With ``kind``, only the lines that name it are parsed: each file is read whole and searched for
+    ``"kind": "<kind>"`` (either JSON spacing), which is what makes ``--fell-back`` over a million events fast.
+    Other lines are not parsed; one that does not even end in ``}`` is still counted as broken.
+    """
+    for path in paths:
+        if kind is None:
+            with open(path, "rb") as f:
+                for line in f:
+                    event = _parse(line, path, skipped)
+                    if event is not None:
+                        yield event
+            continue
+        data = Path(path).read_bytes()
+        if skipped is not None:
+            _count_unfinished(data, path, skipped)
+        starts = set()
+        for needle in (f'"kind": "{kind}"'.encode(), f'"kind":"{kind}"'.encode()):
+            at = data.find(needle)
+            while at >= 0:
+                starts.add(data.rfind(b"\n", 0, at) + 1)
+                at = data.find(needle, at + len(needle))
+        for start in sorted(starts):
+            end = data.find(b"\n", start)
+            line = data[start:] if end < 0 else data[start:end]
+            event = _parse(line, path, skipped, counted=not line.rstrip().endswith(b"}"))
+            if event is not None and event["kind"] == kind:
+                yield event
+
+
+def _parse(line: bytes, path: Path, skipped: Skipped | None, counted: bool = False) -> dict | None:
+    """The event on ``line``, or None (a broken line is counted unless it already was)."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if isinstance(event, dict) and "kind" in event:
+        return event
+    if line.strip() and skipped is not None and not counted:
+        skipped.lines += 1
+        skipped.files.add(str(path))
+    return None
+
+
+def _count_unfinished(data: bytes, path: Path, skipped: Skipped) -> None:
+    """Count the non-empty lines of ``data`` that do not end in ``}`` (cut or foreign), without splitting it."""
+    lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    closed = data.count(b"}\n") + (1 if data.endswith(b"}") else 0)
+    blank = data.count(b"\n\n") + (1 if data.startswith(b"\n") else 0)
+    broken = lines - closed - blank
+    if broken > 0:
+        skipped.lines += broken
+        skipped.files.add(str(path))
+
+
 def read_events(directory: str | os.PathLike, kind: str | None = None) -> list[dict]:
     """All events in ``directory`` (every rank, rank 0 first), optionally of one ``kind``, in file order per rank."""
-    out = []
-    paths = Path(directory).glob("events-rank*.jsonl")
-    for path in sorted(paths, key=lambda p: (len(p.name), p.name)):  # rank2 before rank10
-        for line in path.read_text().splitlines():
-            event = json.loads(line)
-            if kind is None or event["kind"] == kind:
-                out.append(event)
-    return out
+    return list(iter_events(event_files(directory), kind))

@@ -267,7 +267,8 @@ def choose(
 
 
 def summarize(decisions: Sequence[dict]) -> str:
-    """One line for rank 0, e.g. ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa (rank 3, rank 7: T4 sm75 < 8.0)``.
+    """One line for rank 0, e.g.
+    ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back (rank 3, rank 7: T4 sm75 < 8.0)``.
 
     ``decisions`` are ``Decision.as_dict()`` results with a ``rank`` key, one per rank.
     """
@@ -282,5 +283,7 @@ def summarize(decisions: Sequence[dict]) -> str:
             reasons.setdefault(REFERENCE_NAME, []).append(d["rank"])
     parts = [f"{c}/{n} {'ranks ' if i == 0 else ''}{impl}"
              for i, (impl, c) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))]
+    fell = sum(1 for d in decisions if d["fallback"])
     detail = "; ".join(f"{', '.join(f'rank {r}' for r in ranks)}: {why}" for why, ranks in reasons.items())
-    return f"attention: {', '.join(parts)}" + (f" ({detail})" if detail else "")
+    return (f"attention: {', '.join(parts)}" + (f"; {fell}/{n} fell back" if fell else "")
+            + (f" ({detail})" if detail else ""))

@@ -61,3 +61,10 @@ def test_quick_isolation_and_compile_benches_run_and_agree(capsys) -> None:
     assert main(["bench", "compile", "--json", "--quick"]) == 0
     [row] = json.loads(capsys.readouterr().out)["rows"]
     assert row["graphs_after_warmup"] == 0 and row["graph_breaks"] == 0 and row["losses_agree"], row
+
+
+def test_quick_events_bench_agrees(capsys) -> None:
+    """A small sweep (4 runs x 10 ranks x 1000 events): the three readers agree and --fell-back finds the T4s."""
+    assert main(["bench", "events", "--json", "--quick"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["agree"] and result["attn_impl_events"] == 40 and 0 < result["fell_back_ranks"] < 40

@@ -234,7 +234,8 @@ def test_summarize_eight_ranks() -> None:
         cap = T4 if rank in (3, 7) else make_cap()
         dicts.append({**decide(cap).as_dict(), "rank": rank})
     dicts.reverse()  # arrival order does not matter
-    assert summarize(dicts) == "attention: 6/8 ranks flash_attention_2, 2/8 sdpa (rank 3, rank 7: Tesla T4 sm75 < 8.0)"
+    assert summarize(dicts) == ("attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back "
+                               "(rank 3, rank 7: Tesla T4 sm75 < 8.0)")
     same = [{**decide(make_cap()).as_dict(), "rank": r} for r in range(2)]
     assert summarize(same) == "attention: 2/2 ranks flash_attention_2"
 

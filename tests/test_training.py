@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +71,9 @@ def test_strict_fails_with_check_device_and_fix(assets: Path, tmp_path: Path) ->
         FoundryAttnCausalLM(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"),
                             pretrained=False, events_dir=str(tmp_path), attn_implementation="flash_attention_2",
                             attn_strict=True)
+    [event] = read_events(tmp_path, "attn_impl")  # the log says which rank failed, and why
+    assert event["failed"] and event["chosen"] is None and "flash-attn installed" in event["reason"]
+    assert event["launch"] and event["strict"]
 
 
 def test_unwritable_events_dir_fails_at_start(assets: Path, tmp_path: Path) -> None:
@@ -104,6 +109,7 @@ def test_two_ranks_gloo(assets: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, logs[-4000:]
     decisions = read_events(events, "attn_impl")
     assert sorted(e["rank"] for e in decisions) == [0, 1]
+    assert len({e["launch"] for e in decisions}) == 1 and decisions[0]["launch"]  # one launch id, every rank
     assert logs.count("attention: 2/2 ranks sdpa") >= 1
     rank1 = "".join(p.read_text() for p in tmp_path.glob("rank1.*"))
     assert "attention: 2/2 ranks" not in rank1
@@ -121,3 +127,37 @@ def test_gpu_yaml_falls_back_on_cpu(assets: Path, tmp_path: Path) -> None:
     assert decision.candidates[0].check == "flash-attn installed"
     assert trainer.state.model.model.config.hidden_size == 576
     trainer.close()
+
+
+def test_one_rank_falls_back_and_the_fleet_view_names_it(assets: Path, tmp_path: Path) -> None:
+    """`composer -n 2`, rank 1 asks for FA2 through attn_rank_overrides: the events name rank 1 and why."""
+    from foundry_attn.cli import main
+
+    events = tmp_path / "events"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    cmd = [str(Path(sys.executable).parent / "composer"), "-n", "2", "--stdout", str(tmp_path / "rank{rank}.out"),
+           "--stderr", str(tmp_path / "rank{rank}.err"), str(REPO / "train.py"), YAML,
+           *_overrides(assets, events, "max_duration=2ba", "global_train_batch_size=4",
+                       "device_train_microbatch_size=2", "device_eval_batch_size=2", "model.attn_implementation=sdpa",
+                       "model.attn_rank_overrides={1: {attn_implementation: flash_attention_2, "
+                       "attn_fallback: [sdpa]}}")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    logs = proc.stdout + proc.stderr + "".join(p.read_text() for p in tmp_path.glob("rank*.*"))
+    assert proc.returncode == 0, logs[-4000:]
+    assert "attention: 2/2 ranks sdpa; 1/2 fell back (rank 1: " in logs
+    out = tmp_path / "fell-back.json"
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        assert main(["events", str(events), "--fell-back", "--json"]) == 0
+    [row] = json.loads(out.read_text())
+    assert (row["rank"], row["requested"], row["chosen"]) == (1, "flash_attention_2", "sdpa")
+    assert "flash-attn" in row["reason"]
+
+
+def test_rank_overrides_take_known_keys_only() -> None:
+    from foundry_attn.foundry.model import rank_override
+
+    assert rank_override({1: {"attn_strict": True}}, 1) == {"attn_strict": True}
+    assert rank_override({"1": {"attn_strict": True}}, 1) == {"attn_strict": True}
+    assert rank_override({1: {"attn_strict": True}}, 0) == {} and rank_override(None, 0) == {}
+    with pytest.raises(ValueError, match="unknown key.*attn_strictt.*valid keys: attn_implementation"):
+        rank_override({0: {"attn_strictt": True}}, 0)

@@ -11,6 +11,8 @@
       events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR or ./$RUN_NAME/attn_events
       fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
       attn_isolation_check: true           # packed vs alone on two tiny documents at build; a leak rejects
+      attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
+        1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
     callbacks:
       attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +56,19 @@ from foundry_attn.policy import (
 log = logging.getLogger(__name__)
 
 
+RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")
+
+
+def rank_override(overrides: dict | None, rank: int) -> dict:
+    """This rank's entry of ``attn_rank_overrides`` (keys: rank numbers), checked against what it may set."""
+    entry = (overrides or {}).get(rank, (overrides or {}).get(str(rank))) or {}
+    unknown = sorted(set(entry) - set(RANK_OVERRIDABLE))
+    if unknown:
+        raise ValueError(f"attn_rank_overrides[{rank}]: unknown key(s) {', '.join(unknown)}; valid keys: "
+                         f"{', '.join(RANK_OVERRIDABLE)}")
+    return dict(entry)
+
+
 class FoundryAttnCausalLM(ComposerHFCausalLM):
     """A ``ComposerHFCausalLM`` whose attention implementation is chosen by checks, per rank."""
 
@@ -67,23 +83,36 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         events_dir: str | None = None,
         fa2_reference_kernel: bool = False,
         attn_isolation_check: bool = True,
+        attn_rank_overrides: dict | None = None,
         use_flash_attention_2: bool = False,
         **kwargs: Any,
     ) -> None:
+        rank = dist.get_global_rank()
+        override = rank_override(attn_rank_overrides, rank)
+        attn_implementation = override.get("attn_implementation", attn_implementation)
+        attn_fallback = override.get("attn_fallback", attn_fallback)
+        attn_strict = override.get("attn_strict", attn_strict)
+        attn_compute_dtype = override.get("attn_compute_dtype", attn_compute_dtype)
         requested = attn_implementation or AUTO
         if use_flash_attention_2 and requested == AUTO:
             requested = FA2
         requested, fallback = validate_names(requested, list(attn_fallback))
-        rank = dist.get_global_rank()
         cap = probe()
-        self.attn_events = EventLog(events_dir or default_events_dir(), rank, cap)  # fails now if unwritable
-        config = AutoConfig.from_pretrained(pretrained_model_name_or_path,
+        launch = [uuid.uuid4().hex[:12]]  # one id for every rank of this launch: rank 0's
+        dist.broadcast_object_list(launch, src=0)
+        self.attn_events = EventLog(events_dir or default_events_dir(), rank, cap, launch=launch[0])  # fails now
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path,  # if unwritable
                                             trust_remote_code=kwargs.get("trust_remote_code", True))
         set_config_overrides(config, kwargs.get("config_overrides") or {})  # a bad key fails here, not as attention
-        decision = decide(pretrained_model_name_or_path, requested, fallback, attn_strict, attn_compute_dtype, cap,
-                          fa2_reference=fa2_reference_kernel, config=config)
-        decision = self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
-        decision = self._attach(decision, fa2_reference_kernel, attn_isolation_check)
+        try:
+            decision = decide(pretrained_model_name_or_path, requested, fallback, attn_strict, attn_compute_dtype,
+                              cap, fa2_reference=fa2_reference_kernel, config=config)
+            decision = self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
+            decision = self._attach(decision, fa2_reference_kernel, attn_isolation_check)
+        except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
+            self.attn_events.append("attn_impl", requested=requested, chosen=None, fallback=True, failed=True,
+                                    strict=attn_strict, reason=str(exc))
+            raise
         self.attn_decision = decision
         self.attn_capability = cap
         self._fa2_reference = fa2_reference_kernel and decision.chosen == FA2
