@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/foundry-attn bench callbacks --json
 	$(BIN)/foundry-attn bench compile --json
 	$(BIN)/foundry-attn bench isolation --json
+	$(BIN)/foundry-attn bench events --json
 
 clean:
 	rm -rf build runs .pytest_cache
