@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE := disabled
 
-.PHONY: demo demo-fa2-reference blog-case test lint doctor bench clean
+.PHONY: demo demo-fa2-reference blog-case test chromium lint doctor bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,8 +41,15 @@ demo-fa2-reference: $(ASSETS)/.done
 blog-case: $(STAMP)
 	$(BIN)/python tests/test_blog_case.py
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
+
+## headless Chromium for the report test; never fails (without it, that one test skips and says why)
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		{ command -v apt-get >/dev/null && timeout 600 sh -c 'apt-get install -y -q chromium >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }' ; } || \
+		echo "chromium not installed: the report test will skip"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

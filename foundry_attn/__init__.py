@@ -1,7 +1,8 @@
 """foundry_attn: attention fallback, padding-aware packing and attention inspection for LLM-Foundry.
 
-The core (``capability``, ``policy``, ``packing``, ``layout``, ``masks``, ``events``, ``loading``,
-``fa2_reference``) imports only torch and transformers; ``foundry_attn.foundry`` and
+The core (``capability``, ``policy``, ``loading``, ``packing``, ``layout``, ``adapters``, ``document_op``,
+``forward``, ``isolation``, ``conformance``, ``events``, ``fleet``, ``shapes``, ``fa2_reference``,
+``flash_symbols``, ``patching``) imports only torch and transformers; ``foundry_attn.foundry`` and
 ``foundry_attn.callbacks`` hold the LLM-Foundry / Composer glue.
 """
 

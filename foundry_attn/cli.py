@@ -6,6 +6,7 @@
     foundry-attn bench padding|callbacks|compile|isolation|events --json [--device cuda] [--quick]
     foundry-attn conformance [--markdown] [--family mistral]
     foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
+    foundry-attn report runs/ -o report/
 """
 
 from __future__ import annotations
@@ -152,6 +153,20 @@ def events(args: argparse.Namespace) -> int:
     return 0
 
 
+def report(args: argparse.Namespace) -> int:
+    """``foundry-attn report PATH -o DIR``: report.html (images embedded) and its PNGs."""
+    from foundry_attn import fleet
+    from foundry_attn.report import build_report
+
+    try:
+        written = build_report(args.path, args.out)
+    except fleet.EventsError as exc:
+        print(f"foundry-attn report: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {written['html']} ({len(written['figures'])} figures)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="foundry-attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--since", help="only events at or after this time (ISO date/time, UTC, or epoch seconds)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=events)
+    p = sub.add_parser("report", help="a self-contained report.html (and PNGs) from a run or a tree of runs")
+    p.add_argument("path", help="a run's events folder or a tree of runs")
+    p.add_argument("-o", "--out", required=True, help="folder for report.html and the PNGs")
+    p.set_defaults(func=report)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -31,20 +31,24 @@ def default_events_dir(run_name: str | None = None) -> Path:
     return Path(run_name or os.environ.get("RUN_NAME") or "foundry_attn_run") / "attn_events"
 
 
-class EventLog:
-    """Appends JSON lines to ``<dir>/events-rank<r>.jsonl``; checks it can write when created.
+def run_from_env() -> str | None:
+    return os.environ.get("COMPOSER_RUN_NAME") or os.environ.get("RUN_NAME")
 
-    ``cap`` stamps every line with host, device and versions; without it this machine is probed.
+
+class EventLog:
+    """Appends JSON lines to ``<dir>/events-rank<r>.jsonl``; checks it can write when it gets its folder.
+
+    ``cap`` stamps every line with host, device and versions; without it this machine is probed. Made with
+    ``directory=None`` it holds its events until :meth:`bind` names the folder (the model is built before
+    Composer knows the run's name; our callbacks bind it at ``FIT_START``).
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int, cap: Capability | None = None,
+    def __init__(self, directory: str | os.PathLike | None, rank: int, cap: Capability | None = None,
                  run: str | None = None, launch: str | None = None) -> None:
-        self.directory = Path(directory)
         self.rank = rank
-        self.path = self.directory / f"events-rank{rank}.jsonl"
         cap = cap if cap is not None else probe()
         self._stamp: dict = {
-            "run": run or os.environ.get("COMPOSER_RUN_NAME") or os.environ.get("RUN_NAME"),
+            "run": run or run_from_env(),
             "launch": launch,
             "host": cap.host,
             "device_name": cap.device_name,
@@ -56,6 +60,22 @@ class EventLog:
                 "transformer_engine": cap.transformer_engine_version,
             },
         }
+        self._pending: list[dict] = []
+        self.directory: Path | None = None
+        self.path: Path | None = None
+        if directory is not None:
+            self.bind(directory)
+
+    @property
+    def bound(self) -> bool:
+        return self.directory is not None
+
+    def bind(self, directory: str | os.PathLike, run: str | None = None) -> None:
+        """Name the folder (and the run, if it was not known), then write the events held so far."""
+        self.directory = Path(directory)
+        self.path = self.directory / f"events-rank{self.rank}.jsonl"
+        if run and not self._stamp["run"]:
+            self._stamp["run"] = run
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
@@ -70,10 +90,22 @@ class EventLog:
                 f"events_dir {str(self.directory)!r} is not writable ({exc.strerror}); "
                 f"set events_dir (or ${ENV_EVENTS_DIR}) to a writable folder"
             ) from exc
+        pending, self._pending = self._pending, []
+        for event in pending:
+            self._write({**event, "run": event.get("run") or self._stamp["run"]})
 
     def append(self, kind: str, **fields: object) -> dict:
-        """Write one event. The line is serialised first and written with a single append."""
+        """Write one event (held until :meth:`bind` when the folder is not known yet)."""
         event = {"kind": kind, "rank": self.rank, **self._stamp, "time": time.time(), **fields}
+        if self.path is None:
+            self._pending.append(event)
+        else:
+            self._write(event)
+        return event
+
+    def _write(self, event: dict) -> None:
+        """The line is serialised first and written with a single append."""
+        assert self.path is not None
         line = (json.dumps(event, default=str) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -83,7 +115,6 @@ class EventLog:
                 raise OSError(f"short write to {self.path}: {written}/{len(line)} bytes")
         finally:
             os.close(fd)
-        return event
 
 
 @dataclasses.dataclass

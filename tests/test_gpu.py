@@ -40,6 +40,7 @@ def test_policy_picks_fa2_on_this_gpu() -> None:
 
 
 def test_unpad_once_on_real_fa2_matches_sdpa() -> None:
+    from foundry_attn.adapters import attach
     from foundry_attn.forward import forward_documents, repad_logits
     from foundry_attn.packing import PaddingCollator
 
@@ -52,6 +53,7 @@ def test_unpad_once_on_real_fa2_matches_sdpa() -> None:
     outs = []
     for impl in ("flash_attention_2", "sdpa"):
         model = make_llama(impl).cuda().to(torch.bfloat16)
+        attach(model, impl)  # our function: one flat row, the documents as call arguments (FA2: cu_seq_lens)
         with torch.no_grad():
             outs.append(repad_logits(forward_documents(model, batch)).float())
     real = batch["labels"] != -100

@@ -161,3 +161,19 @@ def test_rank_overrides_take_known_keys_only() -> None:
     assert rank_override({1: {"attn_strict": True}}, 0) == {} and rank_override(None, 0) == {}
     with pytest.raises(ValueError, match="unknown key.*attn_strictt.*valid keys: attn_implementation"):
         rank_override({0: {"attn_strictt": True}}, 0)
+
+
+def test_default_events_folder_follows_the_run_name(assets: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """No events_dir: the model's events wait for the run's name, then land in ./<run_name>/attn_events."""
+    from llmfoundry.command_utils import train_from_yaml
+
+    monkeypatch.chdir(tmp_path)
+    for key in ("FOUNDRY_ATTN_EVENTS_DIR", "RUN_NAME", "COMPOSER_RUN_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    overrides = [o for o in _overrides(assets, tmp_path / "unused") if not o.startswith("model.events_dir")]
+    trainer = train_from_yaml(YAML, [*overrides, "model.events_dir=null", "run_name=named-run", "max_duration=1ba"])
+    trainer.close()
+    [event] = read_events(tmp_path / "named-run" / "attn_events", "attn_impl")
+    assert event["run"] == "named-run" and event["chosen"] == "sdpa" and event["launch"]
+    assert not (tmp_path / "foundry_attn_run").exists()

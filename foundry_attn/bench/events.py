@@ -65,10 +65,13 @@ def generate(root: Path, runs: int = 100, ranks: int = 10, per_rank: int = 1000,
             for step in range(per_rank - 1):
                 if step % 2:
                     body = {"kind": "upad_trace", "step": step, "attn_implementation": "flash_attention_2",
-                            "kernel": "flash-attn", "counts": {"upad": 0, "varlen": 30, "dense": 0},
+                            "kernel": "flash-attn", "counts": {"upad": 0, "posids": 0, "varlen": 30, "dense": 0,
+                                                               "pad": 0},
                             "cu_seqlens": [0, 220, 437, 732, 915, 1045, 1395], "max_seqlen": 350}
                 else:
                     body = {"kind": "attn_inspect", "step": step, "metrics": {"attn/fill": 0.681},
+                            "batch": {"shape": [6, 2048], "real_tokens": 1395 + step % 7,
+                                      "fill_ratio": (1395 + step % 7) / 2048},
                             "modules": [_module(i) for i in range(8)]}
                 lines.append(json.dumps({**body, **stamp, "time": t + step}))
             data = ("\n".join(lines) + "\n").encode()

@@ -44,6 +44,8 @@ def open_event_log(state: State, events_dir: str | None) -> EventLog:
     """The callback's event log: ``events_dir`` if set, else the registered model's own events folder
     (``foundry_attn_causal_lm``'s ``events_dir``), else ``default_events_dir(run_name)``."""
     ours = foundry_model(state.model)
+    if ours is not None and not ours.attn_events.bound:  # the model's log waited for the run's name
+        ours.attn_events.bind(default_events_dir(state.run_name), run=state.run_name)
     directory = events_dir or (ours.attn_events.directory if ours is not None else default_events_dir(state.run_name))
     return EventLog(directory, dist.get_global_rank(), ours.attn_capability if ours is not None else None)
 

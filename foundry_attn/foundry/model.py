@@ -8,7 +8,7 @@
       attn_fallback: [flash_attention_2, sdpa, eager]
       attn_strict: false                   # true: fail if the request cannot run, naming the check
       attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
-      events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR or ./$RUN_NAME/attn_events
+      events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR, else ./<run_name>/attn_events
       fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
       attn_isolation_check: true           # packed vs alone on two tiny documents at build; a leak rejects
       attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +39,7 @@ from transformers import AutoConfig
 
 from foundry_attn.adapters import attach, backend_of
 from foundry_attn.capability import probe
-from foundry_attn.events import EventLog, default_events_dir
+from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.forward import finish_documents, has_layout, prepare_documents, repad_logits
 from foundry_attn.isolation import isolation_check
 from foundry_attn.loading import decide
@@ -100,8 +101,11 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         cap = probe()
         launch = [uuid.uuid4().hex[:12]]  # one id for every rank of this launch: rank 0's
         dist.broadcast_object_list(launch, src=0)
-        self.attn_events = EventLog(events_dir or default_events_dir(), rank, cap, launch=launch[0])  # fails now
-        config = AutoConfig.from_pretrained(pretrained_model_name_or_path,  # if unwritable
+        # an explicit folder is checked now; the default waits for the run's name (our callbacks bind it at
+        # FIT_START to ./<run_name>/attn_events; without them, the first forward binds the fallback folder)
+        known = events_dir or (default_events_dir() if os.environ.get(ENV_EVENTS_DIR) or run_from_env() else None)
+        self.attn_events = EventLog(known, rank, cap, launch=launch[0])
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path,
                                             trust_remote_code=kwargs.get("trust_remote_code", True))
         set_config_overrides(config, kwargs.get("config_overrides") or {})  # a bad key fails here, not as attention
         try:
@@ -112,6 +116,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
             self.attn_events.append("attn_impl", requested=requested, chosen=None, fallback=True, failed=True,
                                     strict=attn_strict, reason=str(exc))
+            if not self.attn_events.bound:  # no run will start: write it where the run's folder would be
+                self.attn_events.bind(default_events_dir())
             raise
         self.attn_decision = decision
         self.attn_capability = cap
@@ -206,6 +212,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         first-forward dtype check, and our layout's inputs, or None for a batch that keeps the stock path."""
         if not self._dtype_checked:
             self._check_fa2_dtype(batch["input_ids"].device)
+            if not self.attn_events.bound:  # none of our callbacks named the run's folder
+                self.attn_events.bind(default_events_dir())
         return prepare_documents(self.model, batch) if has_layout(batch) else None
 
     def eval_forward(self, batch: Mapping, outputs: Any | None = None) -> Any:
