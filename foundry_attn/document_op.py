@@ -97,7 +97,7 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @document_attention.register_fake
-def _(query, key, value, host_bounds, kind, window, scale, softcap):  # noqa: ANN001, ANN202 (the op's signature)
+def _(query, key, value, host_bounds, kind, window, scale, softcap):  # the op's signature
     lse = query.new_empty(query.shape[:-1] if _flash(kind, query) else (0,), dtype=torch.float)
     return query.new_empty((*query.shape[:-1], value.shape[-1])), lse
 
@@ -141,17 +141,17 @@ def document_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: to
 
 
 @document_attention_backward.register_fake
-def _(grad, query, key, value, out, lse, host_bounds, kind, window, scale, softcap):  # noqa: ANN001, ANN202
+def _(grad, query, key, value, out, lse, host_bounds, kind, window, scale, softcap):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+def _setup_context(ctx, inputs, output) -> None:  # torch.library's signature
     query, key, value, host_bounds, kind, window, scale, softcap = inputs
     ctx.save_for_backward(query, key, value, *output, host_bounds)
     ctx.options = (kind, window, scale, softcap)
 
 
-def _backward(ctx, grad, _lse_grad):  # noqa: ANN001, ANN202
+def _backward(ctx, grad, _lse_grad):
     query, key, value, out, lse, host_bounds = ctx.saved_tensors
     dq, dk, dv = document_attention_backward(grad.contiguous(), query, key, value, out, lse, host_bounds,
                                              *ctx.options)

@@ -101,7 +101,7 @@ def _transformers_version() -> str:
         import transformers
 
         return str(transformers.__version__)
-    except Exception:  # noqa: BLE001 - a broken install is reported, not raised
+    except Exception:  # a broken install is reported, not raised
         return "unknown"
 
 
@@ -110,7 +110,7 @@ def discover(module: ModuleType | None = None) -> FlashSymbols:
     version = _transformers_version()
     try:
         mod = module if module is not None else importlib.import_module(FA_UTILS)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return FlashSymbols(version, FA_UTILS, {}, dict(CANDIDATES), error=f"{type(exc).__name__}: {exc}")
     forward = getattr(mod, "_flash_attention_forward", None)
     code = getattr(forward, "__code__", None)
@@ -262,7 +262,7 @@ class FlashCallTracer:
         if self.record and role not in self.first:
             try:
                 self.first[role] = _describe_call(role, args, kwargs, out)
-            except Exception as exc:  # noqa: BLE001 - tracing never breaks the forward
+            except Exception as exc:  # tracing never breaks the forward
                 self.first[role] = {"error": f"{type(exc).__name__}: {exc}"}
 
     def _wrap(self, role: str, inner: Callable) -> Callable:

@@ -25,7 +25,7 @@ from foundry_attn.forward import forward_documents
 def recorded(name: str, calls: list[bool]) -> None:
     inner = AttentionInterface._global_mapping[name]
 
-    def record(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202 (transformers' signature)
+    def record(module, query, key, value, attention_mask, **kwargs):  # transformers' signature
         calls.append(is_placeholder(attention_mask) and kwargs.get(DOCS_KEY) is not None)
         return inner(module, query, key, value, attention_mask, **kwargs)
 

@@ -153,7 +153,7 @@ class PeakLiveBytes(TorchDispatchMode):
         self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
         out = func(*args, **(kwargs or {}))
         results = out if isinstance(out, tuple) else (out,)
         for ret, value in zip(func._schema.returns, results, strict=False):
@@ -359,7 +359,7 @@ def bench_steps(settings: Settings) -> dict[str, Any]:
 def _flash_attn_importable() -> bool:
     try:
         import flash_attn  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure means no FA2 mode
+    except Exception:  # any failure means no FA2 mode
         return False
     return True
 

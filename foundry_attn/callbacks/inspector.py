@@ -292,7 +292,7 @@ class ModelInspector:
             return
         try:
             self.records.append(self._record(level, index, name, module, _arguments(module, args, kwargs)))
-        except Exception as exc:  # noqa: BLE001 - inspection never breaks training
+        except Exception as exc:  # inspection never breaks training
             self.records.append({"level": level, "index": index, "name": name, "cls": type(module).__name__,
                                  "error": f"{type(exc).__name__}: {exc}"})
 
