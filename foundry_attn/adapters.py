@@ -29,10 +29,9 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from foundry_attn.document_op import document_attention, eager_document, sdpa_document
+from foundry_attn.document_op import document_attention, eager_document, eager_math, sdpa_document
 from foundry_attn.fa2_reference import reference_flash_attn
 
 DOCS_KEY = "foundry_documents"
@@ -191,8 +190,7 @@ def sdpa_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    key, value = _expand_kv(query, key, value)
     if torch.compiler.is_compiling():
         out = _compiled(SDPA, query, key, value, docs, sliding_window, scaling, None, dropout)
     else:
@@ -207,24 +205,26 @@ def _compiled(kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if dropout:
         raise ValueError(f"foundry_attn: {kind} with attention dropout {dropout} under torch.compile is not "
                          "supported; set attention_dropout: 0, or train uncompiled")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return document_attention(query, key, value, docs.host(), kind, window or 0, scale, softcap or 0.0)[0]
+    return document_attention(query, key, value, docs.host(), kind, window or 0, _scale(query, scaling),
+                              softcap or 0.0)[0]
+
+
+def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped KV heads repeated to the query's heads (transformers' ``repeat_kv``)."""
+    groups = query.shape[1] // key.shape[1]
+    return repeat_kv(key, groups), repeat_kv(value, groups)
+
+
+def _scale(query: torch.Tensor, scaling: float | None) -> float:
+    return scaling if scaling is not None else query.shape[-1] ** -0.5
 
 
 def _eager(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor | None,
            dropout: float, scaling: float | None, softcap: float | None) -> torch.Tensor:
-    """transformers' eager attention: scores, softcap, additive mask, fp32 softmax, dropout. -> [B, H, S, D]."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    if additive is not None:
-        scores = scores + additive[..., : k.shape[-2]]
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    probs = F.dropout(probs, p=dropout, training=module.training)
-    return torch.matmul(probs, v)
+    """transformers' eager attention with the model's own additive mask (no documents). -> [B, H, S, D]."""
+    k, v = _expand_kv(q, k, v)
+    mask = additive[..., : k.shape[-2]] if additive is not None else None
+    return eager_math(q, k, v, _scale(q, scaling), softcap, mask, dropout, module.training)
 
 
 def eager_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -236,13 +236,12 @@ def eager_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if docs is None:
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    key, value = _expand_kv(query, key, value)
     if torch.compiler.is_compiling():
         out = _compiled(EAGER, query, key, value, docs, sliding_window, scaling, softcap,
                         dropout if module.training else 0.0)
     else:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        scale = _scale(query, scaling)
         out = torch.cat([eager_document(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], sliding_window, scale,
                                         softcap, dropout, module.training) for s, e in docs.spans], dim=2)
     return out.transpose(1, 2).contiguous(), None
@@ -309,8 +308,7 @@ def flex_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         return torch.tanh(score / softcap) * softcap
 
     kernel = flex_attention if query.device.type == "cpu" else _compiled_flex()
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    key, value = _expand_kv(query, key, value)
     out = kernel(query, key, value, score_mod=score_mod if softcap else None,
                  block_mask=BLOCK_MASKS.get(docs, sliding_window, query.device), scale=scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -20,8 +20,6 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-KINDS = ("sdpa", "eager")
-
 
 def allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[n, n] bool: causal, and (with a window) a query sees at most ``window`` keys, itself included."""
@@ -40,17 +38,30 @@ def sdpa_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True)
 
 
-def eager_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
-                   softcap: float | None, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
-    """transformers' eager math over one document: scores, softcap, causal/window mask, fp32 softmax, dropout."""
+def additive_mask(n: int, window: int | None, like: torch.Tensor, fill: float | None = None) -> torch.Tensor:
+    """[n, n] additive mask in ``like``'s dtype: 0 where :func:`allowed`, ``fill`` (default: the dtype's min)
+    elsewhere."""
+    fill = torch.finfo(like.dtype).min if fill is None else fill
+    return torch.zeros((n, n), dtype=like.dtype, device=like.device).masked_fill_(~allowed(n, window, like.device),
+                                                                                 fill)
+
+
+def eager_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None,
+               additive: torch.Tensor | None, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+    """transformers' eager attention on expanded heads: scores, softcap, additive mask, fp32 softmax, dropout."""
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    n = q.shape[2]
-    additive = torch.zeros((n, n), dtype=q.dtype, device=q.device)
-    additive.masked_fill_(~allowed(n, window, q.device), torch.finfo(q.dtype).min)
-    probs = F.softmax(scores + additive, dim=-1, dtype=torch.float32).to(q.dtype)
+    if additive is not None:
+        scores = scores + additive
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(F.dropout(probs, p=dropout, training=training), v)
+
+
+def eager_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
+                   softcap: float | None, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+    """:func:`eager_math` over one document, causal (and windowed) within it."""
+    return eager_math(q, k, v, scale, softcap, additive_mask(q.shape[2], window, q), dropout, training)
 
 
 def _loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host_bounds: torch.Tensor, kind: str, window: int,
@@ -71,10 +82,7 @@ def _flash(kind: str, query: torch.Tensor) -> bool:
 
 
 def _window_bias(n: int, window: int, like: torch.Tensor) -> torch.Tensor | None:
-    if not window or n <= window:
-        return None
-    return torch.zeros((n, n), dtype=like.dtype, device=like.device).masked_fill_(~allowed(n, window, like.device),
-                                                                                 float("-inf"))
+    return additive_mask(n, window, like, float("-inf")) if window and n > window else None
 
 
 @torch.library.custom_op("foundry_attn::document_attention", mutates_args=())
