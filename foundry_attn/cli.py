@@ -135,7 +135,7 @@ def events(args: argparse.Namespace) -> int:
         print(f"foundry-attn events: {args.path}: no {what}{why}", file=sys.stderr)
         return 2
     if args.json:
-        print(fleet.dumps(result))
+        print(json.dumps(result, indent=2, default=str))
     elif args.fell_back:
         print(fleet.table(result, fleet.FELL_BACK_COLUMNS) if result else "no rank fell back")
     elif args.summary:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -70,12 +69,19 @@ def decisions(stream: Iterable[dict]) -> list[dict]:
     return list(last.values())
 
 
+def failed(decision: dict) -> bool:
+    """A rank whose build raised (strict, or nothing in the chain could run)."""
+    return bool(decision.get("failed")) or decision.get("chosen") is None
+
+
+def fell(decision: dict) -> bool:
+    """A rank that did not get what it asked for: a fallback, or a failure."""
+    return bool(decision.get("fallback")) or failed(decision)
+
+
 def fell_back(decided: Iterable[dict]) -> list[dict]:
-    """Every rank that did not get what it asked for (a fallback, or a failure), as flat rows."""
-    rows = []
-    for d in decided:
-        if d.get("fallback") or d.get("failed") or d.get("chosen") is None:
-            rows.append({c: d.get(c) for c in FELL_BACK_COLUMNS})
+    """Every rank that did not get what it asked for, as flat rows."""
+    rows = [{c: d.get(c) for c in FELL_BACK_COLUMNS} for d in decided if fell(d)]
     return sorted(rows, key=lambda r: (str(r["run"]), str(r["launch"]), r["rank"] if r["rank"] is not None else -1))
 
 
@@ -86,7 +92,7 @@ def summary(decided: list[dict]) -> dict[str, Any]:
     for d in decided:
         device = f"{d.get('device_name')} ({d.get('capability')})"
         by_device[device][0] += 1
-        if d.get("fallback") or d.get("failed") or d.get("chosen") is None:
+        if fell(d):
             by_device[device][1] += 1
             reasons[str(d.get("reason"))] += 1
     return {
@@ -135,7 +141,3 @@ def report_skipped(skipped: Skipped) -> str | None:
     if not skipped.lines:
         return None
     return f"skipped {skipped.lines} line(s) that are not JSON events, in {len(skipped.files)} file(s)"
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, default=str)

@@ -72,7 +72,7 @@ def _grid(path: Path, decided: list[dict]) -> None:
     labels = [[""] * len(runs) for _ in ranks]
     for d in decided:
         r, c = ranks.index(int(d.get("rank") or 0)), runs.index(d["run"])
-        cells[r][c] = 2 if d.get("failed") or d.get("chosen") is None else 1 if d.get("fallback") else 0
+        cells[r][c] = 2 if fleet.failed(d) else 1 if fleet.fell(d) else 0
         labels[r][c] = str(d.get("chosen") or "failed")
     fig, ax = _figure("implementation per rank (orange: fell back, red: failed)", "rank")
     ax.imshow(cells, cmap=ListedColormap(["#4caf50", "#ff9800", "#e53935"]), vmin=0, vmax=2, aspect="auto")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from foundry_attn.adapters import SDPA, attach
+from foundry_attn.bench import machine, sync
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import PaddingCollator
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
@@ -73,13 +73,11 @@ def build(name: str, device: torch.device) -> torch.nn.Module:
 def _step(runner: Any, model: torch.nn.Module, batch: dict[str, Any], device: torch.device) -> tuple[float, float]:
     """(seconds, loss) of one forward + backward."""
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     start = time.perf_counter()
     loss = forward_documents(runner, batch).loss
     loss.backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return time.perf_counter() - start, loss.item()
 
 
@@ -129,15 +127,11 @@ def run(device: str | None = None, layouts: int = 50, warmup: int = 5,
     dev = torch.device(device or "cpu")
     started = time.perf_counter()
     rows = [measure(m, dev, layouts, warmup) for m in models]
-    import transformers
-
-    return {"command": COMMAND, "device": str(dev), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
-            "warmup_layouts": warmup, "target_speedup": TARGET, "rows": rows,
+    return {"command": COMMAND, "device": str(dev), **machine(), "warmup_layouts": warmup, "target_speedup": TARGET,
+            "rows": rows,
             "all_targets_met": all(r["speedup"] >= TARGET and r["losses_agree"] and r["graphs_after_warmup"] == 0
                                    for r in rows),
             "elapsed_s": time.perf_counter() - started}
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

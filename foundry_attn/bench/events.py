@@ -80,33 +80,14 @@ def generate(root: Path, runs: int = 100, ranks: int = 10, per_rank: int = 1000,
     return written
 
 
-def _parse_every_line(paths: list[Path]) -> int:
+def _scan(paths: list[Path], loads: Any, needle: bytes | None = None) -> int:
+    """``attn_impl`` events in ``paths``, parsing every line with ``loads`` (or only lines with ``needle``)."""
     found = 0
     for path in paths:
         with open(path, "rb") as f:
             for line in f:
-                found += json.loads(line).get("kind") == "attn_impl"
-    return found
-
-
-def _orjson_every_line(paths: list[Path]) -> int:
-    import orjson
-
-    found = 0
-    for path in paths:
-        with open(path, "rb") as f:
-            for line in f:
-                found += orjson.loads(line).get("kind") == "attn_impl"
-    return found
-
-
-def _filter_lines(paths: list[Path]) -> int:
-    found = 0
-    for path in paths:
-        with open(path, "rb") as f:
-            for line in f:
-                if b'"kind": "attn_impl"' in line:
-                    found += json.loads(line)["kind"] == "attn_impl"
+                if needle is None or needle in line:
+                    found += loads(line).get("kind") == "attn_impl"
     return found
 
 
@@ -141,10 +122,12 @@ def run(directory: str | None = None, keep: bool = False, runs: int = 100, ranks
             p.read_bytes()
         times = {}
         times["ours"], fell = _best(_ours, root)
-        times["filter_lines"], decisions_a = _best(_filter_lines, paths)
-        times["parse_every_line"], decisions_b = _best(_parse_every_line, paths, repeats=1)
+        times["filter_lines"], decisions_a = _best(_scan, paths, json.loads, b'"kind": "attn_impl"')
+        times["parse_every_line"], decisions_b = _best(_scan, paths, json.loads, repeats=1)
         try:  # a well-kept fast parser, when installed (not a dependency): does parsing everything become cheap?
-            times["orjson_every_line"], _ = _best(_orjson_every_line, paths, repeats=1)
+            import orjson
+
+            times["orjson_every_line"], _ = _best(_scan, paths, orjson.loads, repeats=1)
         except ImportError:
             pass
         return {"command": COMMAND, "runs": runs, "ranks": ranks, "events_per_rank": per_rank,

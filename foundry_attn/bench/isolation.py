@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, attach
+from foundry_attn.bench import machine, sync
 from foundry_attn.forward import forward_documents
 from foundry_attn.isolation import isolation_check
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
@@ -46,16 +46,11 @@ def _backends(device: torch.device) -> list[tuple[str, bool]]:
     return [*found, (FA2, False)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Any, device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -88,12 +83,8 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
 def run(device: str | None = None, repeats: int = 3, models: tuple[str, ...] = tuple(MODELS)) -> dict[str, Any]:
     dev = torch.device(device or "cpu")
     rows = [measure(m, b, ref, dev, repeats) for m in models for b, ref in _backends(dev)]
-    import transformers
-
-    return {"command": COMMAND, "device": str(dev), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
-            "repeats": repeats, "rows": rows, "all_passed": all(r["passed"] for r in rows)}
-
+    return {"command": COMMAND, "device": str(dev), **machine(), "repeats": repeats, "rows": rows,
+            "all_passed": all(r["passed"] for r in rows)}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -58,7 +58,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -70,6 +69,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry_attn.adapters import attach
+from foundry_attn.bench import machine, sync
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.policy import FA2, SDPA
@@ -243,11 +243,6 @@ def make_modes(docs: Sequence[torch.Tensor], device: torch.device, fa2: bool) ->
     return modes
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None])
 
@@ -257,11 +252,11 @@ def measured_step(model: torch.nn.Module, mode: Mode, device: torch.device) -> t
     model.zero_grad(set_to_none=True)
     gc.collect()
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         loss = mode.step(model)
-        _sync(device)
+        sync(device)
         peak = torch.cuda.max_memory_allocated(device) - before
     else:
         with PeakLiveBytes() as tracker:
@@ -276,10 +271,10 @@ def timed_step(model: torch.nn.Module, mode: Mode, device: torch.device) -> tupl
     gc.collect()
     gc.disable()
     try:
-        _sync(device)
+        sync(device)
         cpu, start = time.process_time(), time.perf_counter()
         mode.step(model)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - start, time.process_time() - cpu
     finally:
         gc.enable()
@@ -423,7 +418,6 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
     correct = steps["correctness"]["ok"] and collator["matches_flattening"]
     targets = {name: {"target": target, "value": ratios[name], "met": correct and ratios[name] >= target}
                for name, target in TARGETS.items()}
-    import transformers
 
     return {
         "command": COMMAND + (" --quick" if quick else ""),
@@ -431,8 +425,7 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
             **dataclasses.asdict(settings), "quick": quick, "attn_implementation": SDPA,
             "fa2_mode": steps["fa2"], "lengths": list(LENGTHS), "real_tokens": sum(LENGTHS),
             "max_seq_len": MAX_SEQ_LEN, "pad_id": PAD_ID, "eos_id": EOS_ID, "seed": SEED,
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu": platform.processor() or platform.machine(),
+            **machine(),
             "peak_mem": "cuda max_memory_allocated delta" if settings.device.startswith("cuda")
             else "peak live bytes of newly allocated tensor storages (TorchDispatchMode)",
         },
