@@ -10,13 +10,20 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE := disabled
 
-.PHONY: demo demo-fa2-reference blog-case test chromium lint doctor bench clean
+.PHONY: demo demo-fa2-reference blog-case test test-latest chromium lint doctor bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[foundry,dev]'
 	touch $(STAMP)
+
+LATEST := .venv-latest
+$(LATEST)/.installed: pyproject.toml constraints-latest.txt
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[dev]'
+	touch $@
 
 $(ASSETS)/.done: $(STAMP)
 	$(BIN)/foundry-attn assets $(ASSETS)
@@ -43,6 +50,11 @@ blog-case: $(STAMP)
 
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
+
+## the core on today's stack (transformers 5.x, torch 2.13 CPU, no Composer / LLM-Foundry) in .venv-latest;
+## tests marked `foundry` skip there and say why
+test-latest: $(LATEST)/.installed chromium
+	$(LATEST)/bin/python -m pytest -q
 
 ## headless Chromium for the report test; never fails (without it, that one test skips and says why)
 chromium:

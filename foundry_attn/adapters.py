@@ -29,6 +29,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from transformers import modeling_flash_attention_utils as _fa_utils
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from foundry_attn.document_op import document_attention, eager_document, eager_math, sdpa_document
@@ -38,6 +39,9 @@ DOCS_KEY = "foundry_documents"
 PREFIX = "foundry_"
 FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
 FA2_REFERENCE = "fa2_reference"  # registered as foundry_fa2_reference: FA2 code paths on the CPU reference kernel
+#: transformers 5.x picks the flash kernel by the name it is given; 4.51 by what is installed
+_FA_NAMES_ITS_KERNEL = "attn_implementation" in inspect.signature(_fa_utils._flash_attention_forward).parameters
+_FA_TOP_LEFT = _fa_utils.flash_attn_supports_top_left_mask()  # flash-attn < 2.1 (read once, as transformers does)
 
 
 class Documents:
@@ -317,9 +321,7 @@ def flex_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 def _fa2(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attention_mask: Any, dropout: float, scaling: float | None, sliding_window: int | None,
          softcap: float | None, kwargs: dict) -> tuple[torch.Tensor, None]:
-    """transformers' own FA2 function with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
-    from transformers.integrations.flash_attention import flash_attention_forward
-
+    """transformers' own FA2 code path with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
     docs = _documents(kwargs, attention_mask, query)
     if docs is None:  # a mask built by the model (generation): FA2 cannot take a 4-D mask; eager math can
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
@@ -330,8 +332,28 @@ def _fa2(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     if kwargs.get("position_ids") is None:  # 4.51 takes the varlen path only when position_ids is given
         kwargs["position_ids"] = docs.positions(query.device)
-    return flash_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
-                                   sliding_window=sliding_window, softcap=softcap, **kwargs)
+    return _flash_forward(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs), None
+
+
+def _flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   dropout: float, scaling: float | None, sliding_window: int | None, softcap: float | None,
+                   kwargs: dict) -> torch.Tensor:
+    """transformers' ``_flash_attention_forward`` as its own ``flash_attention_forward`` calls it, but for the
+    stock FA2 kernel by name: 5.x resolves the kernel from ``config._attn_implementation``, which is ours here."""
+    if _FA_NAMES_ITS_KERNEL:
+        kwargs["attn_implementation"] = FA2
+    kwargs.pop("is_causal", None)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    target = None
+    if q.dtype == torch.float32:  # PEFT-style fp32 activations: back to what the kernel computes in
+        if torch.is_autocast_enabled(q.device.type):
+            target = torch.get_autocast_dtype(q.device.type)
+        else:  # the projections' dtype (GPT-2's are Conv1D, not Linear)
+            target = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    return _fa_utils._flash_attention_forward(
+        q, k, v, None, query_length=query.shape[2], is_causal=module.is_causal, dropout=dropout,
+        softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=_FA_TOP_LEFT,
+        target_dtype=target, **kwargs)
 
 
 def fa2_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -4,12 +4,13 @@
     >>> probe().as_dict()["device_name"]
     'cpu'
 
-Core module: imports torch and the standard library only.
+Core module: torch, transformers and the standard library only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -38,6 +39,11 @@ class Capability:
     flash_attn_error: str | None
     transformer_engine_version: str | None
     host: str = dataclasses.field(default_factory=socket.gethostname)
+    #: why FlexAttention cannot train (backward) on this device with this torch, or None when it can
+    flex_backward_error: str | None = None
+    #: the hub kernel transformers 5.x loads for ``flash_attention_2`` when flash-attn is missing and the
+    #: ``kernels`` package is installed (silently, from the network), else None
+    hub_kernel: str | None = None
 
     @property
     def sm(self) -> str:
@@ -65,6 +71,32 @@ def _probe_flash_attn() -> tuple[str | None, str | None]:
     return getattr(module, "__version__", version), None
 
 
+def _hub_kernel() -> str | None:
+    if importlib.util.find_spec("kernels") is None:
+        return None
+    try:
+        from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_FALLBACK
+    except ImportError:  # 4.51: no hub fallback
+        return None
+    return FLASH_ATTN_KERNEL_FALLBACK.get("flash_attention_2")
+
+
+@functools.cache
+def flex_backward_error(device_type: str) -> str | None:
+    """One tiny FlexAttention forward + backward on ``device_type``: None when it trains, else why not.
+
+    torch 2.7 runs eager flex backward on the CPU; later releases raise ``NotImplementedError`` there.
+    """
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q = torch.randn(1, 1, 8, 8, device=device_type, requires_grad=True)
+        flex_attention(q, q, q).sum().backward()
+    except Exception as exc:  # the reason is reported, the policy rejects flex
+        return f"torch {torch.__version__} FlexAttention has no backward on {device_type}: {type(exc).__name__}: {exc}"
+    return None
+
+
 def probe(device: torch.device | str | None = None) -> Capability:
     """Collect the capability of ``device`` (default: the current CUDA device, else CPU)."""
     cuda = torch.cuda.is_available()
@@ -84,4 +116,6 @@ def probe(device: torch.device | str | None = None) -> Capability:
         flash_attn_version=fa_version,
         flash_attn_error=fa_error,
         transformer_engine_version=_dist_version("transformer-engine") or _dist_version("transformer_engine"),
+        hub_kernel=_hub_kernel() if fa_version is None else None,
+        flex_backward_error=flex_backward_error(device.type if device.type == "cuda" and cuda else "cpu"),
     )

@@ -16,11 +16,13 @@ import json
 import sys
 from typing import Any
 
+from foundry_attn.capability import Capability
 from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableError
 
 
 def doctor(args: argparse.Namespace) -> int:
     from foundry_attn.capability import probe
+    from foundry_attn.flash_symbols import discover
     from foundry_attn.loading import decide, resolve_compute_dtype
     from foundry_attn.policy import choose
 
@@ -41,6 +43,8 @@ def doctor(args: argparse.Namespace) -> int:
         "reason": decision.reason,
         "candidates": [{"name": c.name, "available": c.available, "reason": c.reason} for c in decision.candidates],
         "environment": cap.as_dict(),
+        "flash_kernel": flash_kernel(cap),
+        "flash_symbols": {k: v for k, v in discover().as_dict().items() if k in ("found", "missing", "error")},
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -50,10 +54,22 @@ def doctor(args: argparse.Namespace) -> int:
     print(f"torch {env['torch_version']}, transformers {env['transformers_version']}, "
           f"flash-attn {env['flash_attn_version'] or 'not importable'}, "
           f"transformer-engine {env['transformer_engine_version'] or 'not installed'}")
+    print(f"flash_attention_2 would run: {report['flash_kernel']}")
+    found = ", ".join(f"{role}={name}" for role, name in report["flash_symbols"]["found"].items())
+    print(f"transformers' flash helpers (upad_tracer): {found or 'none'}")
     for c in report["candidates"]:
         print(f"  {'ok ' if c['available'] else 'no '} {c['name']:<18} {c['reason']}")
     print(f"chosen: {decision.chosen}")
     return 0
+
+
+def flash_kernel(cap: Capability) -> str:
+    """Which kernel ``flash_attention_2`` would really run here (transformers 5.x may pick a hub kernel)."""
+    if cap.flash_attn_version:
+        return f"flash-attn {cap.flash_attn_version}"
+    if cap.hub_kernel:
+        return f"hub kernel {cap.hub_kernel} (transformers' silent fallback; foundry_attn refuses it)"
+    return "none (flash-attn is not installed)"
 
 
 def assets(args: argparse.Namespace) -> int:
@@ -186,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("which", choices=("padding", "callbacks", "isolation", "compile", "events"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the README)")
-    p.add_argument("--device", default=None, help="padding, isolation, compile: cpu or cuda")
+    p.add_argument("--device", default=None,
+                   help="padding, isolation, compile: cpu (the default, even with a GPU present) or cuda[:N]")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
     p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")

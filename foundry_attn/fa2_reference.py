@@ -151,12 +151,27 @@ _CHECK_MODULES = ("transformers.modeling_flash_attention_utils", "transformers.m
                   "transformers.utils", "transformers.utils.import_utils")
 
 
+#: transformers 5.x: the kernels come from ``lazy_import_flash_attention(name)``, which caches what
+#: ``_lazy_imports`` returned in these globals; the reference resets them on entry and restores them on exit
+_LAZY_IMPORTS = "_lazy_imports"
+_LAZY_CACHE = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn",
+               "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
+
+
+def _reference_lazy_imports(implementation: str | None, *args: object, **kwargs: object) -> tuple:
+    """5.x ``_lazy_imports``: (dense, varlen, kvcache, pad, unpad) for ``flash_attention_2``."""
+    if implementation not in (None, "flash_attention_2"):
+        raise ValueError(f"fa2 reference: only flash_attention_2 runs on the reference kernel, not {implementation!r}")
+    return flash_attn_func, flash_attn_varlen_func, None, pad_input, unpad_input
+
+
 @contextlib.contextmanager
 def reference_flash_attn() -> Iterator[None]:
     """Install the reference kernels where transformers looks them up; restore everything on exit.
 
     Patches the module globals of ``transformers.modeling_flash_attention_utils`` (which it reads at
-    call time) and makes ``is_flash_attn_2_available`` answer True. The patches are replacement layers
+    call time; in 5.x its ``_lazy_imports`` and the kernel cache of ``lazy_import_flash_attention``) and
+    makes ``is_flash_attn_2_available`` answer True. The patches are replacement layers
     (``foundry_attn.patching``): they sit *beneath* any tracer wrapper (``upad_tracer``),
     so a tracer attached before or after still counts the calls, and contexts and tracers may close in
     any order. Nests with itself.
@@ -167,6 +182,11 @@ def reference_flash_attn() -> Iterator[None]:
             mod = importlib.import_module(mod_name)
             for name, value in _KERNELS.items():
                 patches.append(patch_attribute(mod, name, replace=value))
+            if _LAZY_IMPORTS in mod.__dict__:  # 5.x
+                patches.append(patch_attribute(mod, _LAZY_IMPORTS, replace=_reference_lazy_imports))
+                for name in _LAZY_CACHE:
+                    if name in mod.__dict__:
+                        patches.append(patch_attribute(mod, name, replace=None))
         for mod_name in _CHECK_MODULES:
             mod = importlib.import_module(mod_name)
             for name in _AVAILABILITY:

@@ -20,7 +20,7 @@ role          4.51                                   later releases (4.54 ... 5.
                                                      ``prepare_fa_kwargs_from_position_ids``
 ``varlen``    ``flash_attn_varlen_func`` (global)    2nd kernel of ``lazy_import_flash_attention()``
 ``dense``     ``flash_attn_func`` (global)           1st kernel of ``lazy_import_flash_attention()``
-``pad``       ``pad_input`` (global)                 ``_pad_input`` / 3rd of a 4-tuple lazy import
+``pad``       ``pad_input`` (global)                 ``_pad_input`` / next-to-last kernel of the lazy import
 ============  =====================================  ==============================================
 
 The tracer's wrappers are layers (``foundry_attn.patching``) that sit above the FA2 reference kernel's
@@ -57,8 +57,10 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
 #: globals that the module imports from flash-attn (absent until flash-attn or the reference provides them)
 KERNEL_GLOBALS = frozenset({"flash_attn_varlen_func", "flash_attn_func", "pad_input"})
 LAZY_IMPORT = "lazy_import_flash_attention"
-#: position of each kernel in the first element returned by ``lazy_import_flash_attention``
-LAZY_INDEX = {DENSE: 0, VARLEN: 1, PAD: 2}
+#: position of each kernel in the first element returned by ``lazy_import_flash_attention``, by its length:
+#: 4.54-4.57 ``(dense, varlen, pad, unpad)``, 5.x ``(dense, varlen, kvcache, pad, unpad)``
+LAZY_LAYOUTS = {4: {DENSE: 0, VARLEN: 1, PAD: 2}, 5: {DENSE: 0, VARLEN: 1, PAD: 3}}
+LAZY_INDEX = {DENSE: 0, VARLEN: 1, PAD: -2}  # for names; pad is next to last in both layouts
 
 _lock = threading.RLock()  # a tracer's attach depth
 
@@ -290,9 +292,10 @@ class FlashCallTracer:
                 kernels = list(kernels)
             except (TypeError, IndexError, KeyError):
                 return result
+            layout = LAZY_LAYOUTS.get(len(kernels), {})
             for role in roles:
-                i = LAZY_INDEX[role]
-                if i < len(kernels) and callable(kernels[i]) and (role != PAD or len(kernels) == 4):
+                i = layout.get(role, len(kernels))
+                if i < len(kernels) and callable(kernels[i]):
                     fn = kernels[i]
                     if id(fn) not in cache:
                         cache[id(fn)] = self._wrap(role, fn)

@@ -52,17 +52,28 @@ def model_class_for(config: PretrainedConfig) -> type:
 
 
 def transformers_load_check(model_class: type, config: PretrainedConfig, name: str, dtype: torch.dtype) -> str | None:
-    """Run transformers' own load-time validation for ``name``; the error text, or None when it passes."""
-    checks = {FA2: ("_check_and_enable_flash_attn_2", {"torch_dtype": dtype}),
-              SDPA: ("_check_and_enable_sdpa", {}), FLEX: ("_check_and_enable_flex_attn", {})}
-    method, kwargs = checks.get(name, ("", {}))
-    check = getattr(model_class, method, None) if method else None
-    if check is None:  # eager, or a transformers release without this private check: our checks stand
-        return None
+    """Run transformers' own load-time validation for ``name``; the error text, or None when it passes.
+
+    4.51: the class-level ``_check_and_enable_*``. 4.54+/5.x: ``_check_and_adjust_attn_implementation``, an
+    instance method, run on an instance that skipped ``__init__`` (no weights: only its class and the config);
+    there it may also try a hub kernel for a missing flash-attn, and any failure of that is a refusal too.
+    """
     try:
-        check(copy.deepcopy(config), hard_check_only=True, **kwargs)
+        if hasattr(model_class, "_check_and_adjust_attn_implementation"):
+            instance = model_class.__new__(model_class)
+            instance.config = copy.deepcopy(config)
+            instance._check_and_adjust_attn_implementation(name, is_init_check=True)
+            return None
+        checks = {FA2: ("_check_and_enable_flash_attn_2", {"torch_dtype": dtype}),
+                  SDPA: ("_check_and_enable_sdpa", {}), FLEX: ("_check_and_enable_flex_attn", {})}
+        method, kwargs = checks.get(name, ("", {}))
+        check = getattr(model_class, method, None) if method else None
+        if check is not None:  # eager, or a release without this private check: our checks stand
+            check(copy.deepcopy(config), hard_check_only=True, **kwargs)
     except (ValueError, ImportError) as exc:
         return f"transformers refused it at load: {exc}"
+    except Exception as exc:  # 5.x hub-kernel loading fails with network errors, among others
+        return f"transformers refused it at load: {type(exc).__name__}: {exc}"
     return None
 
 

@@ -176,7 +176,9 @@ def check_fa2(
             return _fail(FA2, "exactness", f"{REFERENCE_NAME}: {inexact}", "set attention_dropout: 0, or use eager")
         return Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
     if cap.flash_attn_version is None:
-        return _fail(FA2, "flash-attn installed", cap.flash_attn_error or "flash-attn is not installed",
+        hub = (f"; transformers would load the hub kernel {cap.hub_kernel} in its place (not flash-attn, fetched "
+               "from the network); foundry_attn does not" if cap.hub_kernel else "")
+        return _fail(FA2, "flash-attn installed", (cap.flash_attn_error or "flash-attn is not installed") + hub,
                      "pip install flash-attn --no-build-isolation")
     if Version(cap.flash_attn_version) < FA2_MIN_VERSION:
         return _fail(FA2, "flash-attn version", f"flash-attn {cap.flash_attn_version} < {FA2_MIN_VERSION}",
@@ -216,6 +218,9 @@ def check(
     torch_version = Version(cap.torch_version.split("+")[0])
     if name == FLEX and torch_version < Version("2.5"):
         return _fail(name, "torch version", f"torch {cap.torch_version} < 2.5", "pip install 'torch>=2.5'")
+    if name == FLEX and cap.flex_backward_error:
+        return _fail(name, "flex backward", cap.flex_backward_error,
+                     "train with sdpa or eager on this device (flex trains on CUDA GPUs)")
     if name == SDPA and torch_version < Version("2.1.1"):
         return _fail(name, "torch version", f"torch {cap.torch_version} < 2.1.1", "pip install 'torch>=2.1.1'")
     inexact = refusal(name, traits.needs)

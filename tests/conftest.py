@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -15,6 +16,21 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
+#: the first package of the ``[foundry]`` extra that is missing (``make test-latest`` runs without them), or None
+FOUNDRY_MISSING = next((m for m in ("composer", "llmfoundry", "streaming") if importlib.util.find_spec(m) is None),
+                       None)
+#: tests whose fixtures are built with the [foundry] extra (MDS shards through ``streaming``)
+FOUNDRY_FIXTURES = frozenset({"assets", "tokenizer"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``foundry`` (or using its fixtures) need Composer / LLM-Foundry: skipped, saying why, without."""
+    for item in items:
+        if "foundry" not in item.keywords and FOUNDRY_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+            continue
+        item.add_marker(pytest.mark.foundry)
+        if FOUNDRY_MISSING:
+            item.add_marker(pytest.mark.skip(reason=f"needs the [foundry] extra ({FOUNDRY_MISSING} is not installed)"))
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +60,16 @@ def make_llama(impl: str = "sdpa", seed: int = 0, **shape: int) -> torch.nn.Modu
     model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="eager" if impl == "flash_attention_2" else impl))
     model.config._attn_implementation = impl
     return model.eval()
+
+
+def skip_unless_flex_trains(backend: str) -> None:
+    """Flex training tests run where the policy lets flex train (torch 2.7 CPU, CUDA); elsewhere it refuses
+    flex with this reason, which tests/test_conformance.py and tests/test_policy.py assert."""
+    from foundry_attn.capability import flex_backward_error
+
+    why = flex_backward_error("cuda" if torch.cuda.is_available() else "cpu") if backend == "flex_attention" else None
+    if why:
+        pytest.skip(f"the policy refuses flex_attention here: {why}")
 
 
 @pytest.fixture

@@ -37,11 +37,21 @@ def assert_restored(before: dict[str, dict[str, object]]) -> None:
 # ---- symbol discovery --------------------------------------------------------------------------------------
 
 
-def test_discover_transformers_451_names() -> None:
+def test_discover_the_installed_transformers_names() -> None:
+    """The real names of both stacks we test on: 4.51 (pinned by LLM-Foundry) and 5.x (`make test-latest`)."""
+    import transformers
+
     syms = discover()
-    assert syms.found == {UPAD: "_upad_input", POSIDS: "prepare_fa2_from_position_ids",
-                          VARLEN: "flash_attn_varlen_func", DENSE: "flash_attn_func", PAD: "pad_input"}
-    assert syms.missing == {} and syms.describe_missing() == [] and syms.lazy_import is None
+    if transformers.__version__.startswith("4.51"):
+        assert syms.found == {UPAD: "_upad_input", POSIDS: "prepare_fa2_from_position_ids",
+                              VARLEN: "flash_attn_varlen_func", DENSE: "flash_attn_func", PAD: "pad_input"}
+        assert syms.lazy_import is None
+    else:
+        lazy = "lazy_import_flash_attention()"
+        assert syms.found == {UPAD: "_upad_input", POSIDS: "_prepare_from_posids", VARLEN: f"{lazy}[1]",
+                              DENSE: f"{lazy}[0]", PAD: f"{lazy}[-2]"}
+        assert syms.lazy_import == "lazy_import_flash_attention"
+    assert syms.missing == {} and syms.describe_missing() == []
 
 
 def _fake_5x_module() -> types.ModuleType:
@@ -86,7 +96,7 @@ def test_discover_and_trace_5x_successors_through_the_lazy_importer() -> None:
     syms = discover(mod)
     assert syms.found == {UPAD: "_upad_input", POSIDS: "_prepare_from_posids",
                           VARLEN: "lazy_import_flash_attention()[1]", DENSE: "lazy_import_flash_attention()[0]",
-                          PAD: "lazy_import_flash_attention()[2]"}
+                          PAD: "lazy_import_flash_attention()[-2]"}
     q = torch.zeros(3, 1, 1)
     originals = dict(vars(mod))
     with FlashCallTracer(syms, module=mod) as tracer:
@@ -208,7 +218,7 @@ class _DDPLike(torch.nn.Module):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt_neox"])
 def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
-    from foundry_attn.callbacks.inspector import ModelInspector, discover_modules, find_hf_model
+    from foundry_attn.inspection import ModelInspector, discover_modules, find_hf_model
 
     model = _tiny(arch)
     name, hf = find_hf_model(_DDPLike(model))
@@ -234,8 +244,8 @@ def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
 def test_inspector_sees_the_flat_row(llama, impl: str) -> None:
     """Unpadded once: one flat row of real tokens, no mask, one restart per document boundary."""
     from foundry_attn.adapters import attach
-    from foundry_attn.callbacks.inspector import BatchInfo, ModelInspector
     from foundry_attn.forward import forward_documents
+    from foundry_attn.inspection import BatchInfo, ModelInspector
 
     model = llama(impl)
     attach(model)
@@ -251,8 +261,9 @@ def test_inspector_sees_the_flat_row(llama, impl: str) -> None:
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "10", True])
+@pytest.mark.foundry
 def test_log_interval_must_be_a_positive_integer(bad: object) -> None:
-    from foundry_attn.callbacks.inspector import AttentionInspector
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
     from foundry_attn.callbacks.upad_tracer import UpadTracer
 
     for cls, name in ((AttentionInspector, "attention_inspector"), (UpadTracer, "upad_tracer")):
@@ -260,21 +271,117 @@ def test_log_interval_must_be_a_positive_integer(bad: object) -> None:
             cls(log_interval=bad)
 
 
+@pytest.mark.parametrize("interval", [25, "25ba", "25BA", "time"])
+@pytest.mark.foundry
+def test_log_interval_takes_batches_as_an_integer_a_time_string_or_a_time(interval: object) -> None:
+    from composer.core import Time, TimeUnit
+
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
+    from foundry_attn.callbacks.upad_tracer import UpadTracer
+
+    value = Time(25, TimeUnit.BATCH) if interval == "time" else interval
+    for cls in (AttentionInspector, UpadTracer):
+        callback = cls(log_interval=value)
+        assert callback.log_interval == 25 and type(callback.log_interval) is int
+
+
+@pytest.mark.parametrize(("bad", "unit"), [("2ep", "epoch ('ep')"), ("100tok", "token ('tok')"),
+                                           ("0.5dur", "duration ('dur')")])
+@pytest.mark.foundry
+def test_log_interval_in_another_unit_says_what_is_accepted(bad: str, unit: str) -> None:
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
+    from foundry_attn.callbacks.upad_tracer import UpadTracer
+
+    for cls, name in ((AttentionInspector, "attention_inspector"), (UpadTracer, "upad_tracer")):
+        with pytest.raises(ValueError) as info:
+            cls(log_interval=bad)
+        message = str(info.value)
+        assert message.startswith(f"{name}: log_interval must be an integer >= 1")
+        assert "a time string in batches such as '25ba'" in message and "a composer Time in batches" in message
+        assert f"got {bad!r}, whose unit is {unit}, not batches ('ba')" in message
+
+
+@pytest.mark.foundry
+def test_block_mask_attention_modules_are_counted() -> None:
+    """A flex ``BlockMask`` at the attention modules: its own kind, its own metric, its shape in the table."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from foundry_attn.callbacks.attention_inspector import summarize
+    from foundry_attn.inspection import ModelInspector, format_table
+
+    class ToyAttention(torch.nn.Module):
+        def forward(self, hidden_states: torch.Tensor, attention_mask: object = None) -> torch.Tensor:
+            return hidden_states
+
+    class ToyBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = ToyAttention()
+
+        def forward(self, hidden_states: torch.Tensor, attention_mask: object = None) -> torch.Tensor:
+            return self.self_attn(hidden_states, attention_mask=attention_mask)
+
+    class Toy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([ToyBlock(), ToyBlock()])
+
+        def forward(self, hidden_states: torch.Tensor, attention_mask: object = None) -> torch.Tensor:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, attention_mask)
+            return hidden_states
+
+    model = Toy()
+    block = create_block_mask(lambda b, h, q, k: q >= k, 1, None, 8, 8, device="cpu")
+    with ModelInspector(model).capture() as records:
+        model(torch.zeros(1, 8, 4), block)
+    attn = [r for r in records if r["level"] == "attention"]
+    assert len(attn) == 2 and all(r["mask"] == "BlockMask" and r["mask_shape"] == [1, 1, 8, 8] for r in attn)
+    metrics = summarize(records)
+    assert metrics["attn/mask_block_layers"] == 2.0
+    assert metrics["attn/mask_none_layers"] == metrics["attn/mask_2d_layers"] == metrics["attn/mask_4d_layers"] == 0
+    assert metrics["attn/mask_with_zeros_layers"] == 0.0  # a BlockMask is not read
+    assert "BlockMask" in format_table(records)
+
+
+@pytest.mark.foundry
+def test_every_logged_key_is_in_its_callback_docstring() -> None:
+    """The class docstrings are the reference of the logged keys: none missing, none made up."""
+    import inspect
+    import re
+
+    from foundry_attn.callbacks import attention_inspector, attn_decision, upad_tracer
+    from foundry_attn.flash_symbols import ROLES
+
+    for module, cls, computed in ((attention_inspector, attention_inspector.AttentionInspector, set()),
+                                  (attn_decision, attn_decision.AttnDecisionLogger, set()),
+                                  (upad_tracer, upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES})):
+        logged = set(re.findall(r'"(attn/[a-z0-9_]+)"', inspect.getsource(module))) | computed
+        documented = set(re.findall(r"``(attn/[a-z0-9_]+)``", cls.__doc__))
+        assert logged and logged == documented, (cls.__name__, logged ^ documented)
+        assert "from composer import Trainer" in cls.__doc__ and "callbacks:" in cls.__doc__
+        assert "Args:" in cls.__doc__ and cls.__name__ in module.__all__
+
+
+@pytest.mark.foundry
 def test_bad_selector_regex_fails_at_construction() -> None:
-    from foundry_attn.callbacks.inspector import AttentionInspector
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
 
     with pytest.raises(ValueError, match="not a valid regular expression"):
         AttentionInspector(attention_selector="(")
 
 
+@pytest.mark.foundry
 def test_registered_as_llmfoundry_callbacks() -> None:
     from llmfoundry.registry import callbacks
 
-    from foundry_attn.callbacks.inspector import AttentionInspector
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
+    from foundry_attn.callbacks.attn_decision import AttnDecisionLogger
     from foundry_attn.callbacks.upad_tracer import UpadTracer
 
     assert callbacks.get("attention_inspector") is AttentionInspector
     assert callbacks.get("upad_tracer") is UpadTracer
+    assert callbacks.get("attn_decision") is AttnDecisionLogger
 
 
 # ---- real Composer Trainer runs ---------------------------------------------------------------------------
@@ -335,7 +442,7 @@ def _series(memory, key: str) -> list[float]:
 
 
 def test_trainer_fa2_reference_both_callbacks(assets: Path, tokenizer, tmp_path: Path, capsys) -> None:
-    from foundry_attn.callbacks.inspector import AttentionInspector
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
     from foundry_attn.callbacks.upad_tracer import UpadTracer
     from foundry_attn.events import read_events
 
@@ -384,7 +491,7 @@ def test_trainer_not_fa2_says_nothing_to_trace_once(assets: Path, tokenizer, tmp
 
 
 def test_trainer_selector_matching_nothing_warns_once(assets: Path, tokenizer, tmp_path: Path, caplog) -> None:
-    from foundry_attn.callbacks.inspector import AttentionInspector
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
     from foundry_attn.events import read_events
 
     inspector = AttentionInspector(log_interval=1, attention_selector="NoSuchAttn", print_table=False)
@@ -401,7 +508,7 @@ def test_trainer_selector_matching_nothing_warns_once(assets: Path, tokenizer, t
 
 
 def test_originals_restored_when_training_raises(assets: Path, tokenizer, tmp_path: Path) -> None:
-    from foundry_attn.callbacks.inspector import AttentionInspector
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
     from foundry_attn.callbacks.upad_tracer import UpadTracer
 
     before = snapshot()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from foundry_attn import fa2_reference as ref
 from foundry_attn.fa2_reference import flash_attn_func, flash_attn_varlen_func, reference_flash_attn
+from foundry_attn.flash_symbols import FlashCallTracer
 
 HEADS = [(2, 2), (4, 2), (4, 1)]  # (query heads, key/value heads): MHA, GQA, MQA
 D = 8
@@ -203,9 +204,12 @@ def test_context_installs_reference_kernels() -> None:
         assert transformers.utils.is_flash_attn_2_available()
         assert transformers.utils.import_utils.is_flash_attn_2_available()
         assert fa_utils.is_flash_attn_available()
+        if hasattr(fa_utils, "lazy_import_flash_attention"):  # where 4.54+ / 5.x really look the kernels up
+            kernels = fa_utils.lazy_import_flash_attention("flash_attention_2")[0]
+            assert flash_attn_func in kernels and flash_attn_varlen_func in kernels
     assert_restored(before)
     assert not transformers.utils.is_flash_attn_2_available()
-    assert not hasattr(fa_utils, "flash_attn_varlen_func") and fa_utils.flash_attn_func is None
+    assert not hasattr(fa_utils, "flash_attn_varlen_func") and getattr(fa_utils, "flash_attn_func", None) is None
 
 
 def test_context_restores_when_body_raises() -> None:
@@ -237,18 +241,10 @@ def test_tiny_llama_stock_fa2_unpad_path_matches_sdpa_per_row(llama) -> None:
     ids = torch.randint(1, 64, (len(lengths), width))
     mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
     ids = ids.masked_fill(mask == 0, 0)
-    calls: list[int] = []
-
-    def counting_varlen(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return flash_attn_varlen_func(*args, **kwargs)
-
-    import transformers.modeling_flash_attention_utils as fa_utils
-
-    with torch.no_grad(), reference_flash_attn():
-        fa_utils.flash_attn_varlen_func = counting_varlen  # restored by the context on exit
+    with torch.no_grad(), reference_flash_attn(), FlashCallTracer() as tracer:
         logits = fa2(input_ids=ids, attention_mask=mask).logits
-    assert len(calls) == fa2.config.num_hidden_layers  # the varlen path really ran, once per layer
+    layers = fa2.config.num_hidden_layers  # the unpad + varlen path really ran, once per layer
+    assert tracer.counts["upad"] == tracer.counts["varlen"] == layers and tracer.counts["dense"] == 0
     with torch.no_grad():
         for row, n in enumerate(lengths):
             alone = sdpa(input_ids=ids[row : row + 1, :n]).logits[0]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 CORE = ["capability", "policy", "loading", "packing", "layout", "forward", "adapters", "document_op", "isolation",
         "conformance", "patching", "fa2_reference", "flash_symbols", "events", "fleet", "report", "shapes", "cli",
-        "bench.padding", "bench.isolation", "bench.compile", "bench.events"]  # benches run on bare GPU boxes
+        "inspection", "bench.timing", "bench.padding", "bench.isolation", "bench.compile",
+        "bench.events"]  # benches run on bare GPU boxes
 
 
 def test_core_imports_without_composer_or_llmfoundry() -> None:
@@ -17,9 +20,18 @@ def test_core_imports_without_composer_or_llmfoundry() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_core_list_names_every_module_directly_under_foundry_attn() -> None:
+    """A new core module joins CORE (and so the import check above) on purpose, not by luck."""
+    package = Path(__file__).resolve().parents[1] / "foundry_attn"
+    modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    assert modules == {name for name in CORE if "." not in name}
+
+
 def test_doctor_json_runs_without_composer() -> None:
     code = ("import sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n"
             "from foundry_attn.cli import main\nsys.exit(main(['doctor', '--json']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"chosen": "sdpa"' in proc.stdout and '"candidates"' in proc.stdout
+    report = json.loads(proc.stdout)  # the same keys on the pinned stack and on transformers 5.x
+    assert {"flash_kernel", "flash_symbols", "environment"} <= report.keys() and not report["flash_symbols"]["missing"]

@@ -254,3 +254,39 @@ def test_model_traits_from_llama_class() -> None:
         pass
 
     assert ModelTraits.from_model_class(Plain).supports == frozenset({EAGER})
+
+
+def test_a_hub_kernel_redirect_is_named_and_never_taken() -> None:
+    """transformers 5.x with `kernels` installed loads kernels-community/flash-attn2 for a missing flash-attn."""
+    import dataclasses
+
+    cap = dataclasses.replace(make_cap(fa=None, fa_error="flash-attn is not installed"),
+                              hub_kernel="kernels-community/flash-attn2")
+    d = decide(cap, fallback=[FA2, SDPA])
+    assert d.chosen == SDPA and failed(d, FA2).check == "flash-attn installed"
+    assert "hub kernel kernels-community/flash-attn2" in d.reason and "foundry_attn does not" in d.reason
+
+
+def test_flex_without_a_backward_here_is_refused_with_the_reason() -> None:
+    import dataclasses
+
+    cap = dataclasses.replace(CPU, flex_backward_error="torch 2.13.0 FlexAttention has no backward on cpu")
+    d = decide(cap, torch.float32, requested=FLEX, fallback=[SDPA])
+    assert d.chosen == SDPA and failed(d, FLEX).check == "flex backward"
+    assert "no backward on cpu" in failed(d, FLEX).reason and "sdpa or eager" in failed(d, FLEX).fix
+    assert decide(CPU, torch.float32, requested=FLEX, fallback=[SDPA]).chosen == FLEX  # torch 2.7: eager flex trains
+
+
+def test_the_hub_kernel_transformers_would_load_is_read_from_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `kernels` importable and flash-attn missing: 5.x names kernels-community/flash-attn2; 4.51 has none."""
+    import importlib.util
+
+    import transformers
+
+    from foundry_attn import capability
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(capability.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "kernels" else real(name, *a))
+    want = None if transformers.__version__.startswith("4.51") else "kernels-community/flash-attn2"
+    assert capability._hub_kernel() == want

@@ -8,11 +8,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from composer.core import Callback, State
-from composer.loggers import Logger
 
-from .conftest import REPO
-from .test_training import _overrides
+pytest.importorskip("composer", reason="needs the [foundry] extra (Composer)")
+from composer.core import Callback, State  # noqa: E402
+from composer.loggers import Logger  # noqa: E402
+
+from .conftest import REPO  # noqa: E402
+from .test_training import _overrides  # noqa: E402
+
+pytestmark = pytest.mark.foundry
 
 YAML = str(REPO / "yamls" / "tiny_cpu.yaml")
 SEEN: dict[str, list[dict[str, Any]]] = {}

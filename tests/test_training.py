@@ -17,6 +17,8 @@ from foundry_attn.policy import AttentionUnavailableError
 
 from .conftest import REPO
 
+pytestmark = pytest.mark.foundry  # composer train.py and the registry
+
 YAML = str(REPO / "yamls" / "tiny_cpu.yaml")
 
 

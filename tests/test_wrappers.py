@@ -19,7 +19,7 @@ from foundry_attn import conformance
 from foundry_attn.adapters import attach
 from foundry_attn.forward import forward_documents
 
-from .conftest import REPO
+from .conftest import REPO, skip_unless_flex_trains
 from .wrapped_worker import recorded
 
 
@@ -41,6 +41,7 @@ def test_compiled_model_is_exact(monkeypatch: pytest.MonkeyPatch, family: str, b
     """``torch.compile(model)`` (inductor once, aot_eager for the rest: the same traced graph and autograd)."""
     from transformers.modeling_utils import AttentionInterface
 
+    skip_unless_flex_trains(backend)
     torch._dynamo.reset()
     model = conformance.build(family, backend)
     calls: list[bool] = []
@@ -67,6 +68,7 @@ def test_compiled_model_is_exact(monkeypatch: pytest.MonkeyPatch, family: str, b
 def test_distributed_is_exact(tmp_path: Path, wrapper: str, ranks: int, family: str, backend: str,
                               checkpointing: str) -> None:
     """Each rank packs its share of the documents; rank 0 compares the averaged gradients with the truth."""
+    skip_unless_flex_trains(backend)
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),

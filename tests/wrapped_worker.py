@@ -32,6 +32,17 @@ def recorded(name: str, calls: list[bool]) -> None:
     AttentionInterface._global_mapping[name] = record
 
 
+def fsdp2_gloo_scale() -> float:
+    """What FSDP2 on gloo multiplies an averaged gradient by here: the world size where #162338 bites, else 1."""
+    from torch.distributed.fsdp import fully_shard
+
+    probe = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.ones_(probe.weight)
+    fully_shard(probe)
+    probe(torch.ones(1, 2)).sum().backward()  # the same input on every rank: the average is the local gradient
+    return probe.weight.grad.full_tensor()[0, 0].item()
+
+
 def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str = "plain") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -55,8 +66,8 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
     (loss * share).backward()
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
     grad = torch.cat([g.reshape(-1) for g in grads])
-    if wrapper == "fsdp2":  # gloo's reduce-scatter sums where FSDP2 asks for AVG (pytorch/pytorch#162338)
-        grad = grad / world
+    if wrapper == "fsdp2":  # torch 2.7: gloo's reduce-scatter sums where FSDP2 asks for AVG (pytorch/pytorch#162338)
+        grad = grad / fsdp2_gloo_scale()
     total = (loss.detach() * share / world).clone()
     dist.all_reduce(total)
     if rank == 0:
@@ -66,6 +77,7 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
                       calls=len(calls), fast=all(calls), wrapped=type(wrapped).__name__)
         with open(out, "w") as f:
             json.dump(result, f)
+    dist.barrier()  # both ranks done before gloo tears down (torch 2.13 aborted a rank still in flight, once)
     dist.destroy_process_group()
 
 

@@ -15,8 +15,8 @@ Variants per implementation: ``none`` (no callback), ``interval_1`` (both callba
 ``interval_100`` (``log_interval: 100``), and ``noop`` (two empty Composer callbacks: what Composer's event
 dispatch alone costs any two callbacks, about 0.1 ms a step here, for reference): four Composer Trainers with
 identical weights, advanced round-robin one step at a time (``trainer.fit(duration="1ba")``, no dataloader
-spinning) with the order rotated every round and Python's GC off inside a step (the long-lived heap frozen),
-so load from other processes falls on all variants alike. A step's time runs from
+spinning) with the order rotated every round and Python's GC off inside a step (the long-lived heap frozen;
+``bench.timing.round_robin``), so load from other processes falls on all variants alike. A step's time runs from
 ``BATCH_START`` (first callback) to ``BATCH_END`` (last callback): forward, backward, optimizer and the
 callbacks' own work (hooks, host reads, metrics, JSONL events); ``fit()`` setup is not a step. A few warm-up
 steps per trainer (the always-sampled first batch among them) are not timed; 150 rounds let the interval-100
@@ -30,7 +30,6 @@ per-step lines) goes to /dev/null during the run so that the JSON stays clean.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import platform
@@ -41,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from foundry_attn.bench.timing import median, paired_ratio_median, round_robin
 
 COMMAND = "foundry-attn bench callbacks --json"
 TARGETS = {"overhead_interval_1": 0.10, "overhead_interval_100": 0.01}
@@ -88,7 +89,7 @@ def _trainers(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[li
     from composer.core import Callback
     from torch.utils.data import DataLoader
 
-    from foundry_attn.callbacks.inspector import AttentionInspector
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
     from foundry_attn.callbacks.upad_tracer import UpadTracer
     from foundry_attn.foundry.model import FoundryAttnCausalLM
     from foundry_attn.packing import PaddingCollator
@@ -128,7 +129,7 @@ def _trainers(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[li
 
 
 def _stats(times: list[float]) -> dict[str, float]:
-    return {"median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times),
+    return {"median_ms": 1e3 * median(times), "mean_ms": 1e3 * statistics.fmean(times),
             "min_ms": 1e3 * min(times), "n": len(times)}
 
 
@@ -138,31 +139,22 @@ def _bench_impl(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[
     for variant in VARIANTS:  # warm-up (the always-sampled first batch included), not timed
         trainers[variant][0].fit(duration=f"{warmup}ba")
         trainers[variant][1].clear()
-    per_round: list[dict[str, float]] = []
-    gc.collect()
-    gc.freeze()  # the big, long-lived heap (transformers, composer) out of every later collection
-    try:
-        for r in range(rounds):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
-            step: dict[str, float] = {}
-            for variant in order:
-                trainer, times = trainers[variant]
-                gc.collect(1)
-                gc.disable()
-                try:
-                    trainer.fit(duration="1ba")
-                finally:
-                    gc.enable()
-                step[variant] = times[-1]
-            per_round.append(step)
-    finally:
-        gc.unfreeze()
-    stats = {v: _stats(trainers[v][1]) for v in VARIANTS}
+
+    def step(variant: str) -> Any:
+        trainer, times = trainers[variant]
+
+        def fit() -> float:  # one step; its time runs from BATCH_START to BATCH_END (the timer callbacks)
+            trainer.fit(duration="1ba")
+            return times[-1]
+        return fit
+
+    timings = round_robin({v: step(v) for v in VARIANTS}, rounds, self_timed=True)
+    stats = {v: _stats(timings.seconds[v]) for v in VARIANTS}
     result: dict[str, Any] = {"step_time": stats}
     for variant in VARIANTS[1:]:
         key = "overhead_" + variant
         result[key] = stats[variant]["median_ms"] / stats["none"]["median_ms"] - 1
-        result[key + "_paired"] = statistics.median(m[variant] / m["none"] - 1 for m in per_round)
+        result[key + "_paired"] = paired_ratio_median(timings.seconds[variant], timings.seconds["none"]) - 1
     for trainer, _ in trainers.values():
         trainer.close()
     return result
@@ -219,10 +211,3 @@ def run(quick: bool = False) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - started, 1),
         "load_average_at_start": load_at_start,
     }
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2))

@@ -1,7 +1,8 @@
 """torch.compile with packed batches whose layout changes every step: graphs, warm-up and speed vs eager.
 
     foundry-attn bench compile --json               # CPU, sdpa: the tiny model and a SmolLM2-shaped 2-layer one
-    python -m foundry_attn.bench.compile --json --device cuda    # GPU: bf16
+    foundry-attn bench compile --json --device cuda  # GPU: bf16
+    foundry-attn bench compile --json --quick        # smoke run: the tiny model, 12 layouts
 
 Workload per model: ``layouts`` (50) seeded packed batches, each a different set of documents laid end to end
 (``PaddingCollator(mode="pack")``) so no two steps share a layout: the tiny demo model (``foundry_attn.shapes``,
@@ -11,9 +12,10 @@ attached to our sdpa function (fp32 on CPU, bf16 on CUDA), grads set to None bet
 
 Two variants with identical weights: ``eager`` and ``compiled`` (``torch.compile(model)``, inductor). The first
 ``warmup`` layouts run on both untimed (``warmup_s``: the compiled variant's wall time for them, compiling
-included); the rest are timed round-robin, the order alternating each step, and each compiled loss is checked
-against the eager one. ``graphs`` counts graphs inductor compiled (all, and after warm-up), ``graph_breaks``
-Dynamo's breaks; ``speedup`` = eager median step / compiled median step (target >= 1.5 on CPU after warm-up).
+included); the rest are timed round-robin (``bench.timing.round_robin``: one layout a round, the order alternating
+each round, GC off inside a step), and each compiled loss is checked against the eager one. ``graphs`` counts
+graphs inductor compiled (all, and after warm-up), ``graph_breaks`` Dynamo's breaks; ``speedup`` = eager median
+step / compiled median step (target >= 1.5 on CPU after warm-up).
 Core module: torch and transformers only.
 """
 
@@ -25,12 +27,14 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from foundry_attn.adapters import SDPA, attach
 from foundry_attn.bench import machine, sync
+from foundry_attn.bench.timing import median, round_robin
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import PaddingCollator
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
@@ -100,17 +104,23 @@ def measure(name: str, device: torch.device, layouts: int, warmup: int) -> dict[
         _step(eager_model, eager_model, batch, device)
         warmup_s += _step(compiled, compiled_model, batch, device)[0]
     after_warmup = len(compiled_graphs)
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    worst = 0.0
-    for i, batch in enumerate(data[warmup:]):
-        order = [("eager", eager_model, eager_model), ("compiled", compiled, compiled_model)]
-        losses = {}
-        for variant, runner, model in order if i % 2 == 0 else order[::-1]:
-            seconds, losses[variant] = _step(runner, model, batch, device)
-            times[variant].append(seconds)
-        worst = max(worst, abs(losses["compiled"] - losses["eager"]))
-    eager_ms = statistics.median(times["eager"]) * 1e3
-    compiled_ms = statistics.median(times["compiled"]) * 1e3
+    models = {"eager": eager_model, "compiled": compiled_model}
+
+    def steps(runner: Any) -> Callable[[], torch.Tensor]:
+        timed = iter(data[warmup:])  # each variant is called once a round: round i steps on layout warmup + i
+
+        def step() -> torch.Tensor:
+            loss = forward_documents(runner, next(timed)).loss
+            loss.backward()
+            return loss.detach()
+        return step
+
+    times = round_robin({"eager": steps(eager_model), "compiled": steps(compiled)}, len(data) - warmup,
+                        device=device, before=lambda variant: models[variant].zero_grad(set_to_none=True))
+    worst = max((abs(c.item() - e.item()) for c, e in zip(times.values["compiled"], times.values["eager"],
+                                                          strict=True)), default=0.0)
+    eager_ms = median(times.seconds["eager"]) * 1e3
+    compiled_ms = median(times.seconds["compiled"]) * 1e3
     tolerance = 1e-4 if device.type == "cpu" else 5e-2
     return {
         "model": name, "layouts": layouts, "distinct_layouts": len({str(b["doc_lens"]) for b in data}),

@@ -1,30 +1,32 @@
 """What the isolation probe costs at build, next to one training step of the same model.
 
     foundry-attn bench isolation --json            # CPU: tiny demo model and SmolLM2-135M (30 layers), ~1 min
-    python -m foundry_attn.bench.isolation --json --device cuda     # GPU: bf16, FA2 when flash-attn imports
+    foundry-attn bench isolation --json --device cuda   # GPU: bf16, FA2 when flash-attn imports
+    foundry-attn bench isolation --json --quick         # smoke run: the tiny model, 1 repeat
 
 For each model and backend (CPU: sdpa, eager, flex_attention, FA2 on the reference kernel; CUDA: sdpa, eager,
 flex_attention, flash_attention_2 when flash-attn imports), ``isolation_check`` runs on a freshly attached model:
 ``first_ms`` is the first probe (what a build pays: it runs once; flex builds its first block mask there),
 ``warm_ms`` the median of the next ``repeats``. ``step_ms`` is one forward + backward of a packed row of
-documents (1395 real tokens: the padding benchmark's six) with the same backend, median of ``repeats``;
-``probe_vs_step`` = first_ms / step_ms. Models are random Llamas (``foundry_attn.shapes``): the demo's tiny one
-(vocab 64) and SmolLM2-135M's full depth; fp32 on CPU, bf16 on CUDA. Core module: torch and transformers only.
+documents (1395 real tokens: the padding benchmark's six) with the same backend, median of ``repeats``
+(``bench.timing.round_robin``: GC off inside a step); ``probe_vs_step`` = first_ms / step_ms. Models are random
+Llamas (``foundry_attn.shapes``): the demo's tiny one (vocab 64) and SmolLM2-135M's full depth; fp32 on CPU, bf16
+on CUDA. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 
 from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, attach
-from foundry_attn.bench import machine, sync
+from foundry_attn.bench import machine
+from foundry_attn.bench.timing import median, round_robin
+from foundry_attn.capability import flex_backward_error
 from foundry_attn.forward import forward_documents
 from foundry_attn.isolation import isolation_check
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
@@ -36,7 +38,9 @@ MODELS = {"tiny": (64, TINY_SHAPE), "smollm2_135m": (SMOLLM2_VOCAB, SMOLLM2_135M
 
 def _backends(device: torch.device) -> list[tuple[str, bool]]:
     """(backend, on the FA2 reference kernel)."""
-    found = [(SDPA, False), (EAGER, False), (FLEX, False)]
+    found = [(SDPA, False), (EAGER, False)]
+    if flex_backward_error(device.type) is None:  # the policy refuses flex where it cannot train
+        found.append((FLEX, False))
     if device.type == "cpu":
         return [*found, (FA2, True)]
     try:
@@ -44,14 +48,6 @@ def _backends(device: torch.device) -> list[tuple[str, bool]]:
     except Exception:  # any failure means no FA2 row
         return found
     return [*found, (FA2, False)]
-
-
-def _timed(fn: Any, device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3
 
 
 def measure(model_name: str, backend: str, reference: bool, device: torch.device, repeats: int) -> dict[str, Any]:
@@ -74,9 +70,9 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
         forward_documents(model, batch).loss.backward()
 
     step()  # warm-up
-    step_ms = statistics.median(_timed(step, device) for _ in range(repeats))
+    step_ms = median(round_robin({"step": step}, repeats, device=device).seconds["step"]) * 1e3
     return {"model": model_name, "backend": backend + (" (reference kernel)" if reference else ""),
-            "passed": failure is None, "first_ms": first, "warm_ms": statistics.median(warm), "step_ms": step_ms,
+            "passed": failure is None, "first_ms": first, "warm_ms": median(warm), "step_ms": step_ms,
             "probe_vs_step": first / step_ms}
 
 

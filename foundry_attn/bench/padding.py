@@ -2,8 +2,8 @@
 
     foundry-attn bench padding --json            # the README numbers: CPU, SDPA, about 80 s on 2 quiet cores
     foundry-attn bench padding --json --quick    # smoke run: a toy model, 1 timed step per mode
-    python -m foundry_attn.bench.padding --json --device cuda   # GPU: bf16, plus FA2 when flash-attn imports
-    python -m foundry_attn.bench.padding --json --threads 1     # a shared box: see ``parallelism`` below
+    foundry-attn bench padding --json --device cuda   # GPU: bf16, plus FA2 when flash-attn imports
+    foundry-attn bench padding --json --threads 1     # a shared box: see ``parallelism`` below
 
 Workload (issue #3, the blog's batch): six documents of 220, 217, 295, 183, 130 and 350 tokens (1395 real
 tokens) at ``max_seq_len`` 2048. Tokens are seeded random ids; every document ends with EOS and pad == EOS,
@@ -26,8 +26,9 @@ Modes (one model, the same weights; SDPA unless named):
 
 A step is forward + backward (no optimizer); grads are set to None between steps. Throughput = real tokens
 (1395 in every mode) / median step time. Every mode first runs untimed warm-up steps; then the modes are timed
-round-robin with the order rotated each round and Python's GC off inside a step, so load from other processes
-falls on all modes alike (``pad_max``, nine times the work, is timed in fewer rounds, spread evenly).
+round-robin with the order rotated each round and Python's GC off inside a step (``bench.timing.round_robin``),
+so load from other processes falls on all modes alike (``pad_max``, nine times the work, is timed in fewer
+rounds, spread evenly).
 Ratios are throughput ratios from the same run: ``pack_vs_X`` = pack tokens/s / X tokens/s. Per mode the
 report also gives ``min_step_ms`` and ``parallelism`` (process CPU time / wall time): on a quiet machine it is
 close to the thread count; near 1 with 2 threads, other processes held the cores and the step times measure
@@ -38,7 +39,7 @@ activations, gradients, temporaries. CUDA: ``torch.cuda.max_memory_allocated()``
 the step. CPU has no allocator statistics, and RSS is monotonic, shared by the process and blurred by
 malloc's caching, so a ``TorchDispatchMode`` adds up the storage of every op output that is a new allocation
 (not a view or in-place result) while it is alive and keeps the peak: the same quantity, without scratch
-memory inside kernels. Measured on the first warm-up step.
+memory inside kernels (``bench.timing.PeakMemory``). Measured on the first warm-up step.
 
 Correctness guard, so that a fast but wrong path cannot pass: the ``pad_max``, ``pad_longest`` and ``pack``
 losses must equal ``mask``'s and the pack gradients must equal the mask gradients (fp32: 1e-4 absolute on the
@@ -53,23 +54,17 @@ timed on LLM-Foundry's rows (tensors padded to 2048), its input in training, for
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import gc
-import json
 import os
-import statistics
-import sys
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry_attn.adapters import attach
-from foundry_attn.bench import machine, sync
+from foundry_attn.bench import machine
+from foundry_attn.bench.timing import PeakMemory, median, round_robin
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.policy import FA2, SDPA
@@ -87,7 +82,6 @@ TARGETS: dict[str, float] = {
 }
 MODES = ("pad_max", "pad_longest", "mask", "pack", "padded_full_batch")
 SLOW_MODE = "pad_max"
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,41 +136,6 @@ class Mode:
             out = model(**self.batch, use_cache=False)
         out.loss.backward()
         return out.loss.detach()
-
-
-class PeakLiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages allocated while active and still alive (CPU's max_memory_allocated)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
-        out = func(*args, **(kwargs or {}))
-        results = out if isinstance(out, tuple) else (out,)
-        for ret, value in zip(func._schema.returns, results, strict=False):
-            if ret.alias_info is not None:  # a view or an in-place/out= result: no new storage
-                continue
-            for t in value if isinstance(value, list | tuple) else (value,):
-                if isinstance(t, torch.Tensor):
-                    self._track(t.untyped_storage())
-        return out
-
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        key = id(storage)
-        if key in self._refs:
-            return
-        size = storage.nbytes()
-
-        def freed(_ref: weakref.ref, key: int = key, size: int = size) -> None:
-            self.live -= size
-            self._refs.pop(key, None)
-
-        self._refs[key] = weakref.ref(storage, freed)
-        self.live += size
-        self.peak = max(self.peak, self.live)
 
 
 def documents(vocab: int, seed: int = SEED) -> list[torch.Tensor]:
@@ -250,53 +209,9 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
 def measured_step(model: torch.nn.Module, mode: Mode, device: torch.device) -> tuple[float, torch.Tensor, int]:
     """A warm-up step that also measures peak memory: (loss, grads, peak bytes); grads left in place."""
     model.zero_grad(set_to_none=True)
-    gc.collect()
-    if device.type == "cuda":
-        sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+    with PeakMemory(device) as memory:
         loss = mode.step(model)
-        sync(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        with PeakLiveBytes() as tracker:
-            loss = mode.step(model)
-        peak = tracker.peak
-    return float(loss), _grads(model), peak
-
-
-def timed_step(model: torch.nn.Module, mode: Mode, device: torch.device) -> tuple[float, float]:
-    """(wall, process CPU) seconds for one forward + backward, GC off inside it."""
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    gc.disable()
-    try:
-        sync(device)
-        cpu, start = time.process_time(), time.perf_counter()
-        mode.step(model)
-        sync(device)
-        return time.perf_counter() - start, time.process_time() - cpu
-    finally:
-        gc.enable()
-
-
-def _due(round_: int, samples: int, rounds: int) -> bool:
-    """Whether a mode timed ``samples`` times over ``rounds`` rounds runs in this round (spread evenly)."""
-    return (round_ + 1) * samples // rounds > round_ * samples // rounds
-
-
-def time_round_robin(
-    variants: Sequence[tuple[str, Callable[[], T]]], rounds: int, samples: Mapping[str, int] | None = None,
-) -> dict[str, list[T]]:
-    """Call each ``(name, fn)`` (``fn`` returns its timing) round-robin, the order rotated every round."""
-    samples = samples or {}
-    times: dict[str, list[T]] = {name: [] for name, _ in variants}
-    for r in range(rounds):
-        shift = r % len(variants)
-        for name, fn in [*variants[shift:], *variants[:shift]]:
-            if _due(r, samples.get(name, rounds), rounds):
-                times[name].append(fn())
-    return times
+    return float(loss), _grads(model), memory.peak
 
 
 def _agree(losses: Mapping[str, float], grads: Mapping[str, torch.Tensor], dtype: str) -> dict[str, Any]:
@@ -324,26 +239,28 @@ def bench_steps(settings: Settings) -> dict[str, Any]:
         if mode.name in ("mask", "pack", "pack_fa2"):
             grads[mode.name] = g
         for _ in range(settings.warmup - 1):
-            timed_step(model, mode, device)
+            model.zero_grad(set_to_none=True)
+            mode.step(model)
     correctness = _agree(losses, grads, settings.dtype)
     del grads
-    variants = [(m.name, lambda m=m: timed_step(model, m, device)) for m in modes]
-    times = time_round_robin(variants, settings.rounds, {SLOW_MODE: min(settings.slow_rounds, settings.rounds)})
+    times = round_robin({m.name: lambda m=m: m.step(model) for m in modes}, settings.rounds,
+                        samples={SLOW_MODE: settings.slow_rounds}, device=device,
+                        before=lambda _: model.zero_grad(set_to_none=True))
     model.zero_grad(set_to_none=True)
     result = {}
     for mode in modes:
-        wall = [w for w, _ in times[mode.name]]
-        median = statistics.median(wall)
+        wall = times.seconds[mode.name]
+        step = median(wall)
         result[mode.name] = {
-            "tokens_per_s": real / median,
-            "step_ms": median * 1e3,
+            "tokens_per_s": real / step,
+            "step_ms": step * 1e3,
             "min_step_ms": min(wall) * 1e3,  # for reading noise; throughput uses the median
             "peak_mem_mb": peaks[mode.name] / 2**20,
             "positions": mode.positions,
             "fill": real / mode.positions,
             "loss": losses[mode.name],
             "samples_ms": [round(w * 1e3, 1) for w in wall],
-            "cpu_ms": statistics.median(c for _, c in times[mode.name]) * 1e3,  # process CPU time, all threads
+            "cpu_ms": median(times.cpu_seconds[mode.name]) * 1e3,  # process CPU time, all threads
         }
         # CPU seconds per wall second: near the thread count on a quiet machine; near 1 or below with 2 threads
         # means other processes held the cores and the step times measure the scheduler, not the work.
@@ -375,23 +292,17 @@ def bench_collators(settings: Settings) -> dict[str, Any]:
     mask = PaddingCollator(PAD_ID, EOS_ID, MAX_SEQ_LEN, mode="mask")
     same = _same_packing(pack(features), flattening(features))
 
-    def timer(fn: Callable[[Any], Any], examples: Any) -> Callable[[], float]:
-        def call() -> float:
-            start = time.perf_counter()
+    def call(fn: Callable[[Any], Any], examples: Any) -> Callable[[], None]:
+        def collate() -> None:  # the batch is dropped inside the timed call, not kept
             fn(examples)
-            return time.perf_counter() - start
-        return call
+        return collate
 
-    variants = [("flattening", timer(flattening, features)), ("pack", timer(pack, features)),
-                ("mask", timer(mask, features)), ("pack_rows", timer(pack, rows)), ("mask_rows", timer(mask, rows))]
-    for _, fn in variants:  # warm-up
+    variants = {"flattening": call(flattening, features), "pack": call(pack, features),
+                "mask": call(mask, features), "pack_rows": call(pack, rows), "mask_rows": call(mask, rows)}
+    for fn in variants.values():  # warm-up
         fn()
-    gc.disable()
-    try:
-        times = time_round_robin(variants, settings.collator_reps)
-    finally:
-        gc.enable()
-    us = {f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()}
+    times = round_robin(variants, settings.collator_reps)
+    us = {f"{name}_us": median(t) * 1e6 for name, t in times.seconds.items()}
     return {**us, "matches_flattening": same, "examples": "six {'input_ids': list[int]} (rows: tensors padded to 2048)"}
 
 
@@ -445,22 +356,3 @@ def _loadavg() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m foundry_attn.bench.padding [--json] [--quick] [--device cuda]``."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run(quick=args.quick, device=args.device)
-    print(json.dumps(result, indent=2) if args.json else result)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,1 +1,2 @@
-"""Composer callbacks, registered in ``llmfoundry_callbacks``: attn_decision, attention_inspector, upad_tracer."""
+"""Composer callbacks, registered in ``llmfoundry_callbacks``, one module per registry key: ``attn_decision``,
+``attention_inspector``, ``upad_tracer`` (and ``common``, what they share)."""

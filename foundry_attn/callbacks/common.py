@@ -1,6 +1,8 @@
-"""What our callbacks share: finding the models inside ``state.model``, events, one-time notices.
+"""What our callbacks share: finding the models inside ``state.model``, events, one-time notices, intervals.
 
-Composer glue; the attention-specific probes live in ``inspector``, ``upad_tracer`` and ``decision``.
+Composer glue; the callbacks are ``attn_decision``, ``attention_inspector`` and ``upad_tracer``, and the
+torch-only probe (``find_hf_model``, ``attn_implementation``, ``clean_name``) lives in
+:mod:`foundry_attn.inspection`.
 """
 
 from __future__ import annotations
@@ -8,15 +10,26 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from composer.core import Callback, State
+from composer.core import Callback, State, Time, TimeUnit
 from composer.utils import dist
-from torch import nn
 
-from foundry_attn.adapters import backend_of
 from foundry_attn.events import EventLog, default_events_dir
+from foundry_attn.inspection import attn_implementation, clean_name, find_hf_model
+
+__all__ = [
+    "COMPILED",
+    "ReleasingCallback",
+    "attn_implementation",
+    "check_log_interval",
+    "clean_name",
+    "compiled",
+    "find_hf_model",
+    "foundry_model",
+    "open_event_log",
+    "say_once",
+]
 
 log = logging.getLogger(__name__)
-_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def foundry_model(model: Any) -> Any:
@@ -27,17 +40,27 @@ def foundry_model(model: Any) -> Any:
     return None
 
 
-def clean_name(name: str) -> str:
-    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+_LOG_INTERVAL = ("an integer >= 1 (batches between samples; the first batch is always sampled), a time string "
+                 "in batches such as '25ba', or a composer Time in batches")
 
 
 def check_log_interval(owner: str, log_interval: Any) -> int:
-    """``log_interval`` must be an integer >= 1 (batches)."""
-    if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 1:
-        raise ValueError(f"{owner}: log_interval must be an integer >= 1 (batches between samples; the first "
-                         f"batch is always sampled), got {log_interval!r}")
-    return log_interval
+    """``log_interval`` in batches: an integer >= 1, a time string in batches (``'25ba'``) or a :class:`.Time`
+    in batches (``Time(25, TimeUnit.BATCH)``), as Composer's own callbacks take intervals. Any other unit
+    (``'2ep'``, ``'100tok'``, ...) is a ValueError that says what is accepted."""
+    value = log_interval
+    if isinstance(log_interval, str | Time):
+        try:
+            parsed = Time.from_input(log_interval)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r} ({exc})") from None
+        if parsed.unit != TimeUnit.BATCH:
+            raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}, whose unit is "
+                             f"{parsed.unit.name.lower()} ('{parsed.unit.value}'), not batches ('ba')")
+        value = parsed.value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}")
+    return value
 
 
 def open_event_log(state: State, events_dir: str | None) -> EventLog:
@@ -48,29 +71,6 @@ def open_event_log(state: State, events_dir: str | None) -> EventLog:
         ours.attn_events.bind(default_events_dir(state.run_name), run=state.run_name)
     directory = events_dir or (ours.attn_events.directory if ours is not None else default_events_dir(state.run_name))
     return EventLog(directory, dist.get_global_rank(), ours.attn_capability if ours is not None else None)
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(module, PreTrainedModel)
-
-
-def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers)."""
-    for name, module in model.named_modules():
-        if _is_hf_model(module):
-            return clean_name(name), module
-    return None
-
-
-def attn_implementation(module: nn.Module | None) -> str | None:
-    """The attention backend of a Hugging Face model (``sdpa`` for our ``foundry_sdpa``), or None."""
-    config = getattr(module, "config", None)
-    return backend_of(getattr(config, "_attn_implementation", None))
-
 
 
 def compiled(model: Any) -> bool:

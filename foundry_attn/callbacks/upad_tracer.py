@@ -1,33 +1,13 @@
 """``upad_tracer``: how often transformers' flash-attention path unpads, and what reaches the kernel.
 
-    callbacks:
-      upad_tracer:
-        log_interval: 50        # batches; the first batch is always traced
-        events_dir: null        # default: the model's events_dir, else default_events_dir(run_name)
-        print_counts: true      # one console line per traced batch (rank 0)
-
-On a sampled batch it wraps the helpers that ``_flash_attention_forward`` calls (4.51: ``_upad_input``,
-``prepare_fa2_from_position_ids``, ``flash_attn_varlen_func``, ``flash_attn_func``, ``pad_input``; the
-later names are found by :func:`foundry_attn.flash_symbols.discover`) and counts the calls of the step.
-It also records cu_seqlens_q/k and max_seqlen_q/k of the first call and which entry point ran
-(``varlen`` or ``dense``). Metrics: ``attn/upad_calls_per_step``, ``attn/posids_calls_per_step``,
-``attn/varlen_calls_per_step``, ``attn/dense_calls_per_step``, ``attn/pad_calls_per_step``,
-``attn/max_seqlen``; ``upad_trace`` events (JSONL) carry the cu_seqlens lists.
-
-The wrappers are installed when the model's forward starts and removed when it ends, even when it
-raises (an ``always_call`` forward hook), and again at ``BATCH_END``, ``FIT_END`` and ``close``. They are
-layers (``foundry_attn.patching``), so two tracers, and the FA2 reference kernel
-context that our model enters per forward, nest in any order. Calls recomputed by activation
-checkpointing during backward are not counted. A symbol missing from the installed transformers is
-reported once (which, which version) and training goes on; a run whose implementation is not flash
-attention is told once that there is nothing to trace.
+See :class:`UpadTracer`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from composer.core import State
+from composer.core import State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
@@ -35,10 +15,8 @@ from torch import nn
 from foundry_attn.callbacks.common import (
     COMPILED,
     ReleasingCallback,
-    attn_implementation,
     check_log_interval,
     compiled,
-    find_hf_model,
     foundry_model,
     open_event_log,
     say_once,
@@ -57,6 +35,9 @@ from foundry_attn.flash_symbols import (
     discover,
     symbol_label,
 )
+from foundry_attn.inspection import attn_implementation, find_hf_model
+
+__all__ = ["UpadTracer"]
 
 
 def is_flash(impl: str | None) -> bool:
@@ -79,9 +60,94 @@ def uses_reference_kernel(model: nn.Module) -> bool:
 
 
 class UpadTracer(ReleasingCallback):
-    """Count flash-attention unpad / varlen / dense calls per sampled step (see the module docstring for YAML)."""
+    """Counts transformers' flash-attention unpad / varlen / dense calls per sampled step.
 
-    def __init__(self, log_interval: int = 50, events_dir: str | None = None, print_counts: bool = True) -> None:
+    On a sampled batch (the first batch, then every ``log_interval``-th) this callback wraps the helpers that
+    ``_flash_attention_forward`` calls (transformers 4.51: ``_upad_input``, ``prepare_fa2_from_position_ids``,
+    ``flash_attn_varlen_func``, ``flash_attn_func``, ``pad_input``; the later names are found by
+    :func:`foundry_attn.flash_symbols.discover`), counts their calls in the step, and records cu_seqlens_q/k and
+    max_seqlen_q/k of the first call and which kernel entry ran first (``varlen`` or ``dense``).
+
+    The wrappers are installed when the model's forward starts and removed when it ends, even when it raises
+    (an ``always_call`` forward hook), and again at :attr:`.Event.BATCH_END`, :attr:`.Event.FIT_END` and
+    ``close``. They are layers (:mod:`foundry_attn.patching`), so two tracers, and the FA2 reference kernel
+    context that our model enters per forward, nest in any order. Calls recomputed by activation
+    checkpointing during backward are not counted. A symbol missing from the installed transformers is
+    reported once (which, which version) and training goes on; a run whose implementation is not flash
+    attention, or that runs under ``torch.compile``, is told once that there is nothing to trace.
+
+    Example, in an LLM-Foundry YAML:
+
+    .. code-block:: yaml
+
+        callbacks:
+          upad_tracer:
+            log_interval: 50        # or '50ba'; the first batch is always traced
+            events_dir: null        # default: the model's events_dir, else default_events_dir(run_name)
+            print_counts: true      # one console line per traced batch (rank 0)
+
+    Example, with Composer's Trainer:
+
+    .. code-block:: python
+
+        from composer import Trainer
+        from foundry_attn.callbacks.upad_tracer import UpadTracer
+
+        trainer = Trainer(
+            model=model,
+            train_dataloader=train_dataloader,
+            max_duration="1ep",
+            callbacks=[UpadTracer(log_interval="50ba")],
+        )
+
+    The metrics are logged by the :class:`.Logger` at :attr:`.Event.BATCH_END` of each sampled batch, when
+    the model runs a flash-attention implementation (``flash_attention_2``, also on the pure-PyTorch reference
+    kernel) and at least one flash-attention symbol was found (this callback logs no hyperparameters). Counts
+    are calls in the traced forward of the step (every microbatch of it), summed over all layers:
+
+    .. list-table::
+        :header-rows: 1
+        :widths: 30 50 20
+
+        * - Key
+          - Logged data
+          - When
+        * - ``attn/upad_calls_per_step``
+          - Calls of transformers' per-layer unpad helper (``_upad_input``): a 2-D padding mask reached the
+            flash path. 0 when our model unpadded once before the layers.
+          - Every traced batch.
+        * - ``attn/posids_calls_per_step``
+          - Calls of the position-ids helper (``prepare_fa2_from_position_ids``): packed rows split by
+            ``position_ids``.
+          - Every traced batch.
+        * - ``attn/varlen_calls_per_step``
+          - Calls of the variable-length kernel (``flash_attn_varlen_func``).
+          - Every traced batch.
+        * - ``attn/dense_calls_per_step``
+          - Calls of the dense kernel (``flash_attn_func``): no unpadding, every position computed.
+          - Every traced batch.
+        * - ``attn/pad_calls_per_step``
+          - Calls of ``pad_input``: outputs padded back after an unpad.
+          - Every traced batch.
+        * - ``attn/max_seqlen``
+          - ``max_seqlen_q`` of the first kernel call of the step (else of the first unpad / position-ids call).
+          - Traced batches where one of those calls reported it.
+
+    It also appends an ``upad_trace`` event (JSONL: counts, entry, cu_seqlens, the first call of each helper,
+    the kernel) per traced batch to the event log, and prints one line of counts per traced batch (rank 0).
+
+    Args:
+        log_interval (int | str | Time, optional): Batches between traced batches: an integer >= 1, a time
+            string in batches such as ``'25ba'``, or a :class:`.Time` in batches. The first batch is always
+            traced. Default: ``50``.
+        events_dir (str, optional): Folder of the ``upad_trace`` events. Default: the model's own
+            ``events_dir`` (``foundry_attn_causal_lm``), else ``default_events_dir(run_name)``.
+        print_counts (bool, optional): Print one line of counts per traced batch (rank 0). Default: ``True``.
+    """
+
+    def __init__(
+        self, log_interval: int | str | Time = 50, events_dir: str | None = None, print_counts: bool = True,
+    ) -> None:
         self.log_interval = check_log_interval("upad_tracer", log_interval)
         self.events_dir = events_dir
         self.print_counts = print_counts

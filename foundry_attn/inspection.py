@@ -1,29 +1,18 @@
-"""``attention_inspector``: what the attention of a sampled batch really sees, at three levels.
+"""The attention probe, torch only: what a model's forward gives its decoder layers and attention modules.
 
-    callbacks:
-      attention_inspector:
-        log_interval: 50              # batches; the first batch is always inspected
-        events_dir: null              # default: the model's events_dir, else default_events_dir(run_name)
-        attention_selector: null      # regex on module name or class; default: attention-like classes
-        print_table: true             # a compact table on the console, the first time
+:class:`ModelInspector` hooks a model (forward pre-hooks with kwargs, through DDP / FSDP / checkpoint /
+compile wrapper names), every decoder layer and every attention module found by :func:`discover_modules`,
+and records, per module, for one forward: the mask (None, 2-D, 4-D, a flex ``BlockMask``), its dtype and
+shape, whether it masks anything (2-D: padding; 4-D: a causally visible key), real tokens, fill ratio
+(real / positions), whether ``position_ids`` restart inside a row (packed), and the config's
+``_attn_implementation``. :func:`format_table` prints those records as a compact console table::
 
-On a sampled batch it hooks the whole Hugging Face model, every decoder layer and every attention
-module (forward pre-hooks with kwargs, through DDP/FSDP wrappers), records per module: the mask (None,
-2-D, 4-D, BlockMask), its dtype and shape, whether it masks anything (2-D: padding; 4-D: a causally
-visible key), real tokens, fill ratio (real / positions), whether ``position_ids`` restart inside a row
-(packed), and the ``_attn_implementation`` of the config. Sampled: every ``log_interval``-th batch and
-the first; the hooks exist only from ``BEFORE_FORWARD`` to ``AFTER_FORWARD`` of a sampled batch's first
-microbatch (they record nothing after that forward, even one that raised), so unsampled batches run with
-no hook and no host sync. Output: metrics ``attn/fill_ratio`` (real tokens / positions of the collated
-batch), ``attn/compute_fill_ratio`` (the same at the attention modules: 1.0 when FA2 runs unpadded),
-``attn/mask_none_layers``, ``attn/mask_2d_layers``, ``attn/mask_4d_layers`` (attention modules by mask),
-``attn/mask_with_zeros_layers``, ``attn/packed_position_ids``, ``attn/real_tokens``,
-``attn/inspected_modules``; ``attn_inspect`` events (JSONL); a table on the console the first time (rank 0).
-
-:class:`ModelInspector` is the same probe without Composer::
-
-    with ModelInspector(hf_model).capture() as records:
+    with ModelInspector(hf_model).capture(BatchInfo.from_batch(batch)) as records:
         hf_model(input_ids=ids, attention_mask=mask)
+    print(format_table(records))
+
+Imports only torch, transformers and the core; the Composer callback built on it is
+:class:`foundry_attn.callbacks.attention_inspector.AttentionInspector`.
 """
 
 from __future__ import annotations
@@ -32,38 +21,66 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import logging
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from composer.core import State
-from composer.loggers import Logger
-from composer.utils import dist
 from torch import nn
 
-from foundry_attn.adapters import is_placeholder
-from foundry_attn.callbacks.common import (
-    COMPILED,
-    ReleasingCallback,
-    attn_implementation,
-    check_log_interval,
-    clean_name,
-    compiled,
-    find_hf_model,
-    open_event_log,
-    say_once,
-)
-from foundry_attn.events import EventLog
+from foundry_attn.adapters import backend_of, is_placeholder
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "ATTENTION",
+    "LAYER",
+    "MODEL",
+    "BatchInfo",
+    "ModelInspector",
+    "ModuleMap",
+    "attn_implementation",
+    "clean_name",
+    "discover_modules",
+    "find_hf_model",
+    "format_table",
+]
+
+_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 MODEL, LAYER, ATTENTION = "model", "layer", "attention"
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
 
 
-# ---- model discovery (torch only) ------------------------------------------------------------------------
+# ---- finding the Hugging Face model inside wrappers ---------------------------------------------------------
+
+
+def clean_name(name: str) -> str:
+    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers)."""
+    for name, module in model.named_modules():
+        if _is_hf_model(module):
+            return clean_name(name), module
+    return None
+
+
+def attn_implementation(module: nn.Module | None) -> str | None:
+    """The attention backend of a Hugging Face model (``sdpa`` for our ``foundry_sdpa``), or None."""
+    config = getattr(module, "config", None)
+    return backend_of(getattr(config, "_attn_implementation", None))
+
+
+# ---- model discovery ----------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -116,7 +133,7 @@ def discover_modules(model: nn.Module, attention_selector: str | None = None) ->
     return ModuleMap(layers, attention, like, attention_selector, matched)
 
 
-# ---- what one module was given -----------------------------------------------------------------------------
+# ---- what one module was given ------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=256)
@@ -323,36 +340,7 @@ class ModelInspector:
         return rec
 
 
-# ---- summaries -------------------------------------------------------------------------------------------
-
-
-def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> dict[str, float]:
-    """Composer metrics from one forward's records."""
-    attn = [r for r in records if r["level"] == ATTENTION and "error" not in r]
-    model = next((r for r in records if r["level"] == MODEL and "error" not in r), None)
-    out: dict[str, float] = {
-        "attn/inspected_modules": float(len(records)),
-        "attn/mask_none_layers": float(sum(r["mask"] == "none" for r in attn)),
-        "attn/mask_2d_layers": float(sum(r["mask"] == "2-D" for r in attn)),
-        "attn/mask_4d_layers": float(sum(r["mask"] == "4-D" for r in attn)),
-        "attn/mask_with_zeros_layers": float(sum(bool(r["has_zeros"]) for r in attn)),
-    }
-    fill = batch.fill_ratio if batch is not None else None
-    if fill is None and model is not None:
-        fill = model["fill_ratio"]
-    if fill is not None:
-        out["attn/fill_ratio"] = float(fill)
-    real = batch.real_tokens if batch is not None else None
-    if real is None and model is not None:
-        real = model["real_tokens"]
-    if real is not None:
-        out["attn/real_tokens"] = float(real)
-    fills = [r["fill_ratio"] for r in attn if r.get("fill_ratio") is not None]
-    if fills:
-        out["attn/compute_fill_ratio"] = float(sum(fills) / len(fills))
-    if model is not None and model.get("packed_positions") is not None:
-        out["attn/packed_position_ids"] = float(model["packed_positions"])
-    return out
+# ---- the console table --------------------------------------------------------------------------------------
 
 
 _COLUMNS = ("level", "modules", "mask", "dtype", "shape", "masks", "real", "fill", "packed", "impl")
@@ -395,119 +383,3 @@ def format_table(records: list[dict[str, Any]], title: str = "attention_inspecto
     lines.append("masks: 2-D has padding / 4-D hides a causally visible key; real: real tokens/positions "
                  "at that level; packed: position_ids restart inside a row")
     return "\n".join(lines)
-
-
-# ---- the Composer callback -------------------------------------------------------------------------------
-
-
-class AttentionInspector(ReleasingCallback):
-    """Inspect attention masks, fill and packing on sampled batches (see the module docstring for YAML)."""
-
-    def __init__(
-        self, log_interval: int = 50, events_dir: str | None = None, attention_selector: str | None = None,
-        print_table: bool = True,
-    ) -> None:
-        self.log_interval = check_log_interval("attention_inspector", log_interval)
-        if attention_selector is not None:
-            try:
-                re.compile(attention_selector)
-            except re.error as exc:
-                raise ValueError(f"attention_inspector: attention_selector {attention_selector!r} is not a valid "
-                                 f"regular expression: {exc}") from exc
-        self.events_dir = events_dir
-        self.attention_selector = attention_selector
-        self.print_table = print_table
-        self.events: EventLog | None = None
-        self.last_records: list[dict[str, Any]] = []
-        self.last_metrics: dict[str, float] = {}
-        self._inspector: ModelInspector | None = None
-        self._model_id: int | None = None
-        self._hf_name: str | None = None
-        self._sampled = False
-        self._step = 0
-        self._batch = BatchInfo()
-        self._printed = False
-        self._warned: set[str] = set()
-
-    # -- helpers
-    def _warn_once(self, key: str, message: str) -> None:
-        say_once(self._warned, key, message)
-
-    def _resolve(self, state: State) -> ModelInspector | None:
-        if self._inspector is not None and self._model_id == id(state.model):
-            return self._inspector
-        if compiled(state.model):
-            self._warn_once("compiled", COMPILED.format(owner="attention_inspector"))
-            return None
-        found = find_hf_model(state.model)
-        if found is None:
-            self._warn_once("no_hf", "attention_inspector: no Hugging Face PreTrainedModel in state.model; "
-                                     "inspecting the whole model without decoder-layer discovery")
-            self._hf_name, model = "", state.model
-        else:
-            self._hf_name, model = found
-        inspector = ModelInspector(model, self.attention_selector)
-        mods = inspector.modules
-        if not mods.selector_matched:
-            classes = ", ".join(f"{c} x{n}" for c, n in mods.attention_like.items()) or "none"
-            self._warn_once("selector", f"attention_inspector: attention_selector {mods.selector!r} matched no "
-                                        f"module; attention-like classes found: {classes}. The attention level is "
-                                        f"not inspected.")
-        elif not mods.attention:
-            self._warn_once("no_attn", "attention_inspector: found no attention-like module (class names with "
-                                       "'Attention'/'Attn'); set attention_selector")
-        self._inspector, self._model_id = inspector, id(state.model)
-        return inspector
-
-    def release(self) -> None:
-        if self._inspector is not None:
-            self._inspector.disarm()
-
-    # -- events
-    def fit_start(self, state: State, logger: Logger) -> None:
-        if self.events is None:
-            self.events = open_event_log(state, self.events_dir)
-        self._resolve(state)
-
-    def batch_start(self, state: State, logger: Logger) -> None:
-        self._step = int(state.timestamp.batch)
-        self._sampled = self._step % self.log_interval == 0
-        self.release()
-
-    def before_forward(self, state: State, logger: Logger) -> None:
-        if not self._sampled:
-            return
-        self._sampled = False  # the first microbatch only
-        inspector = self._resolve(state)
-        if inspector is not None:
-            self._batch = BatchInfo.from_batch(state.batch)
-            inspector.arm(self._batch)
-
-    def after_forward(self, state: State, logger: Logger) -> None:
-        self.release()
-
-    def batch_end(self, state: State, logger: Logger) -> None:
-        self.release()
-        inspector = self._inspector
-        if inspector is None or not inspector.records:
-            return
-        records, inspector.records = inspector.records, []
-        metrics = summarize(records, self._batch)
-        self.last_records, self.last_metrics = records, metrics
-        logger.log_metrics(metrics)
-        if self.events is not None:
-            self.events.append("attn_inspect", step=self._step, model=self._hf_name,
-                               attn_implementation=attn_implementation(inspector.model),
-                               batch={"shape": self._batch.shape, "real_tokens": self._batch.real_tokens,
-                                      "fill_ratio": self._batch.fill_ratio},
-                               metrics=metrics, modules=records)
-        if self.print_table and not self._printed and dist.get_global_rank() == 0:
-            self._printed = True
-            fill = self._batch.fill_ratio
-            title = (f"attention_inspector: batch {self._step}, rank {dist.get_global_rank()}, "
-                     f"implementation {attn_implementation(inspector.model)}"
-                     + (f", batch fill {fill:.3f} ({self._batch.real_tokens}/{self._batch.positions} real)"
-                        if fill is not None else ""))
-            table = format_table(records, title)
-            log.info("\n%s", table)
-            print(table, flush=True)

@@ -1,0 +1,104 @@
+"""``attn_decision``: each rank's attention decision in the run's loggers (MLflow, W&B, ...).
+
+See :class:`AttnDecisionLogger`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from foundry_attn.callbacks.common import foundry_model
+from foundry_attn.policy import summarize
+
+__all__ = ["AttnDecisionLogger", "decision_hparams"]
+
+
+def decision_hparams(model: Any) -> dict[str, Any]:
+    """``attn/*`` hyperparameters of a ``foundry_attn_causal_lm`` (through DDP); empty for other models."""
+    ours = foundry_model(model)
+    if ours is None:
+        return {}
+    decision = ours.attn_decision
+    return {"attn/requested": decision.requested, "attn/chosen": decision.chosen,
+            "attn/fallback": decision.fallback, "attn/reason": decision.reason,
+            "attn/compute_dtype": decision.compute_dtype}
+
+
+class AttnDecisionLogger(Callback):
+    """Logs the attention decision of a ``foundry_attn_causal_lm`` as run hyperparameters.
+
+    At :attr:`.Event.INIT` this callback reads the decision the model made when it was built (which attention
+    implementation was asked for, which one runs, and why), gathers every rank's choice and logs them with
+    :meth:`.Logger.log_hyperparameters`, so that a fallback on some ranks is visible in MLflow, W&B or any
+    other Composer logger. Models other than ``foundry_attn_causal_lm`` (also inside DDP's ``.module``) are
+    left alone: nothing is logged.
+
+    Example, in an LLM-Foundry YAML:
+
+    .. code-block:: yaml
+
+        callbacks:
+          attn_decision: {}
+
+    Example, with Composer's Trainer:
+
+    .. code-block:: python
+
+        from composer import Trainer
+        from foundry_attn.callbacks.attn_decision import AttnDecisionLogger
+
+        trainer = Trainer(
+            model=model,  # a foundry_attn.foundry.model.FoundryAttnCausalLM
+            train_dataloader=train_dataloader,
+            max_duration="1ep",
+            callbacks=[AttnDecisionLogger()],
+        )
+
+    The hyperparameters are logged once, at :attr:`.Event.INIT`, when the model is a
+    ``foundry_attn_causal_lm`` (this callback logs no metrics):
+
+    .. list-table::
+        :header-rows: 1
+        :widths: 25 55 20
+
+        * - Key
+          - Logged data
+          - When
+        * - ``attn/requested``
+          - The ``attn_implementation`` asked for (``auto``, ``flash_attention_2``, ``flex_attention``, ``sdpa``,
+            ``eager``), this rank.
+          - ``INIT``.
+        * - ``attn/chosen``
+          - The implementation that runs on this rank.
+          - ``INIT``.
+        * - ``attn/fallback``
+          - ``True`` when this rank does not run what was asked for (for ``auto``: not the chain's first).
+          - ``INIT``.
+        * - ``attn/reason``
+          - Why: the first rejected candidate and its failed check on a fallback, else why the chosen one runs.
+          - ``INIT``.
+        * - ``attn/compute_dtype``
+          - The compute dtype the decision was made for (``bfloat16``, ``float32``, ...), this rank.
+          - ``INIT``.
+        * - ``attn/summary``
+          - One line over all ranks, e.g. ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back
+            (rank 3, rank 7: ...)`` (the same on every rank).
+          - ``INIT``.
+
+    Args:
+        (none): ``AttnDecisionLogger()`` takes no arguments (``attn_decision: {}`` in YAML).
+    """
+
+    def init(self, state: State, logger: Logger) -> None:
+        hparams = decision_hparams(state.model)
+        if not hparams:
+            return
+        gathered = dist.all_gather_object({
+            "rank": dist.get_global_rank(), "chosen": hparams["attn/chosen"],
+            "fallback": hparams["attn/fallback"], "reason": hparams["attn/reason"],
+        })
+        logger.log_hyperparameters({**hparams, "attn/summary": summarize(gathered)})
