@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE := disabled
 
-.PHONY: demo demo-fa2-reference blog-case test test-latest chromium lint doctor bench clean
+.PHONY: demo demo-fa2-reference blog-case test test-fast test-latest chromium lint doctor bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ blog-case: $(STAMP)
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
 
+## the developer loop: every test but those marked `slow` (subprocesses, torchrun, Trainer runs, benches) and
+## `gpu`; under 30 s on a 2-core CPU
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
 ## the core on today's stack (transformers 5.x, torch 2.13 CPU, no Composer / LLM-Foundry) in .venv-latest;
 ## tests marked `foundry` skip there and say why
 test-latest: $(LATEST)/.installed chromium
@@ -63,8 +68,13 @@ chromium:
 		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }' ; } || \
 		echo "chromium not installed: the report test will skip"
 
+## ruff check (pyflakes, pycodestyle, isort, pyupgrade, bugbear, RUF, docstring layout) and ruff format --check
+## on everything; mypy on the core
+## (foundry_attn/*.py and foundry_attn/bench; the files are listed under [tool.mypy] in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 doctor: $(STAMP)
 	$(BIN)/foundry-attn doctor

@@ -2,9 +2,9 @@
 
 The core (``capability``, ``policy``, ``loading``, ``packing``, ``layout``, ``adapters``, ``document_op``,
 ``forward``, ``isolation``, ``conformance``, ``events``, ``fleet``, ``report``, ``shapes``, ``fa2_reference``,
-``flash_symbols``, ``patching``, ``inspection``, ``cli``) imports only torch and transformers (``report`` draws
-with matplotlib when asked); ``foundry_attn.foundry`` and ``foundry_attn.callbacks`` hold the LLM-Foundry /
-Composer glue.
+``flash_symbols``, ``flash_compat``, ``patching``, ``inspection``, ``cli``) imports only torch and transformers
+(``report`` draws with matplotlib when asked); ``foundry_attn.foundry`` and ``foundry_attn.callbacks`` hold the
+LLM-Foundry / Composer glue.
 """
 
 __version__ = "0.1.0"

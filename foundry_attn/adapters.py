@@ -26,7 +26,7 @@ import functools
 import inspect
 import itertools
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import modeling_flash_attention_utils as _fa_utils
@@ -38,6 +38,7 @@ from foundry_attn.fa2_reference import reference_flash_attn
 DOCS_KEY = "foundry_documents"
 PREFIX = "foundry_"
 FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
+TORCH_VARLEN = "torch_varlen"  # torch's own varlen flash kernel (>= 2.10, CUDA): FA2's layout without flash-attn
 FA2_REFERENCE = "fa2_reference"  # registered as foundry_fa2_reference: FA2 code paths on the CPU reference kernel
 #: transformers 5.x picks the flash kernel by the name it is given; 4.51 by what is installed
 _FA_NAMES_ITS_KERNEL = "attn_implementation" in inspect.signature(_fa_utils._flash_attention_forward).parameters
@@ -54,8 +55,9 @@ class Documents:
     Dynamo guards every field of a dataclass it meets, and only the attributes read of a plain object.)
     """
 
-    def __init__(self, bounds: tuple[int, ...], cu: torch.Tensor | None = None,
-                 host_bounds: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, bounds: tuple[int, ...], cu: torch.Tensor | None = None, host_bounds: torch.Tensor | None = None
+    ) -> None:
         self.bounds, self.cu, self.host_bounds = tuple(bounds), cu, host_bounds
 
     def __repr__(self) -> str:
@@ -94,6 +96,16 @@ class Documents:
         return torch.cat([torch.arange(e - s) for s, e in self.spans]).to(device)[None]
 
 
+def _varlen_signature() -> inspect.Signature | None:
+    """The signature of ``torch.nn.attention.varlen.varlen_attn`` (2.10: ``is_causal``; 2.12: ``window_size``,
+    ``enable_gqa``), or None on a torch without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return inspect.signature(varlen_attn)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """What one backend's document-aware function can honour, per layer."""
@@ -117,6 +129,13 @@ BACKENDS: dict[str, Backend] = {
     # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
     # torch 2.7): refused until it is proven exact
     FLEX: Backend(FLEX, softcap=False, dropout=False),
+    # torch.nn.attention.varlen.varlen_attn: causal only, no softcap, no dropout; windows from torch 2.12
+    TORCH_VARLEN: Backend(
+        TORCH_VARLEN,
+        softcap=False,
+        dropout=False,
+        window="window_size" in getattr(_varlen_signature(), "parameters", {}),
+    ),
 }
 
 
@@ -127,11 +146,13 @@ class ModelNeeds:
     class_name: str = "?"
     softcap: float | None = None
     dropout: float = 0.0
+    window: int | None = None
 
     @classmethod
     def of(cls, class_name: str, config: Any) -> ModelNeeds:
         dropout = max(float(getattr(config, n, 0.0) or 0.0) for n in ("attention_dropout", "attn_pdrop"))
-        return cls(class_name, getattr(config, "attn_logit_softcapping", None) or None, dropout)
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        return cls(class_name, getattr(config, "attn_logit_softcapping", None) or None, dropout, window or None)
 
 
 def passes_kwargs(model: Any) -> bool:
@@ -146,6 +167,8 @@ def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> 
     caps = BACKENDS[backend]
     if needs.softcap and not caps.softcap:
         return f"{backend} cannot apply {needs.class_name}'s attention logit softcap ({needs.softcap}) per document"
+    if needs.window and not caps.window:
+        return f"{backend} cannot apply {needs.class_name}'s sliding window ({needs.window}) with this torch"
     if needs.dropout and not caps.dropout:
         return f"{backend} cannot apply attention dropout ({needs.dropout}); set attention_dropout: 0 or use sdpa"
     if backend == FA2 and needs.softcap and fa2_version is not None:
@@ -172,45 +195,74 @@ def _documents(kwargs: dict, attention_mask: Any, query: torch.Tensor) -> Docume
         raise RuntimeError(
             "foundry_attn: the documents did not reach this attention call: a layer dropped the "
             f"'{DOCS_KEY}' argument (GPT-NeoX does under HF gradient_checkpointing_enable()); use "
-            "activation checkpointing through Composer (checkpoint_wrapper) or another family")
+            "activation checkpointing through Composer (checkpoint_wrapper) or another family"
+        )
     return docs
 
 
 def _no_softcap(backend: str, softcap: float | None) -> None:
     if softcap:
-        raise ValueError(f"foundry_attn: {backend} cannot apply attention logit softcap {softcap}; "
-                         "use eager, flex_attention or flash_attention_2 for this model")
+        raise ValueError(
+            f"foundry_attn: {backend} cannot apply attention logit softcap {softcap}; "
+            "use eager, flex_attention or flash_attention_2 for this model"
+        )
 
 
-def sdpa_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                   sliding_window: int | None = None, softcap: float | None = None,
-                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+def sdpa_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask."""
     docs = _documents(kwargs, attention_mask, query)
     _no_softcap(SDPA, softcap)
     if docs is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     key, value = _expand_kv(query, key, value)
     if torch.compiler.is_compiling():
         out = _compiled(SDPA, query, key, value, docs, sliding_window, scaling, None, dropout)
     else:
-        out = torch.cat([sdpa_document(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], sliding_window, scaling,
-                                       dropout) for s, e in docs.spans], dim=2)
+        out = torch.cat(
+            [
+                sdpa_document(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], sliding_window, scaling, dropout)
+                for s, e in docs.spans
+            ],
+            dim=2,
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _compiled(kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: Documents,
-              window: int | None, scaling: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
+def _compiled(
+    kind: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    docs: Documents,
+    window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+    dropout: float,
+) -> torch.Tensor:
     """Under ``torch.compile``: every document in one opaque op over host-side bounds (no recompile per layout)."""
     if dropout:
-        raise ValueError(f"foundry_attn: {kind} with attention dropout {dropout} under torch.compile is not "
-                         "supported; set attention_dropout: 0, or train uncompiled")
-    return document_attention(query, key, value, docs.host(), kind, window or 0, _scale(query, scaling),
-                              softcap or 0.0)[0]
+        raise ValueError(
+            f"foundry_attn: {kind} with attention dropout {dropout} under torch.compile is not "
+            "supported; set attention_dropout: 0, or train uncompiled"
+        )
+    return document_attention(
+        query, key, value, docs.host(), kind, window or 0, _scale(query, scaling), softcap or 0.0
+    )[0]
 
 
 def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,18 +275,34 @@ def _scale(query: torch.Tensor, scaling: float | None) -> float:
     return scaling if scaling is not None else query.shape[-1] ** -0.5
 
 
-def _eager(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor | None,
-           dropout: float, scaling: float | None, softcap: float | None) -> torch.Tensor:
+def _eager(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    additive: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """transformers' eager attention with the model's own additive mask (no documents). -> [B, H, S, D]."""
     k, v = _expand_kv(q, k, v)
     mask = additive[..., : k.shape[-2]] if additive is not None else None
     return eager_math(q, k, v, _scale(q, scaling), softcap, mask, dropout, module.training)
 
 
-def eager_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                    sliding_window: int | None = None, softcap: float | None = None,
-                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+def eager_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' eager math, one document at a time (causal and window per document)."""
     docs = _documents(kwargs, attention_mask, query)
     if docs is None:
@@ -242,12 +310,27 @@ def eager_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         return out.transpose(1, 2).contiguous(), None
     key, value = _expand_kv(query, key, value)
     if torch.compiler.is_compiling():
-        out = _compiled(EAGER, query, key, value, docs, sliding_window, scaling, softcap,
-                        dropout if module.training else 0.0)
+        out = _compiled(
+            EAGER, query, key, value, docs, sliding_window, scaling, softcap, dropout if module.training else 0.0
+        )
     else:
         scale = _scale(query, scaling)
-        out = torch.cat([eager_document(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], sliding_window, scale,
-                                        softcap, dropout, module.training) for s, e in docs.spans], dim=2)
+        out = torch.cat(
+            [
+                eager_document(
+                    query[:, :, s:e],
+                    key[:, :, s:e],
+                    value[:, :, s:e],
+                    sliding_window,
+                    scale,
+                    softcap,
+                    dropout,
+                    module.training,
+                )
+                for s, e in docs.spans
+            ],
+            dim=2,
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -272,7 +355,8 @@ class _BlockMasks:
             return same & (q_idx - kv_idx < window) if window else same
 
         total = docs.bounds[-1]
-        mask = create_block_mask(document_causal, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device)
+        # torch 2.7 annotates ``device`` as str; it takes a torch.device (and 2.13 says so)
+        mask = create_block_mask(document_causal, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device)  # type: ignore[arg-type,unused-ignore]
         self._cache[key] = mask
         if len(self._cache) > self.size:
             self._cache.popitem(last=False)
@@ -289,10 +373,18 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                   sliding_window: int | None = None, softcap: float | None = None,
-                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+def flex_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """One flex call over the flat row with a document ``BlockMask`` (window in the mask, softcap as score_mod).
 
     Uncompiled on CPU (the only dependable flex there in torch 2.7), compiled elsewhere.
@@ -313,14 +405,33 @@ def flex_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
     kernel = flex_attention if query.device.type == "cpu" else _compiled_flex()
     key, value = _expand_kv(query, key, value)
-    out = kernel(query, key, value, score_mod=score_mod if softcap else None,
-                 block_mask=BLOCK_MASKS.get(docs, sliding_window, query.device), scale=scaling)
+    # a tensor: without return_lse flex_attention returns no (out, lse) pair, which its annotation does not say
+    out = cast(
+        torch.Tensor,
+        kernel(
+            query,
+            key,
+            value,
+            score_mod=score_mod if softcap else None,
+            block_mask=BLOCK_MASKS.get(docs, sliding_window, query.device),
+            scale=scaling,
+        ),
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _fa2(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-         attention_mask: Any, dropout: float, scaling: float | None, sliding_window: int | None,
-         softcap: float | None, kwargs: dict) -> tuple[torch.Tensor, None]:
+def _fa2(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
     """transformers' own FA2 code path with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
     docs = _documents(kwargs, attention_mask, query)
     if docs is None:  # a mask built by the model (generation): FA2 cannot take a 4-D mask; eager math can
@@ -335,9 +446,17 @@ def _fa2(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     return _flash_forward(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs), None
 
 
-def _flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   dropout: float, scaling: float | None, sliding_window: int | None, softcap: float | None,
-                   kwargs: dict) -> torch.Tensor:
+def _flash_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict,
+) -> torch.Tensor:
     """transformers' ``_flash_attention_forward`` as its own ``flash_attention_forward`` calls it, but for the
     stock FA2 kernel by name: 5.x resolves the kernel from ``config._attn_implementation``, which is ours here."""
     if _FA_NAMES_ITS_KERNEL:
@@ -351,30 +470,114 @@ def _flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         else:  # the projections' dtype (GPT-2's are Conv1D, not Linear)
             target = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     return _fa_utils._flash_attention_forward(
-        q, k, v, None, query_length=query.shape[2], is_causal=module.is_causal, dropout=dropout,
-        softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=_FA_TOP_LEFT,
-        target_dtype=target, **kwargs)
+        q,
+        k,
+        v,
+        None,
+        query_length=query.shape[2],
+        is_causal=cast(bool, module.is_causal),
+        dropout=dropout,
+        softmax_scale=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        use_top_left_mask=_FA_TOP_LEFT,
+        target_dtype=target,
+        **kwargs,
+    )
 
 
-def fa2_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                  sliding_window: int | None = None, softcap: float | None = None,
-                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+def fa2_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """FA2 varlen through transformers' FA2 code path: no per-layer unpad, no host sync."""
     return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
 
 
-def fa2_reference_documents(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                            sliding_window: int | None = None, softcap: float | None = None,
-                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+def fa2_reference_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """:func:`fa2_documents` on the pure-PyTorch REFERENCE kernel (not flash-attn), installed for this call only."""
     with reference_flash_attn():
         return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
 
 
-FUNCTIONS = {FA2: fa2_documents, SDPA: sdpa_documents, EAGER: eager_documents, FLEX: flex_documents,
-             FA2_REFERENCE: fa2_reference_documents}
+def _torch_varlen_kernel() -> Any:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+def torch_varlen_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """PyTorch's varlen flash kernel over the flat row: the FA2 layout (``cu_seqlens``, no per-layer unpad, no
+    host sync) without flash-attn. A window lets a query see ``sliding_window`` keys (as our sdpa does)."""
+    docs = _documents(kwargs, attention_mask, query)
+    _no_softcap(TORCH_VARLEN, softcap)
+    if dropout:
+        raise ValueError(f"foundry_attn: torch_varlen cannot apply attention dropout {dropout}")
+    if docs is None:  # a mask built by the model (generation): eager math takes it
+        out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
+    params = _varlen_signature().parameters  # type: ignore[union-attr]  # the policy checked torch has it
+    if sliding_window and "window_size" not in params:
+        raise ValueError(f"foundry_attn: torch {torch.__version__} varlen_attn has no window_size (torch >= 2.12)")
+    if "enable_gqa" in params:
+        extra: dict[str, Any] = {"enable_gqa": query.shape[1] != key.shape[1]}
+    else:
+        key, value = _expand_kv(query, key, value)
+        extra = {}
+    if "window_size" in params:
+        extra["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
+    else:
+        extra["is_causal"] = True
+    cu = docs.cu_seq_lens(query.device)
+    longest = query.shape[2] if torch.compiler.is_compiling() else docs.max_length
+    scale = _scale(query, scaling)
+    if "scale" in params:
+        extra["scale"] = scale
+    elif scale != query.shape[-1] ** -0.5:  # a release without scale=: fold the model's scale into the query
+        query = query * (scale * query.shape[-1] ** 0.5)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [1, H, T, D] -> [T, H, D]
+    out = _torch_varlen_kernel()(q, k, v, cu, cu, longest, longest, **extra)
+    return out[None], None
+
+
+FUNCTIONS = {
+    FA2: fa2_documents,
+    TORCH_VARLEN: torch_varlen_documents,
+    SDPA: sdpa_documents,
+    EAGER: eager_documents,
+    FLEX: flex_documents,
+    FA2_REFERENCE: fa2_reference_documents,
+}
 REGISTERED = {PREFIX + name: name for name in FUNCTIONS}  # registered name -> backend (or fa2_reference)
 
 
@@ -407,11 +610,12 @@ def attach(model: Any, backend: str | None = None, fa2_reference: bool = False) 
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if passes_kwargs(model):
         name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
-    elif (backend == FA2 and fa2_reference) or backend == FLEX:
-        raise ValueError(f"{type(model).__name__} passes no per-call arguments to attention, so {backend}"
-                         f"{' on the reference kernel' if fa2_reference else ''} cannot see the documents")
+    elif (backend == FA2 and fa2_reference) or backend in (FLEX, TORCH_VARLEN):
+        raise ValueError(
+            f"{type(model).__name__} passes no per-call arguments to attention, so {backend}"
+            f"{' on the reference kernel' if fa2_reference else ''} cannot see the documents"
+        )
     else:
         name = backend
     config._attn_implementation = name
     return name
-

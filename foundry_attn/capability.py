@@ -75,7 +75,9 @@ def _hub_kernel() -> str | None:
     if importlib.util.find_spec("kernels") is None:
         return None
     try:
-        from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_FALLBACK
+        from transformers.modeling_flash_attention_utils import (  # type: ignore[attr-defined,unused-ignore]
+            FLASH_ATTN_KERNEL_FALLBACK,
+        )
     except ImportError:  # 4.51: no hub fallback
         return None
     return FLASH_ATTN_KERNEL_FALLBACK.get("flash_attention_2")
@@ -91,7 +93,9 @@ def flex_backward_error(device_type: str) -> str | None:
         from torch.nn.attention.flex_attention import flex_attention
 
         q = torch.randn(1, 1, 8, 8, device=device_type, requires_grad=True)
-        flex_attention(q, q, q).sum().backward()
+        out = flex_attention(q, q, q)
+        assert isinstance(out, torch.Tensor)
+        out.sum().backward()
     except Exception as exc:  # the reason is reported, the policy rejects flex
         return f"torch {torch.__version__} FlexAttention has no backward on {device_type}: {type(exc).__name__}: {exc}"
     return None

@@ -1,17 +1,19 @@
 """``foundry-attn``: doctor, tiny assets, benchmarks, conformance, the fleet view of event logs.
 
-    foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
-                        [--attn-strict] [--model-config ./build/tiny/tiny-llama]
-    foundry-attn assets build/tiny
-    foundry-attn bench padding|callbacks|compile|isolation|events --json [--device cuda] [--quick]
-    foundry-attn conformance [--markdown] [--family mistral]
-    foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
-    foundry-attn report runs/ -o report/
+foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
+[--attn-strict] [--model-config ./build/tiny/tiny-llama]
+foundry-attn assets build/tiny
+foundry-attn bench padding|callbacks|compile|isolation|events --json [--device cuda] [--quick]
+foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
+foundry-attn conformance [--markdown] [--family mistral]
+foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
+foundry-attn report runs/ -o report/
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -22,6 +24,7 @@ from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableErro
 
 def doctor(args: argparse.Namespace) -> int:
     from foundry_attn.capability import probe
+    from foundry_attn.flash_compat import preflight
     from foundry_attn.flash_symbols import discover
     from foundry_attn.loading import decide, resolve_compute_dtype
     from foundry_attn.policy import choose
@@ -30,20 +33,27 @@ def doctor(args: argparse.Namespace) -> int:
     fallback = [f.strip() for f in args.attn_fallback.split(",") if f.strip()]
     try:
         if args.model_config:
-            decision = decide(args.model_config, args.attn_implementation, fallback, args.attn_strict,
-                              args.attn_compute_dtype, cap)
+            decision = decide(
+                args.model_config, args.attn_implementation, fallback, args.attn_strict, args.attn_compute_dtype, cap
+            )
         else:
-            decision = choose(args.attn_implementation, fallback, cap,
-                              resolve_compute_dtype(args.attn_compute_dtype, cap), strict=args.attn_strict)
+            decision = choose(
+                args.attn_implementation,
+                fallback,
+                cap,
+                resolve_compute_dtype(args.attn_compute_dtype, cap),
+                strict=args.attn_strict,
+            )
     except (AttentionUnavailableError, ValueError) as exc:
         print(f"foundry-attn doctor: {exc}", file=sys.stderr)
         return 2
-    report = {
+    report: dict[str, Any] = {
         "chosen": decision.chosen,
         "reason": decision.reason,
         "candidates": [{"name": c.name, "available": c.available, "reason": c.reason} for c in decision.candidates],
         "environment": cap.as_dict(),
         "flash_kernel": flash_kernel(cap),
+        "preflight": [dataclasses.asdict(p) for p in preflight(cap)],
         "flash_symbols": {k: v for k, v in discover().as_dict().items() if k in ("found", "missing", "error")},
     }
     if args.json:
@@ -51,10 +61,14 @@ def doctor(args: argparse.Namespace) -> int:
         return 0
     env = report["environment"]
     print(f"device: {env['device_name']} ({env['sm']}) on {env['host']}")
-    print(f"torch {env['torch_version']}, transformers {env['transformers_version']}, "
-          f"flash-attn {env['flash_attn_version'] or 'not importable'}, "
-          f"transformer-engine {env['transformer_engine_version'] or 'not installed'}")
+    print(
+        f"torch {env['torch_version']}, transformers {env['transformers_version']}, "
+        f"flash-attn {env['flash_attn_version'] or 'not importable'}, "
+        f"transformer-engine {env['transformer_engine_version'] or 'not installed'}"
+    )
     print(f"flash_attention_2 would run: {report['flash_kernel']}")
+    for problem in report["preflight"]:
+        print(f"preflight: {problem['check']}: {problem['reason']} (fix: {problem['fix']})")
     found = ", ".join(f"{role}={name}" for role, name in report["flash_symbols"]["found"].items())
     print(f"transformers' flash helpers (upad_tracer): {found or 'none'}")
     for c in report["candidates"]:
@@ -84,28 +98,25 @@ def bench(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.which == "padding":
-        from foundry_attn.bench.padding import run
+    import importlib
 
-        result = run(quick=args.quick, device=args.device)
-    elif args.which == "events":
-        from foundry_attn.bench.events import run
-
-        result = run(runs=4 if args.quick else 100)
-    elif args.which == "compile":
-        from foundry_attn.bench.compile import WORKLOADS, run
-
-        result = run(device=args.device, layouts=12 if args.quick else 50, models=("tiny",) if args.quick else
-                     tuple(WORKLOADS))
-    elif args.which == "isolation":
-        from foundry_attn.bench.isolation import MODELS, run
-
-        result = run(device=args.device, repeats=1 if args.quick else 3, models=("tiny",) if args.quick else
-                     tuple(MODELS))
-    else:
-        from foundry_attn.bench.callbacks import run
-
-        result = run(quick=args.quick)
+    quick = args.quick
+    options: dict[str, dict[str, Any]] = {  # each bench's own arguments, from the shared flags
+        "padding": {"quick": quick, "device": args.device},
+        "events": {"runs": 4 if quick else 100},
+        "compile": {"device": args.device, "layouts": 12 if quick else 50, "models": ("tiny",) if quick else None},
+        "gpu": {"device": args.device, "quick": quick, "layers": args.layers, "rounds": args.rounds},
+        "isolation": {"device": args.device, "repeats": 1 if quick else 3, "models": ("tiny",) if quick else None},
+        "callbacks": {"quick": quick},
+    }
+    module = importlib.import_module(f"foundry_attn.bench.{args.which}")
+    kwargs = {k: v for k, v in options[args.which].items() if v is not None}
+    if "models" in options[args.which] and "models" not in kwargs:
+        kwargs["models"] = tuple(getattr(module, "WORKLOADS", None) or module.MODELS)
+    result = module.run(**kwargs)
+    if args.which == "gpu":
+        print(json.dumps(result, indent=2) if args.json else module.summary(result))
+        return 0
     print(json.dumps(result, indent=2) if args.json else result)
     return 0
 
@@ -119,8 +130,10 @@ def conformance(args: argparse.Namespace) -> int:
         print(table(cells))
     else:
         for c in cells:
-            print(f"{c.family:9} {c.backend:18} {c.mode:5} {c.checkpointing:19} {c.status:8} "
-                  f"{c.detail or f'loss {c.loss_err:.1e}, grad {c.grad_err:.1e} (relative)'}")
+            print(
+                f"{c.family:9} {c.backend:18} {c.mode:5} {c.checkpointing:19} {c.status:8} "
+                f"{c.detail or f'loss {c.loss_err:.1e}, grad {c.grad_err:.1e} (relative)'}"
+            )
     return 1 if any(c.status == "WRONG" for c in cells) else 0
 
 
@@ -159,8 +172,7 @@ def events(args: argparse.Namespace) -> int:
         rows = [{"device": k, **v, "rate": f"{v['rate']:.0%}"} for k, v in result["by_device"].items()]
         print(fleet.table(rows, ("device", "ranks", "fell_back", "rate")))
         if result["by_reason"]:
-            print(fleet.table([{"count": n, "reason": r} for r, n in result["by_reason"].items()],
-                              ("count", "reason")))
+            print(fleet.table([{"count": n, "reason": r} for r, n in result["by_reason"].items()], ("count", "reason")))
     else:
         print(fleet.table(result, ("time", "run", "launch", "rank", "kind", "what")))
     note = fleet.report_skipped(skipped)
@@ -184,8 +196,9 @@ def report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="foundry-attn", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="foundry-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="which attention implementations can run here, and why not")
     p.add_argument("--json", action="store_true")
@@ -199,11 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", nargs="?", default="build/tiny")
     p.set_defaults(func=assets)
     p = sub.add_parser("bench", help="side-by-side benchmarks; prints ratios from one run")
-    p.add_argument("which", choices=("padding", "callbacks", "isolation", "compile", "events"))
+    p.add_argument("which", choices=("padding", "callbacks", "isolation", "compile", "events", "gpu"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the README)")
-    p.add_argument("--device", default=None,
-                   help="padding, isolation, compile: cpu (the default, even with a GPU present) or cuda[:N]")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="padding, isolation, compile: cpu (the default, even with a GPU present) or cuda[:N]; "
+        "gpu: cuda[:N] (the default) or cpu (its plumbing on a tiny model, not a GPU number)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="gpu: decoder layers (default 30; cpu: 2)")
+    p.add_argument("--rounds", type=int, default=None, help="gpu: timed rounds per batch (default 20; --quick: 3)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
     p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")

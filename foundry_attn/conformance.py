@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, attach
+from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, attach
 from foundry_attn.forward import forward_documents, kernel_context
 from foundry_attn.packing import IGNORE_INDEX
 
-BACKENDS = (FA2, SDPA, EAGER, FLEX)
+BACKENDS = (FA2, TORCH_VARLEN, SDPA, EAGER, FLEX)
 MODES = ("pack", "mask")
 CHECKPOINTING = ("plain", "hf_reentrant", "hf_non_reentrant", "checkpoint_wrapper")
 LENGTHS = (5, 11, 3, 9)  # window 4: two documents longer, one shorter
@@ -34,8 +34,15 @@ PACK_WIDTH = 16
 VOCAB = 64
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128)
+_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def _llama_like(module: str, config: str, model: str, **extra: Any) -> Callable[[], Any]:
@@ -51,19 +58,46 @@ def _llama_like(module: str, config: str, model: str, **extra: Any) -> Callable[
 FAMILIES: dict[str, Callable[[], tuple[Any, type]]] = {
     "llama": _llama_like("llama", "LlamaConfig", "LlamaForCausalLM"),
     "mistral": _llama_like("mistral", "MistralConfig", "MistralForCausalLM", sliding_window=4),
-    "mixtral": _llama_like("mixtral", "MixtralConfig", "MixtralForCausalLM", sliding_window=4, num_local_experts=4,
-                           num_experts_per_tok=2),
-    "qwen2": _llama_like("qwen2", "Qwen2Config", "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=4,
-                         max_window_layers=0),
+    "mixtral": _llama_like(
+        "mixtral", "MixtralConfig", "MixtralForCausalLM", sliding_window=4, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen2": _llama_like(
+        "qwen2", "Qwen2Config", "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=4, max_window_layers=0
+    ),
     "qwen3": _llama_like("qwen3", "Qwen3Config", "Qwen3ForCausalLM", head_dim=8),
-    "gemma2": _llama_like("gemma2", "Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=4,
-                          query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-    "gemma3": _llama_like("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=4,
-                          sliding_window_pattern=2, query_pre_attn_scalar=16),
+    "gemma2": _llama_like(
+        "gemma2",
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        head_dim=8,
+        sliding_window=4,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
+    "gemma3": _llama_like(
+        "gemma3",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        head_dim=8,
+        sliding_window=4,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+    ),
     "phi3": _llama_like("phi3", "Phi3Config", "Phi3ForCausalLM", sliding_window=4, pad_token_id=0),
     "gpt_neox": _llama_like("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.5),
-    "gpt2": _llama_like("gpt2", "GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=2, n_head=4, n_positions=128,
-                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+    "gpt2": _llama_like(
+        "gpt2",
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    ),
     "olmo2": _llama_like("olmo2", "Olmo2Config", "Olmo2ForCausalLM"),
 }
 
@@ -145,9 +179,10 @@ def enable_checkpointing(model: Any, kind: str) -> None:
 
         layers = tuple({type(m) for m in model.modules() if type(m).__name__ in model._no_split_modules})
         apply_activation_checkpointing(
-            model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                           checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda m: isinstance(m, layers) and m is not model)
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: isinstance(m, layers) and m is not model,
+        )
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
@@ -162,6 +197,8 @@ def _truth(family: str, backend: str) -> tuple[float, torch.Tensor]:
     fp32 looks for an ``nn.Linear`` that GPT-2's ``Conv1D`` projections are not)."""
     if backend in (EAGER, FLEX):
         return _stock_alone(family, EAGER)
+    if backend == TORCH_VARLEN:  # not a transformers backend: its window convention is sdpa's
+        return _stock_alone(family, SDPA)
     try:
         return _stock_alone(family, backend)
     except StopIteration:
@@ -217,9 +254,16 @@ def table(cells: list[Cell]) -> str:
     for family in FAMILIES:
         row = []
         for backend in BACKENDS:
-            c = worst.get((family, backend)) or by.get((family, backend))
-            row.append("" if c is None else "exact" if c.status == "exact" else
-                       f"refused: {c.detail}" if c.status == "refused" else "**WRONG**")
+            shown = worst.get((family, backend)) or by.get((family, backend))
+            row.append(
+                ""
+                if shown is None
+                else "exact"
+                if shown.status == "exact"
+                else f"refused: {shown.detail}"
+                if shown.status == "refused"
+                else "**WRONG**"
+            )
         lines.append(f"| {family} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -28,13 +28,15 @@ def allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
     return (rel >= 0) & (rel < window) if window else rel >= 0
 
 
-def sdpa_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float | None,
-                  dropout: float = 0.0) -> torch.Tensor:
+def sdpa_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float | None, dropout: float = 0.0
+) -> torch.Tensor:
     """Causal SDPA over one document ``[B, H, n, D]``; a window longer than the document changes nothing."""
     n = q.shape[2]
     if window and n > window:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed(n, window, q.device), dropout_p=dropout,
-                                              scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed(n, window, q.device), dropout_p=dropout, scale=scale
+        )
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True)
 
 
@@ -42,12 +44,21 @@ def additive_mask(n: int, window: int | None, like: torch.Tensor, fill: float | 
     """[n, n] additive mask in ``like``'s dtype: 0 where :func:`allowed`, ``fill`` (default: the dtype's min)
     elsewhere."""
     fill = torch.finfo(like.dtype).min if fill is None else fill
-    return torch.zeros((n, n), dtype=like.dtype, device=like.device).masked_fill_(~allowed(n, window, like.device),
-                                                                                 fill)
+    return torch.zeros((n, n), dtype=like.dtype, device=like.device).masked_fill_(
+        ~allowed(n, window, like.device), fill
+    )
 
 
-def eager_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None,
-               additive: torch.Tensor | None, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+def eager_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    additive: torch.Tensor | None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
     """transformers' eager attention on expanded heads: scores, softcap, additive mask, fp32 softmax, dropout."""
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap:
@@ -58,14 +69,30 @@ def eager_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return torch.matmul(F.dropout(probs, p=dropout, training=training), v)
 
 
-def eager_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
-                   softcap: float | None, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+def eager_document(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
     """:func:`eager_math` over one document, causal (and windowed) within it."""
     return eager_math(q, k, v, scale, softcap, additive_mask(q.shape[2], window, q), dropout, training)
 
 
-def _loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host_bounds: torch.Tensor, kind: str, window: int,
-          scale: float, softcap: float) -> torch.Tensor:
+def _loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    host_bounds: torch.Tensor,
+    kind: str,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
     pieces = []
     for s, e in pairwise(host_bounds.tolist()):
         qd, kd, vd = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]
@@ -86,19 +113,29 @@ def _window_bias(n: int, window: int, like: torch.Tensor) -> torch.Tensor | None
 
 
 @torch.library.custom_op("foundry_attn::document_attention", mutates_args=())
-def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, host_bounds: torch.Tensor,
-                       kind: str, window: int, scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    host_bounds: torch.Tensor,
+    kind: str,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, T, D]`` attention of every document of the flat row alone (window 0: none, softcap 0: none),
     and the ``[B, H, T]`` fp32 logsumexp its backward needs (empty when the backward recomputes instead)."""
     if not _flash(kind, query):
         with torch.no_grad():
-            return _loop(query, key, value, host_bounds, kind, window, scale, softcap), query.new_empty(0,
-                                                                                                      dtype=torch.float)
+            return _loop(query, key, value, host_bounds, kind, window, scale, softcap), query.new_empty(
+                0, dtype=torch.float
+            )
     outs, lses = [], []
     for s, e in pairwise(host_bounds.tolist()):
         bias = _window_bias(e - s, window, query)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale)
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale
+        )
         outs.append(out)
         lses.append(lse.float())
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -110,8 +147,9 @@ def _(query, key, value, host_bounds, kind, window, scale, softcap):  # the op's
     return query.new_empty((*query.shape[:-1], value.shape[-1])), lse
 
 
-def _document_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, window: int,
-                    scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _document_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, window: int, scale: float, softcap: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention core's gradients for one document, in fp32: P = softmax(cap(scale q k^T) + mask), O = P v."""
     q, k, v, dout = (t.float() for t in (q, k, v, dout))
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
@@ -129,10 +167,19 @@ def _document_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
 
 
 @torch.library.custom_op("foundry_attn::document_attention_backward", mutates_args=())
-def document_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                out: torch.Tensor, lse: torch.Tensor, host_bounds: torch.Tensor, kind: str,
-                                window: int, scale: float,
-                                softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def document_attention_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    host_bounds: torch.Tensor,
+    kind: str,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`document_attention` for ``query``, ``key``, ``value``, one document at a time."""
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     for s, e in pairwise(host_bounds.tolist()):
@@ -140,7 +187,8 @@ def document_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: to
         if lse.numel():
             bias = _window_bias(e - s, window, query)
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                g, q, k, v, out[:, :, s:e], lse[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale)
+                g, q, k, v, out[:, :, s:e], lse[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale
+            )
         else:
             grads = _document_grads(q, k, v, g, window, scale, softcap)
         for full, piece in zip((dq, dk, dv), grads, strict=True):
@@ -161,8 +209,7 @@ def _setup_context(ctx, inputs, output) -> None:  # torch.library's signature
 
 def _backward(ctx, grad, _lse_grad):
     query, key, value, out, lse, host_bounds = ctx.saved_tensors
-    dq, dk, dv = document_attention_backward(grad.contiguous(), query, key, value, out, lse, host_bounds,
-                                             *ctx.options)
+    dq, dk, dv = document_attention_backward(grad.contiguous(), query, key, value, out, lse, host_bounds, *ctx.options)
     return dq, dk, dv, None, None, None, None, None
 
 

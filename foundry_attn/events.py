@@ -43,8 +43,14 @@ class EventLog:
     Composer knows the run's name; our callbacks bind it at ``FIT_START``).
     """
 
-    def __init__(self, directory: str | os.PathLike | None, rank: int, cap: Capability | None = None,
-                 run: str | None = None, launch: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike | None,
+        rank: int,
+        cap: Capability | None = None,
+        run: str | None = None,
+        launch: str | None = None,
+    ) -> None:
         self.rank = rank
         cap = cap if cap is not None else probe()
         self._stamp: dict = {
@@ -145,8 +151,12 @@ def iter_events(paths: Iterable[Path], kind: str | None = None, skipped: Skipped
         with open(path, "rb") as f:
             for line in f:
                 if needle is not None and needle not in line:
-                    if skipped is not None and not line.endswith(b"}\n") and line.strip() \
-                            and not line.rstrip().endswith(b"}"):
+                    if (
+                        skipped is not None
+                        and not line.endswith(b"}\n")
+                        and line.strip()
+                        and not line.rstrip().endswith(b"}")
+                    ):
                         skipped.lines += 1
                         skipped.files.add(str(path))
                     continue

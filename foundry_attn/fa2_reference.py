@@ -20,9 +20,10 @@ Dropout must be 0. Core module: torch and transformers only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,7 @@ from foundry_attn.patching import Patch, patch_attribute
 REFERENCE_NAME = "fa2-reference (pure PyTorch, not flash-attn)"
 
 
-def _segment_mask(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: tuple[int, int]
-) -> torch.Tensor:
+def _segment_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: Sequence[int]) -> torch.Tensor:
     """[total_q, total_k] bool: may query i see key j (same sequence, causal/window as flash-attn)."""
     tq, tk = int(cu_q[-1]), int(cu_k[-1])
     lens_q, lens_k = cu_q.diff().long(), cu_k.diff().long()
@@ -58,8 +57,12 @@ def _segment_mask(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-    softmax_scale: float | None, softcap: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    softmax_scale: float | None,
+    softcap: float,
 ) -> torch.Tensor:
     """q [Tq, Hq, D], k/v [Tk, Hk, D], allowed [Tq, Tk] -> [Tq, Hq, D] in q's dtype."""
     hq, hk = q.shape[1], k.shape[1]
@@ -84,12 +87,22 @@ def _check_unsupported(dropout_p: float, alibi_slopes: object, return_attn_probs
 
 
 def flash_attn_varlen_func(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int,
-    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: object = None,
-    deterministic: bool = False, return_attn_probs: bool = False, block_table: object = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: object = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: object = None,
 ) -> torch.Tensor:
     """Reference of ``flash_attn.flash_attn_varlen_func``: q [total_q, Hq, D] -> [total_q, Hq, D]."""
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
@@ -98,10 +111,17 @@ def flash_attn_varlen_func(
 
 
 def flash_attn_func(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: object = None,
-    deterministic: bool = False, return_attn_probs: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: object = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
 ) -> torch.Tensor:
     """Reference of ``flash_attn.flash_attn_func``: q [B, Sq, Hq, D] -> [B, Sq, Hq, D]."""
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
@@ -109,8 +129,14 @@ def flash_attn_func(
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
     allowed = _segment_mask(cu_q, cu_k, causal, tuple(window_size))
-    out = _attend(q.reshape(b * sq, *q.shape[2:]), k.reshape(b * sk, *k.shape[2:]),
-                  v.reshape(b * sk, *v.shape[2:]), allowed, softmax_scale, softcap)
+    out = _attend(
+        q.reshape(b * sq, *q.shape[2:]),
+        k.reshape(b * sk, *k.shape[2:]),
+        v.reshape(b * sk, *v.shape[2:]),
+        allowed,
+        softmax_scale,
+        softcap,
+    )
     return out.reshape(q.shape)
 
 
@@ -147,27 +173,50 @@ _KERNELS = {
 }
 _AVAILABILITY = ("is_flash_attn_2_available", "is_flash_attn_available")
 _FA_MODULES = ("transformers.modeling_flash_attention_utils",)
-_CHECK_MODULES = ("transformers.modeling_flash_attention_utils", "transformers.modeling_utils",
-                  "transformers.utils", "transformers.utils.import_utils")
+_CHECK_MODULES = (
+    "transformers.modeling_flash_attention_utils",
+    "transformers.modeling_utils",
+    "transformers.utils",
+    "transformers.utils.import_utils",
+)
 
 
 #: transformers 5.x: the kernels come from ``lazy_import_flash_attention(name)``, which caches what
 #: ``_lazy_imports`` returned in these globals; the reference resets them on entry and restores them on exit
 _LAZY_IMPORTS = "_lazy_imports"
-_LAZY_CACHE = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn",
-               "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
+_LAZY_CACHE = (
+    "_loaded_implementation",
+    "_flash_fn",
+    "_flash_varlen_fn",
+    "_flash_with_kvcache_fn",
+    "_pad_fn",
+    "_unpad_fn",
+    "_process_flash_kwargs_fn",
+    "_process_with_kvcache_kwargs_fn",
+)
 
 
-def _reference_lazy_imports(implementation: str | None, *args: object, **kwargs: object) -> tuple:
+def _reference_lazy_imports(
+    implementation: str | None,
+    *args: object,
+    dense: Callable = flash_attn_func,
+    varlen: Callable = flash_attn_varlen_func,
+    **kwargs: object,
+) -> tuple:
     """5.x ``_lazy_imports``: (dense, varlen, kvcache, pad, unpad) for ``flash_attention_2``."""
     if implementation not in (None, "flash_attention_2"):
         raise ValueError(f"fa2 reference: only flash_attention_2 runs on the reference kernel, not {implementation!r}")
-    return flash_attn_func, flash_attn_varlen_func, None, pad_input, unpad_input
+    return dense, varlen, None, pad_input, unpad_input
 
 
 @contextlib.contextmanager
-def reference_flash_attn() -> Iterator[None]:
+def reference_flash_attn(varlen: Callable | None = None, dense: Callable | None = None) -> Iterator[None]:
     """Install the reference kernels where transformers looks them up; restore everything on exit.
+
+    ``varlen`` / ``dense``: other kernels to install instead, with the signatures of flash-attn's
+    ``flash_attn_varlen_func`` / ``flash_attn_func`` (e.g. PyTorch's own varlen kernel behind a wrapper, so
+    transformers' stock FA2 code path runs on a GPU without flash-attn: ``foundry_attn.bench.gpu``). Each
+    defaults to the pure-PyTorch reference above; the padding helpers are always the reference's.
 
     Patches the module globals of ``transformers.modeling_flash_attention_utils`` (which it reads at
     call time; in 5.x its ``_lazy_imports`` and the kernel cache of ``lazy_import_flash_attention``) and
@@ -176,14 +225,21 @@ def reference_flash_attn() -> Iterator[None]:
     so a tracer attached before or after still counts the calls, and contexts and tracers may close in
     any order. Nests with itself.
     """
+    dense, varlen = dense or flash_attn_func, varlen or flash_attn_varlen_func
+    kernels = {**_KERNELS, "flash_attn_func": dense, "flash_attn_varlen_func": varlen}
+    lazy_imports = (
+        _reference_lazy_imports
+        if dense is flash_attn_func and varlen is flash_attn_varlen_func
+        else functools.partial(_reference_lazy_imports, dense=dense, varlen=varlen)
+    )
     patches: list[Patch] = []
     try:
         for mod_name in _FA_MODULES:
             mod = importlib.import_module(mod_name)
-            for name, value in _KERNELS.items():
+            for name, value in kernels.items():
                 patches.append(patch_attribute(mod, name, replace=value))
             if _LAZY_IMPORTS in mod.__dict__:  # 5.x
-                patches.append(patch_attribute(mod, _LAZY_IMPORTS, replace=_reference_lazy_imports))
+                patches.append(patch_attribute(mod, _LAZY_IMPORTS, replace=lazy_imports))
                 for name in _LAZY_CACHE:
                     if name in mod.__dict__:
                         patches.append(patch_attribute(mod, name, replace=None))

@@ -157,8 +157,11 @@ def _as_int(value: Any) -> int | None:
 
 
 def _is_cu_pair(value: Any) -> bool:
-    return (isinstance(value, tuple) and len(value) == 2
-            and all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in value))
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in value)
+    )
 
 
 def _seqlens_from_output(out: Any) -> dict[str, Any]:
@@ -176,12 +179,17 @@ def _seqlens_from_output(out: Any) -> dict[str, Any]:
 def _describe_call(role: str, args: tuple, kwargs: dict, out: Any) -> dict[str, Any]:
     """What a traced call was given / gave back, as plain Python (reads device values: sampled calls only)."""
     if role == VARLEN:
+
         def arg(key: str, pos: int) -> Any:
             return kwargs[key] if key in kwargs else (args[pos] if len(args) > pos else None)
 
-        return {"cu_seqlens_q": _as_list(arg("cu_seqlens_q", 3)), "cu_seqlens_k": _as_list(arg("cu_seqlens_k", 4)),
-                "max_seqlen_q": _as_int(arg("max_seqlen_q", 5)), "max_seqlen_k": _as_int(arg("max_seqlen_k", 6)),
-                "q_shape": list(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None}
+        return {
+            "cu_seqlens_q": _as_list(arg("cu_seqlens_q", 3)),
+            "cu_seqlens_k": _as_list(arg("cu_seqlens_k", 4)),
+            "max_seqlen_q": _as_int(arg("max_seqlen_q", 5)),
+            "max_seqlen_k": _as_int(arg("max_seqlen_k", 6)),
+            "q_shape": list(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None,
+        }
     if role == DENSE:
         q = args[0] if args else kwargs.get("q")
         shape = list(q.shape) if isinstance(q, torch.Tensor) else None
@@ -326,9 +334,14 @@ class FlashCallTracer:
         return None
 
     def summary(self) -> dict[str, Any]:
-        return {"counts": dict(self.counts), "entry": self.entry, "max_seqlen": self.max_seqlen,
-                "cu_seqlens": self.cu_seqlens, "first": {k: dict(v) for k, v in self.first.items()},
-                "symbols": dict(self.symbols.found)}
+        return {
+            "counts": dict(self.counts),
+            "entry": self.entry,
+            "max_seqlen": self.max_seqlen,
+            "cu_seqlens": self.cu_seqlens,
+            "first": {k: dict(v) for k, v in self.first.items()},
+            "symbols": dict(self.symbols.found),
+        }
 
 
 def symbol_label(symbols: FlashSymbols, role: str) -> str:

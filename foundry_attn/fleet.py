@@ -47,8 +47,13 @@ def _run_of(event: dict, path: Path) -> str:
     return parent.parent.name if parent.name == "attn_events" else parent.name
 
 
-def events(paths: Iterable[Path], kind: str | None = None, run: str | None = None, since: float | None = None,
-           skipped: Skipped | None = None) -> Iterator[dict]:
+def events(
+    paths: Iterable[Path],
+    kind: str | None = None,
+    run: str | None = None,
+    since: float | None = None,
+    skipped: Skipped | None = None,
+) -> Iterator[dict]:
     """Every event of ``paths`` with ``run`` filled in, filtered by kind, run name and time."""
     for path in paths:
         for event in iter_events([path], kind, skipped):
@@ -133,8 +138,14 @@ def one_line(event: dict) -> dict:
     elif "message" in event:
         what = str(event["message"])[:80]
     when = datetime.datetime.fromtimestamp(float(event.get("time") or 0), datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
-    return {"time": when, "run": event.get("run"), "launch": event.get("launch"), "rank": event.get("rank"),
-            "kind": event.get("kind"), "what": what}
+    return {
+        "time": when,
+        "run": event.get("run"),
+        "launch": event.get("launch"),
+        "rank": event.get("rank"),
+        "kind": event.get("kind"),
+        "what": what,
+    }
 
 
 def report_skipped(skipped: Skipped) -> str | None:

@@ -77,8 +77,11 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
         raise ValueError("empty batch: no real tokens (every row is padding)")
     positions = batch.get("position_ids")
     if positions is None:  # ours restart per document; a user's mask keeps HF's default (index in the row)
-        positions = (layout.position_ids(ids.device) if batch.get("doc_lens") is not None
-                     else torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
+        positions = (
+            layout.position_ids(ids.device)
+            if batch.get("doc_lens") is not None
+            else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        )
     labels = batch.get("labels")
     no_targets = labels is not None and not _has_targets(batch, labels)
     if no_targets:
@@ -104,34 +107,41 @@ def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[i
     return labels
 
 
-def _flat(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
-          layout: Layout) -> tuple[dict[str, Any], tuple]:
+def _flat(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
+) -> tuple[dict[str, Any], tuple]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents."""
     flat = layout.real_indices(ids.device)
     docs = Documents.of(layout.bounds(), ids.device)
     total = docs.bounds[-1]
-    inputs = dict(input_ids=ids.reshape(-1)[flat][None], position_ids=positions.reshape(-1)[flat][None],
-                  labels=_flat_labels(labels, flat, list(docs.bounds[:-1])))
+    inputs: dict[str, Any] = dict(
+        input_ids=ids.reshape(-1)[flat][None],
+        position_ids=positions.reshape(-1)[flat][None],
+        labels=_flat_labels(labels, flat, list(docs.bounds[:-1])),
+    )
     # under torch.compile: the row length and the document count vary from batch to batch; one dynamic graph
     for value in (*inputs.values(), docs.cu, docs.host_bounds):
         if value is not None:
             torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
     hf = unwrapped(model)
-    if "last_cache_position" in _base_parameters(type(hf.base_model)):  # Gemma2/3 read it from a 4-D mask with
-        inputs["last_cache_position"] = total  # .item() (a graph break); the mask is ours, so is the value
+    # Gemma2/3 read last_cache_position from a 4-D mask with .item() (a graph break); the mask is ours, so is the value
+    # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
+    if "last_cache_position" in _base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
+        inputs["last_cache_position"] = total
     inputs["attention_mask"] = torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
     inputs[DOCS_KEY] = docs
     return inputs, (torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
 
 
 @functools.lru_cache(maxsize=64)
-def _base_parameters(base_class: type) -> frozenset[str]:
+def _base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
     """The parameter names of a base model's ``forward`` (what it reads besides ``**kwargs``)."""
     return frozenset(inspect.signature(base_class.forward).parameters)
 
 
-def _rows(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None,
-          layout: Layout) -> tuple[dict[str, Any], tuple]:
+def _rows(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
+) -> tuple[dict[str, Any], tuple]:
     """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
     flat = layout.real_indices(ids.device)
     lengths = layout.lengths
@@ -147,8 +157,12 @@ def _rows(model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.
     row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
     if row_labels is not None:
         row_labels[:, 0] = IGNORE_INDEX
-    inputs = dict(input_ids=scatter(ids, 0), position_ids=scatter(positions, 0),
-                  attention_mask=scatter(torch.ones_like(ids), 0), labels=row_labels)
+    inputs = dict(
+        input_ids=scatter(ids, 0),
+        position_ids=scatter(positions, 0),
+        attention_mask=scatter(torch.ones_like(ids), 0),
+        labels=row_labels,
+    )
     return inputs, (dst, flat, layout.rows, layout.width)
 
 

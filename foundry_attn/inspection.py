@@ -137,7 +137,7 @@ def discover_modules(model: nn.Module, attention_selector: str | None = None) ->
 
 
 @functools.lru_cache(maxsize=256)
-def _parameters(cls: type) -> tuple[tuple[str, ...], bool] | None:
+def _parameters(cls: type[nn.Module]) -> tuple[tuple[str, ...], bool] | None:
     """Names of ``cls.forward``'s positional parameters (without self), and whether it takes ``*args``."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())
@@ -153,7 +153,7 @@ def _parameters(cls: type) -> tuple[tuple[str, ...], bool] | None:
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """A forward call's arguments by parameter name: positional ones named from the signature, keyword
     ones as given (what lands in ``**kwargs`` is flat among them); unnamed extras as ``arg<i>``."""
-    spec = _parameters(type(module))
+    spec = _parameters(type(module))  # type: ignore[arg-type]  # a class is hashable; mypy misreads its __hash__
     names = spec[0] if spec is not None else ()
     out = dict(zip(names, args, strict=False))
     for i in range(len(names), len(args)):
@@ -176,10 +176,18 @@ def _describe_mask(mask: Any) -> dict[str, Any]:
         return {"mask": "none", "mask_dtype": None, "mask_shape": None, "has_zeros": None}
     if not isinstance(mask, torch.Tensor):
         shape = getattr(mask, "shape", None)
-        return {"mask": type(mask).__name__, "mask_dtype": None, "mask_shape": list(shape) if shape else None,
-                "has_zeros": None}
-    out: dict[str, Any] = {"mask": f"{mask.dim()}-D", "mask_dtype": str(mask.dtype).replace("torch.", ""),
-                           "mask_shape": list(mask.shape), "has_zeros": None}
+        return {
+            "mask": type(mask).__name__,
+            "mask_dtype": None,
+            "mask_shape": list(shape) if shape else None,
+            "has_zeros": None,
+        }
+    out: dict[str, Any] = {
+        "mask": f"{mask.dim()}-D",
+        "mask_dtype": str(mask.dtype).replace("torch.", ""),
+        "mask_shape": list(mask.shape),
+        "has_zeros": None,
+    }
     with torch.no_grad():
         if mask.dim() == 2:
             out["has_zeros"] = bool((mask == 0).any())
@@ -310,8 +318,15 @@ class ModelInspector:
         try:
             self.records.append(self._record(level, index, name, module, _arguments(module, args, kwargs)))
         except Exception as exc:  # inspection never breaks training
-            self.records.append({"level": level, "index": index, "name": name, "cls": type(module).__name__,
-                                 "error": f"{type(exc).__name__}: {exc}"})
+            self.records.append(
+                {
+                    "level": level,
+                    "index": index,
+                    "name": name,
+                    "cls": type(module).__name__,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
 
     def _record(self, level: str, index: int, name: str, module: nn.Module, arguments: dict) -> dict[str, Any]:
         mask = arguments.get("attention_mask")
@@ -331,12 +346,18 @@ class ModelInspector:
         else:
             real, source = positions, "assumed"
         restarts = self._restarts(arguments.get("position_ids"), mask)
-        rec.update({
-            "rows_width": list(rows_width) if rows_width else None, "real_tokens": real, "positions": positions,
-            "fill_ratio": (real / positions) if real is not None and positions else None, "fill_source": source,
-            "position_restarts": restarts, "packed_positions": None if restarts is None else restarts > 0,
-            "attn_implementation": attn_implementation(self.model),
-        })
+        rec.update(
+            {
+                "rows_width": list(rows_width) if rows_width else None,
+                "real_tokens": real,
+                "positions": positions,
+                "fill_ratio": (real / positions) if real is not None and positions else None,
+                "fill_source": source,
+                "position_restarts": restarts,
+                "packed_positions": None if restarts is None else restarts > 0,
+                "attn_implementation": attn_implementation(self.model),
+            }
+        )
         return rec
 
 
@@ -348,23 +369,42 @@ _COLUMNS = ("level", "modules", "mask", "dtype", "shape", "masks", "real", "fill
 
 def _row(group: list[dict[str, Any]]) -> tuple[str, ...]:
     r = group[0]
-    level = r["level"] if r["level"] == MODEL else f"{r['level']} {group[0]['index']}" + (
-        f"-{group[-1]['index']}" if len(group) > 1 else "")
+    level = (
+        r["level"]
+        if r["level"] == MODEL
+        else f"{r['level']} {group[0]['index']}" + (f"-{group[-1]['index']}" if len(group) > 1 else "")
+    )
     if "error" in r:
         return (level, r["cls"], "error", r["error"], "", "", "", "", "", "")
     yes_no = {True: "yes", False: "no", None: "-"}
     return (
-        level, r["cls"] + (f" x{len(group)}" if len(group) > 1 else ""), r["mask"], r["mask_dtype"] or "-",
-        "x".join(map(str, r["mask_shape"])) if r["mask_shape"] else "-", yes_no[r["has_zeros"]],
+        level,
+        r["cls"] + (f" x{len(group)}" if len(group) > 1 else ""),
+        r["mask"],
+        r["mask_dtype"] or "-",
+        "x".join(map(str, r["mask_shape"])) if r["mask_shape"] else "-",
+        yes_no[r["has_zeros"]],
         "-" if r["real_tokens"] is None else f"{r['real_tokens']}/{r['positions']}",
-        "-" if r["fill_ratio"] is None else f"{r['fill_ratio']:.3f}", yes_no[r["packed_positions"]],
+        "-" if r["fill_ratio"] is None else f"{r['fill_ratio']:.3f}",
+        yes_no[r["packed_positions"]],
         r["attn_implementation"] or "-",
     )
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    keys = ("level", "cls", "mask", "mask_dtype", "mask_shape", "has_zeros", "real_tokens", "positions",
-            "packed_positions", "attn_implementation", "error")
+    keys = (
+        "level",
+        "cls",
+        "mask",
+        "mask_dtype",
+        "mask_shape",
+        "has_zeros",
+        "real_tokens",
+        "positions",
+        "packed_positions",
+        "attn_implementation",
+        "error",
+    )
     return all(a.get(k) == b.get(k) for k in keys)
 
 
@@ -380,6 +420,8 @@ def format_table(records: list[dict[str, Any]], title: str = "attention_inspecto
     rows = [_COLUMNS, *(_row(g) for g in groups)]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(_COLUMNS))]
     lines = [title] + ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.append("masks: 2-D has padding / 4-D hides a causally visible key; real: real tokens/positions "
-                 "at that level; packed: position_ids restart inside a row")
+    lines.append(
+        "masks: 2-D has padding / 4-D hides a causally visible key; real: real tokens/positions "
+        "at that level; packed: position_ids restart inside a row"
+    )
     return "\n".join(lines)

@@ -34,12 +34,13 @@ def isolation_check(model: Any, lengths: tuple[int, ...] = LENGTHS) -> tuple[str
     model.eval()
     try:
         with torch.no_grad():
-            packed = repad_logits(forward_documents(model, {"input_ids": torch.cat(docs)[None],
-                                                            "doc_lens": [list(lengths)]}))[0]
+            packed = repad_logits(
+                forward_documents(model, {"input_ids": torch.cat(docs)[None], "doc_lens": [list(lengths)]})
+            )[0]
             worst, offset = 0.0, 0
             for doc in docs:
                 alone = forward_documents(model, {"input_ids": doc[None], "doc_lens": [[doc.numel()]]}).logits[0]
-                got = packed[offset: offset + doc.numel()]
+                got = packed[offset : offset + doc.numel()]
                 worst = max(worst, (got.float() - alone.float()).abs().max().item())
                 offset += doc.numel()
     finally:
@@ -47,6 +48,8 @@ def isolation_check(model: Any, lengths: tuple[int, ...] = LENGTHS) -> tuple[str
     ms = (time.perf_counter() - start) * 1e3
     tolerance = TOLERANCE.get(param.dtype, 5e-2)
     if not worst <= tolerance:  # also catches nan
-        return (f"isolation probe: a packed document's logits differ from the same document alone by {worst:.2e} "
-                f"(> {tolerance:g}): documents see each other under {model.config._attn_implementation}"), ms
+        return (
+            f"isolation probe: a packed document's logits differ from the same document alone by {worst:.2e} "
+            f"(> {tolerance:g}): documents see each other under {model.config._attn_implementation}"
+        ), ms
     return None, ms

@@ -42,16 +42,20 @@ class Layout:
             return cls(((width,),) * rows, width)
         real = mask.bool()
         pos = torch.arange(width, device=mask.device)
-        first = torch.where(real, pos, width).amin(-1)
-        last = torch.where(real, pos, -1).amax(-1)
-        count = real.sum(-1)
-        first, last, count = (t.tolist() for t in (first, last, count))
+        first: list[int] = torch.where(real, pos, width).amin(-1).tolist()
+        last: list[int] = torch.where(real, pos, -1).amax(-1).tolist()
+        count: list[int] = real.sum(-1).tolist()
         gaps = [r for r in range(rows) if count[r] and last[r] - first[r] + 1 != count[r]]
         if gaps:
-            raise ValueError(f"attention_mask rows {gaps[:8]} have gaps (more than one run of real tokens); "
-                             "foundry_attn takes one contiguous run per row (right or left padding), or doc_lens")
-        return cls(tuple((n,) if n else () for n in count), width,
-                   tuple(f if n else 0 for f, n in zip(first, count, strict=True)))
+            raise ValueError(
+                f"attention_mask rows {gaps[:8]} have gaps (more than one run of real tokens); "
+                "foundry_attn takes one contiguous run per row (right or left padding), or doc_lens"
+            )
+        return cls(
+            tuple((n,) if n else () for n in count),
+            width,
+            tuple(f if n else 0 for f, n in zip(first, count, strict=True)),
+        )
 
     @property
     def rows(self) -> int:
@@ -74,10 +78,6 @@ class Layout:
         return max(self.lengths, default=0)
 
     @property
-    def has_padding(self) -> bool:
-        return self.real_tokens < self.rows * self.width
-
-    @property
     def fill_ratio(self) -> float:
         return self.real_tokens / max(1, self.rows * self.width)
 
@@ -91,8 +91,10 @@ class Layout:
 
     def real_indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Flat indices (into ``rows * width``) of the real tokens, in order."""
-        idx = [torch.arange(r * self.width + self.start(r), r * self.width + self.start(r) + sum(row))
-               for r, row in enumerate(self.doc_lens)]
+        idx = [
+            torch.arange(r * self.width + self.start(r), r * self.width + self.start(r) + sum(row))
+            for r, row in enumerate(self.doc_lens)
+        ]
         return torch.cat(idx).to(device, non_blocking=True) if idx else torch.zeros(0, dtype=torch.long)
 
     def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -112,11 +114,10 @@ class Layout:
         out = torch.full((self.rows, self.width), -1, dtype=torch.long)
         for r, row in enumerate(self.doc_lens):
             if row:
-                out[r, self.start(r): self.start(r) + sum(row)] = torch.repeat_interleave(
+                out[r, self.start(r) : self.start(r) + sum(row)] = torch.repeat_interleave(
                     torch.arange(1, len(row) + 1), torch.tensor(row, dtype=torch.long)
                 )
         return out.to(device, non_blocking=True)
 
     def signature(self) -> tuple:
         return (self.doc_lens, self.width, self.starts)
-

@@ -7,6 +7,7 @@ Core module: torch and transformers only. The Composer model (``foundry_attn.fou
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -23,6 +24,9 @@ from foundry_attn.policy import (
     fa2_smoke_test,
 )
 
+if TYPE_CHECKING:
+    from transformers.modeling_utils import PreTrainedModel  # the top-level name is a dummy class to mypy
+
 COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -35,14 +39,15 @@ def resolve_compute_dtype(name: str, cap: Capability) -> torch.dtype:
     """
     if name not in COMPUTE_DTYPES:
         raise ValueError(f"attn_compute_dtype: unknown value {name!r}; valid values: {', '.join(COMPUTE_DTYPES)}")
-    if COMPUTE_DTYPES[name] is not None:
-        return COMPUTE_DTYPES[name]
+    named = COMPUTE_DTYPES[name]
+    if named is not None:
+        return named
     if not cap.cuda:
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def model_class_for(config: PretrainedConfig) -> type:
+def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
     """The class ``AutoModelForCausalLM`` would build for ``config`` (for its ``_supports_*`` flags)."""
     mapping = AutoModelForCausalLM._model_mapping
     if type(config) in mapping:
@@ -51,7 +56,9 @@ def model_class_for(config: PretrainedConfig) -> type:
     raise ValueError(f"no causal-LM class for {type(config).__name__} (auto_map: {auto_map or 'none'})")
 
 
-def transformers_load_check(model_class: type, config: PretrainedConfig, name: str, dtype: torch.dtype) -> str | None:
+def transformers_load_check(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, name: str, dtype: torch.dtype
+) -> str | None:
     """Run transformers' own load-time validation for ``name``; the error text, or None when it passes.
 
     4.51: the class-level ``_check_and_enable_*``. 4.54+/5.x: ``_check_and_adjust_attn_implementation``, an
@@ -60,12 +67,15 @@ def transformers_load_check(model_class: type, config: PretrainedConfig, name: s
     """
     try:
         if hasattr(model_class, "_check_and_adjust_attn_implementation"):
-            instance = model_class.__new__(model_class)
+            instance: Any = model_class.__new__(model_class)  # half-built on purpose: no __init__, no weights
             instance.config = copy.deepcopy(config)
             instance._check_and_adjust_attn_implementation(name, is_init_check=True)
             return None
-        checks = {FA2: ("_check_and_enable_flash_attn_2", {"torch_dtype": dtype}),
-                  SDPA: ("_check_and_enable_sdpa", {}), FLEX: ("_check_and_enable_flex_attn", {})}
+        checks = {
+            FA2: ("_check_and_enable_flash_attn_2", {"torch_dtype": dtype}),
+            SDPA: ("_check_and_enable_sdpa", {}),
+            FLEX: ("_check_and_enable_flex_attn", {}),
+        }
         method, kwargs = checks.get(name, ("", {}))
         check = getattr(model_class, method, None) if method else None
         if check is not None:  # eager, or a release without this private check: our checks stand
@@ -78,7 +88,7 @@ def transformers_load_check(model_class: type, config: PretrainedConfig, name: s
 
 
 def decide(
-    model_path: str,
+    model_path: str | None,
     requested: str = AUTO,
     fallback: tuple[str, ...] | list[str] = (FA2, SDPA, "eager"),
     strict: bool = False,
@@ -100,8 +110,16 @@ def decide(
     model_class = model_class_for(config)
     traits = ModelTraits.from_model_class(model_class, config)
     dtype = resolve_compute_dtype(compute_dtype, cap)
-    decision = choose(requested, fallback, cap, dtype, traits, strict,
-                      smoke_test=None if fa2_reference else fa2_smoke_test, fa2_reference=fa2_reference)
+    decision = choose(
+        requested,
+        fallback,
+        cap,
+        dtype,
+        traits,
+        strict,
+        smoke_test=None if fa2_reference else fa2_smoke_test,
+        fa2_reference=fa2_reference,
+    )
     for cand in decision.candidates:  # transformers' own checks, for what we are about to load
         if cand.name != decision.chosen or (cand.name == FA2 and fa2_reference):
             continue
@@ -110,4 +128,3 @@ def decide(
             break
         decision = decision.with_rejection(cand.name, error)
     return decision
-

@@ -58,14 +58,6 @@ def true_lengths(input_ids: torch.Tensor, pad_id: int, eos_id: int | None) -> to
     return length
 
 
-def split_at_eos(tokens: torch.Tensor, eos_id: int | None) -> list[torch.Tensor]:
-    """Split a 1-D token row into documents; each EOS ends (and belongs to) its document."""
-    if eos_id is None:
-        return [tokens] if tokens.numel() else []
-    ends = (tokens == eos_id).nonzero().flatten().add_(1).tolist()
-    return list(tokens.split(_doc_sizes(ends, tokens.numel())))
-
-
 def _doc_sizes(ends: list[int], n: int) -> list[int]:
     """Sizes of the documents of an ``n``-token row whose documents end (exclusive) at ``ends``.
 
@@ -109,8 +101,13 @@ class PaddingCollator:
     """
 
     def __init__(
-        self, pad_id: int | None, eos_id: int | None, max_seq_len: int, mode: str = "mask",
-        overflow: str = "split", split_text_at_eos: bool = True,
+        self,
+        pad_id: int | None,
+        eos_id: int | None,
+        max_seq_len: int,
+        mode: str = "mask",
+        overflow: str = "split",
+        split_text_at_eos: bool = True,
     ) -> None:
         if pad_id is None:
             raise ValueError(
@@ -163,7 +160,8 @@ class PaddingCollator:
         split = self.mode == "pack" and self.split_text_at_eos and self.eos_id is not None
         text = [ids for ids, labels in examples if labels is None] if split else []
         # For speed: one EOS search over all text examples together, not one per example.
-        ends = (torch.cat(text) == self.eos_id).nonzero().flatten().add_(1).tolist() if text else []
+        eos_id = self.eos_id
+        ends = (torch.cat(text) == eos_id).nonzero().flatten().add_(1).tolist() if text and eos_id is not None else []
         offset = 0  # where the next text example starts in that concatenation
         out = []
         for ids, labels in examples:
@@ -250,4 +248,3 @@ class PaddingCollator:
         if self.mode == "mask":
             batch["attention_mask"] = (positions[None, :] < torch.tensor(total)[:, None]).long()
         return batch
-

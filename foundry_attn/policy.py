@@ -17,13 +17,14 @@ from collections.abc import Callable, Sequence
 import torch
 from packaging.version import Version
 
-from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, ModelNeeds, refusal
+from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, ModelNeeds, refusal
 from foundry_attn.capability import Capability
 from foundry_attn.fa2_reference import REFERENCE_NAME
+from foundry_attn.flash_compat import preflight
 
-IMPLEMENTATIONS: tuple[str, ...] = (FA2, FLEX, SDPA, EAGER)
+IMPLEMENTATIONS: tuple[str, ...] = (FA2, TORCH_VARLEN, FLEX, SDPA, EAGER)
 AUTO = "auto"
-DEFAULT_FALLBACK: tuple[str, ...] = (FA2, SDPA, EAGER)
+DEFAULT_FALLBACK: tuple[str, ...] = (FA2, TORCH_VARLEN, SDPA, EAGER)
 FA2_MIN_VERSION = Version("2.1.0")
 FA2_MAX_HEAD_DIM = 256
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -31,6 +32,16 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 class AttentionUnavailableError(RuntimeError):
     """Strict mode: the requested implementation cannot run here. The message says why and how to fix it."""
+
+
+def strict_error(
+    name: str, check: str, reason: str, fix: str, where: str, fallback: Sequence[str] = ()
+) -> AttentionUnavailableError:
+    """The one strict-mode message: which implementation, which check, on which device and host, how to fix it."""
+    relax = f"; or set attn_strict: false to fall back along {list(fallback)}" if fallback else ""
+    return AttentionUnavailableError(
+        f"attn_strict: {name} cannot run on {where}: check '{check}' failed: {reason}. Fix: {fix}{relax}."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +64,8 @@ class ModelTraits:
         supports = {EAGER} | {
             impl for impl, names in flags.items() if any(getattr(model_class, n, False) for n in names)
         }
+        if supports & {FA2, SDPA}:  # our varlen function serves any class built on the attention interface
+            supports.add(TORCH_VARLEN)
         name = model_class.__name__
         if config is None:
             return cls(name, None, frozenset(supports))
@@ -84,6 +97,12 @@ class Decision:
     strict: bool = False
     compute_dtype: str = "float32"
     isolation: str = ""  # the isolation probe: "passed in N ms", "off", "skipped here"
+    where: str = ""  # "<device> (<sm>) on <host>", for error messages
+
+    @property
+    def binding(self) -> bool:
+        """The strict rule: ``attn_strict`` binds an explicit request (``auto`` + strict fails only if nothing runs)."""
+        return self.strict and self.requested != AUTO
 
     @property
     def fallback(self) -> bool:
@@ -110,15 +129,14 @@ class Decision:
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }
 
-    def with_rejection(self, name: str, reason: str, check: str = "load") -> Decision:
+    def with_rejection(self, name: str, reason: str, check: str = "load", fix: str = "see the error above") -> Decision:
         """The same decision after ``name`` failed a later check (transformers' load, the documents, isolation)."""
-        cands = tuple(
-            Candidate(c.name, False, reason, check, "see the error above") if c.name == name else c
-            for c in self.candidates
-        )
+        cands = tuple(Candidate(c.name, False, reason, check, fix) if c.name == name else c for c in self.candidates)
         chosen = next((c.name for c in cands if c.available), None)
-        if chosen is None or (self.strict and self.requested != AUTO):
-            raise AttentionUnavailableError(f"attention: {name} failed check '{check}': {reason}")
+        if self.binding:
+            raise strict_error(name, check, reason, fix, self.where, [c.name for c in cands])
+        if chosen is None:
+            raise nothing_runs(cands, self.where)
         return dataclasses.replace(self, chosen=chosen, candidates=cands)
 
 
@@ -148,10 +166,10 @@ SmokeTest = Callable[[torch.device, torch.dtype], str | None]
 def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run one tiny FA2 call on ``device``: pre-Ampere GPUs only fail here, not at load."""
     try:
-        from flash_attn import flash_attn_func
+        from foundry_attn.flash_compat import call
 
         q = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)
-        flash_attn_func(q, q, q, causal=True)
+        call("flash_attn_func", q, q, q, causal=True)
         torch.cuda.synchronize(device)
     except Exception as exc:
         return f"a tiny flash_attn_func call failed on the device: {type(exc).__name__}: {exc}"
@@ -163,64 +181,180 @@ def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:
 
 
 def check_fa2(
-    cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None,
+    cap: Capability,
+    dtype: torch.dtype,
+    traits: ModelTraits,
+    smoke_test: SmokeTest | None,
     fa2_reference: bool = False,
 ) -> Candidate:
     if FA2 not in traits.supports:
-        return _fail(FA2, "model class", f"{traits.class_name} has no flash_attention_2 support",
-                     "use a model class with _supports_flash_attn_2, or sdpa")
+        return _fail(
+            FA2,
+            "model class",
+            f"{traits.class_name} has no flash_attention_2 support",
+            "use a model class with _supports_flash_attn_2, or sdpa",
+        )
     if fa2_reference:  # an explicit YAML opt-in, never chosen silently: FA2 code paths on the CPU reference kernel
         inexact = refusal(FA2, traits.needs) or (
-            f"the reference kernel has no dropout ({traits.needs.dropout})" if traits.needs.dropout else None)
+            f"the reference kernel has no dropout ({traits.needs.dropout})" if traits.needs.dropout else None
+        )
         if inexact:
             return _fail(FA2, "exactness", f"{REFERENCE_NAME}: {inexact}", "set attention_dropout: 0, or use eager")
         return Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
     if cap.flash_attn_version is None:
-        hub = (f"; transformers would load the hub kernel {cap.hub_kernel} in its place (not flash-attn, fetched "
-               "from the network); foundry_attn does not" if cap.hub_kernel else "")
-        return _fail(FA2, "flash-attn installed", (cap.flash_attn_error or "flash-attn is not installed") + hub,
-                     "pip install flash-attn --no-build-isolation")
+        hub = (
+            f"; transformers would load the hub kernel {cap.hub_kernel} in its place (not flash-attn, fetched "
+            "from the network); foundry_attn does not"
+            if cap.hub_kernel
+            else ""
+        )
+        return _fail(
+            FA2,
+            "flash-attn installed",
+            (cap.flash_attn_error or "flash-attn is not installed") + hub,
+            "pip install flash-attn --no-build-isolation",
+        )
     if Version(cap.flash_attn_version) < FA2_MIN_VERSION:
-        return _fail(FA2, "flash-attn version", f"flash-attn {cap.flash_attn_version} < {FA2_MIN_VERSION}",
-                     f"pip install 'flash-attn>={FA2_MIN_VERSION}'")
+        return _fail(
+            FA2,
+            "flash-attn version",
+            f"flash-attn {cap.flash_attn_version} < {FA2_MIN_VERSION}",
+            f"pip install 'flash-attn>={FA2_MIN_VERSION}'",
+        )
+    for problem in preflight(cap):  # known-bad installs (TransformerEngine pins, transformers' minimum, ...)
+        if problem.rejects == FA2:
+            return _fail(FA2, problem.check, problem.reason, problem.fix)
     if not cap.cuda or cap.compute_capability is None:
-        return _fail(FA2, "CUDA device", "no CUDA device (FA2 runs on NVIDIA GPUs only)",
-                     "run on an NVIDIA Ampere-or-newer GPU")
+        return _fail(
+            FA2, "CUDA device", "no CUDA device (FA2 runs on NVIDIA GPUs only)", "run on an NVIDIA Ampere-or-newer GPU"
+        )
     if cap.compute_capability < (8, 0):
-        return _fail(FA2, "compute capability", f"{cap.device_name} {cap.sm} < 8.0",
-                     "FA2 needs Ampere or newer (A100, A10, L4, H100); use sdpa on this GPU")
+        return _fail(
+            FA2,
+            "compute capability",
+            f"{cap.device_name} {cap.sm} < 8.0",
+            "FA2 needs Ampere or newer (A100, A10, L4, H100); use sdpa on this GPU",
+        )
     if dtype not in HALF_DTYPES:
-        return _fail(FA2, "dtype", f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16",
-                     "train with precision: amp_bf16 (or load the model in bf16)")
+        return _fail(
+            FA2,
+            "dtype",
+            f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16",
+            "train with precision: amp_bf16 (or load the model in bf16)",
+        )
     if traits.head_dim is not None and traits.head_dim > FA2_MAX_HEAD_DIM:
-        return _fail(FA2, "head dim", f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}",
-                     "use sdpa for models with head_dim > 256")
+        return _fail(
+            FA2,
+            "head dim",
+            f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}",
+            "use sdpa for models with head_dim > 256",
+        )
     if smoke_test is not None:
         error = smoke_test(torch.device("cuda"), dtype)
         if error:
-            return _fail(FA2, "kernel call", f"{cap.device_name} {cap.sm}: {error}",
-                         "reinstall flash-attn built for this GPU and torch, or use sdpa")
+            return _fail(
+                FA2,
+                "kernel call",
+                f"{cap.device_name} {cap.sm}: {error}",
+                "reinstall flash-attn built for this GPU and torch, or use sdpa",
+            )
     inexact = refusal(FA2, traits.needs, cap.flash_attn_version)
     if inexact:
         return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
     return Candidate(FA2, True, f"flash-attn {cap.flash_attn_version} on {cap.device_name} {cap.sm}")
 
 
+def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
+    """One tiny ``varlen_attn`` call (forward and backward) on ``device``."""
+    try:
+        from foundry_attn.adapters import _torch_varlen_kernel, _varlen_signature
+
+        q = torch.randn(8, 2, 64, device=device, dtype=dtype, requires_grad=True)
+        cu = torch.tensor([0, 3, 8], device=device, dtype=torch.int32)
+        signature = _varlen_signature()
+        if signature is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+        causal = {"window_size": (-1, 0)} if "window_size" in signature.parameters else {"is_causal": True}
+        _torch_varlen_kernel()(q, q, q, cu, cu, 5, 5, **causal).sum().backward()
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        return f"a tiny varlen_attn call failed on the device: {type(exc).__name__}: {exc}"
+    return None
+
+
+def check_torch_varlen(
+    cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None
+) -> Candidate:
+    from foundry_attn.adapters import _varlen_signature
+
+    name = TORCH_VARLEN
+    if name not in traits.supports:
+        return _fail(
+            name,
+            "model class",
+            f"{traits.class_name} has no attention-interface support",
+            "pick another implementation",
+        )
+    if Version(cap.torch_version.split("+")[0]) < Version("2.10") or _varlen_signature() is None:
+        return _fail(
+            name,
+            "torch version",
+            f"torch {cap.torch_version} has no torch.nn.attention.varlen (>= 2.10)",
+            "pip install 'torch>=2.10', or use flash_attention_2 / sdpa",
+        )
+    if not cap.cuda or cap.compute_capability is None:
+        return _fail(name, "CUDA device", "no CUDA device (varlen_attn runs on NVIDIA GPUs)", "use sdpa here")
+    if cap.compute_capability < (8, 0):
+        return _fail(
+            name,
+            "compute capability",
+            f"{cap.device_name} {cap.sm} < 8.0 (varlen_attn is flash)",
+            "use sdpa on this GPU",
+        )
+    if dtype not in HALF_DTYPES:
+        return _fail(
+            name,
+            "dtype",
+            f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16",
+            "train with precision: amp_bf16",
+        )
+    if traits.head_dim is not None and traits.head_dim > FA2_MAX_HEAD_DIM:
+        return _fail(name, "head dim", f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}", "use sdpa")
+    inexact = refusal(name, traits.needs)
+    if inexact:
+        return _fail(name, "exactness", inexact, "pick a backend that honours it, or change the model config")
+    if smoke_test is not None:
+        error = smoke_test(torch.device("cuda"), dtype)
+        if error:
+            return _fail(name, "kernel call", f"{cap.device_name} {cap.sm}: {error}", "use sdpa on this GPU")
+    return Candidate(name, True, f"torch {cap.torch_version} varlen_attn on {cap.device_name} {cap.sm}")
+
+
 def check(
-    name: str, cap: Capability, dtype: torch.dtype, traits: ModelTraits,
-    smoke_test: SmokeTest | None = fa2_smoke_test, fa2_reference: bool = False,
+    name: str,
+    cap: Capability,
+    dtype: torch.dtype,
+    traits: ModelTraits,
+    smoke_test: SmokeTest | None = fa2_smoke_test,
+    fa2_reference: bool = False,
 ) -> Candidate:
     """Whether ``name`` can run here, with the reason either way."""
     if name == FA2:
         return check_fa2(cap, dtype, traits, smoke_test, fa2_reference)
+    if name == TORCH_VARLEN:
+        return check_torch_varlen(cap, dtype, traits, None if smoke_test is None else torch_varlen_smoke_test)
     if name not in traits.supports:
         return _fail(name, "model class", f"{traits.class_name} has no {name} support", "pick another implementation")
     torch_version = Version(cap.torch_version.split("+")[0])
     if name == FLEX and torch_version < Version("2.5"):
         return _fail(name, "torch version", f"torch {cap.torch_version} < 2.5", "pip install 'torch>=2.5'")
     if name == FLEX and cap.flex_backward_error:
-        return _fail(name, "flex backward", cap.flex_backward_error,
-                     "train with sdpa or eager on this device (flex trains on CUDA GPUs)")
+        return _fail(
+            name,
+            "flex backward",
+            cap.flex_backward_error,
+            "train with sdpa or eager on this device (flex trains on CUDA GPUs)",
+        )
     if name == SDPA and torch_version < Version("2.1.1"):
         return _fail(name, "torch version", f"torch {cap.torch_version} < 2.1.1", "pip install 'torch>=2.1.1'")
     inexact = refusal(name, traits.needs)
@@ -251,24 +385,26 @@ def choose(
     requested, fallback = validate_names(requested, fallback)
     cap = cap or probe()
     traits = traits or ModelTraits()
-    candidates = tuple(check(n, cap, dtype, traits, smoke_test, fa2_reference)
-                       for n in candidate_order(requested, fallback))
+    candidates = tuple(
+        check(n, cap, dtype, traits, smoke_test, fa2_reference) for n in candidate_order(requested, fallback)
+    )
     chosen = next((c for c in candidates if c.available), None)
     first = candidates[0]
     where = f"{cap.device_name} ({cap.sm}) on {cap.host}"
+    decision = Decision(requested, first.name, candidates, strict, str(dtype).removeprefix("torch."), where=where)
+    if decision.binding and not first.available:
+        raise strict_error(first.name, first.check, first.reason, first.fix, where, fallback)
     if chosen is None:  # strict or not, nothing in the chain runs: falling back cannot help
-        failures = "; ".join(f"{c.name}: check '{c.check}' failed: {c.reason} (fix: {c.fix})" for c in candidates)
-        raise AttentionUnavailableError(
-            f"attention: no implementation in {[c.name for c in candidates]} can run on {where}: {failures}. "
-            f"Fix one of these, or add sdpa/eager to attn_fallback."
-        )
-    if strict and requested != AUTO and not first.available:
-        bad = first
-        raise AttentionUnavailableError(
-            f"attn_strict: {bad.name} cannot run on {where}: check '{bad.check}' failed: {bad.reason}. "
-            f"Fix: {bad.fix}; or set attn_strict: false to fall back along {list(fallback)}."
-        )
-    return Decision(requested, chosen.name, candidates, strict, str(dtype).removeprefix("torch."))
+        raise nothing_runs(candidates, where)
+    return dataclasses.replace(decision, chosen=chosen.name)
+
+
+def nothing_runs(candidates: Sequence[Candidate], where: str) -> AttentionUnavailableError:
+    failures = "; ".join(f"{c.name}: check '{c.check}' failed: {c.reason} (fix: {c.fix})" for c in candidates)
+    return AttentionUnavailableError(
+        f"attention: no implementation in {[c.name for c in candidates]} can run on {where}: {failures}. "
+        f"Fix one of these, or add sdpa/eager to attn_fallback."
+    )
 
 
 def summarize(decisions: Sequence[dict]) -> str:
@@ -286,9 +422,14 @@ def summarize(decisions: Sequence[dict]) -> str:
             reasons.setdefault(d["reason"].split(": ", 1)[-1], []).append(d["rank"])
         elif d["reason"].startswith(REFERENCE_NAME):  # never let the reference kernel pass for flash-attn
             reasons.setdefault(REFERENCE_NAME, []).append(d["rank"])
-    parts = [f"{c}/{n} {'ranks ' if i == 0 else ''}{impl}"
-             for i, (impl, c) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))]
+    parts = [
+        f"{c}/{n} {'ranks ' if i == 0 else ''}{impl}"
+        for i, (impl, c) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))
+    ]
     fell = sum(1 for d in decisions if d["fallback"])
     detail = "; ".join(f"{', '.join(f'rank {r}' for r in ranks)}: {why}" for why, ranks in reasons.items())
-    return (f"attention: {', '.join(parts)}" + (f"; {fell}/{n} fell back" if fell else "")
-            + (f" ({detail})" if detail else ""))
+    return (
+        f"attention: {', '.join(parts)}"
+        + (f"; {fell}/{n} fell back" if fell else "")
+        + (f" ({detail})" if detail else "")
+    )

@@ -113,8 +113,12 @@ def build_report(path: str | Path, out: str | Path) -> dict[str, Any]:
     def fill(e: dict) -> float | None:
         return (e.get("batch") or {}).get("fill_ratio")
 
-    _lines(out / "fill_ratio.png", "batch fill ratio per step (real tokens / positions)", "fill ratio",
-           _series(events, "attn_inspect", fill))
+    _lines(
+        out / "fill_ratio.png",
+        "batch fill ratio per step (real tokens / positions)",
+        "fill ratio",
+        _series(events, "attn_inspect", fill),
+    )
     figures.append(("fill_ratio.png", "Fill ratio per step"))
     calls = {}
     for role in CALLS:
@@ -127,21 +131,30 @@ def build_report(path: str | Path, out: str | Path) -> dict[str, Any]:
     if summary["runs"] > 1:
         _devices(out / "devices.png", summary)
         figures.append(("devices.png", "Fallback frequency by device class"))
-    rows = "".join(f"<tr>{''.join(f'<td>{html.escape(str(r.get(c)))}</td>' for c in fleet.FELL_BACK_COLUMNS)}</tr>"
-                   for r in fleet.fell_back(decided))
+    rows = "".join(
+        f"<tr>{''.join(f'<td>{html.escape(str(r.get(c)))}</td>' for c in fleet.FELL_BACK_COLUMNS)}</tr>"
+        for r in fleet.fell_back(decided)
+    )
     head = "".join(f"<th>{c}</th>" for c in fleet.FELL_BACK_COLUMNS)
     images = "".join(
         f'<h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" src="data:image/png;base64,'
-        f'{base64.b64encode((out / name).read_bytes()).decode()}">' for name, title in figures)
+        f'{base64.b64encode((out / name).read_bytes()).decode()}">'
+        for name, title in figures
+    )
     note = fleet.report_skipped(skipped)
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>foundry_attn report</title><style>"
-            "body{font-family:sans-serif;margin:2em;max-width:60em} img{max-width:100%} "
-            "td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:left}</style></head><body>"
-            f"<h1>foundry_attn report</h1><p>{html.escape(str(path))}: {summary['runs']} run(s), "
-            f"{summary['ranks']} rank decision(s), {summary['fell_back']} fell back."
-            f"{' ' + html.escape(note) + '.' if note else ''}</p>"
-            f"<h2>Ranks that fell back</h2><table><tr>{head}</tr>{rows or '<tr><td>none</td></tr>'}</table>"
-            f"{images}</body></html>")
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>foundry_attn report</title><style>"
+        "body{font-family:sans-serif;margin:2em;max-width:60em} img{max-width:100%} "
+        "td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:left}</style></head><body>"
+        f"<h1>foundry_attn report</h1><p>{html.escape(str(path))}: {summary['runs']} run(s), "
+        f"{summary['ranks']} rank decision(s), {summary['fell_back']} fell back."
+        f"{' ' + html.escape(note) + '.' if note else ''}</p>"
+        f"<h2>Ranks that fell back</h2><table><tr>{head}</tr>{rows or '<tr><td>none</td></tr>'}</table>"
+        f"{images}</body></html>"
+    )
     (out / "report.html").write_text(page)
-    return {"html": str(out / "report.html"), "figures": [str(out / n) for n, _ in figures],
-            "skipped_lines": skipped.lines}
+    return {
+        "html": str(out / "report.html"),
+        "figures": [str(out / n) for n, _ in figures],
+        "skipped_lines": skipped.lines,
+    }

@@ -9,10 +9,24 @@ from __future__ import annotations
 
 from typing import Any
 
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512)
-SMOLLM2_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                          num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0)
+# LlamaConfig keyword arguments (ints, and a float rope_theta)
+TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+SMOLLM2_135M_SHAPE: dict[str, Any] = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+)
 SMOLLM2_VOCAB = 49152
 
 
@@ -20,5 +34,6 @@ def llama_config(vocab_size: int, **shape: Any) -> Any:
     """A ``LlamaConfig`` with tied embeddings and token 0 as pad, bos and eos (the demo tokenizer's)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                       tie_word_embeddings=True, **shape)
+    return LlamaConfig(
+        vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True, **shape
+    )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -17,10 +19,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 #: the first package of the ``[foundry]`` extra that is missing (``make test-latest`` runs without them), or None
-FOUNDRY_MISSING = next((m for m in ("composer", "llmfoundry", "streaming") if importlib.util.find_spec(m) is None),
-                       None)
+FOUNDRY_MISSING = next(
+    (m for m in ("composer", "llmfoundry", "streaming") if importlib.util.find_spec(m) is None), None
+)
 #: tests whose fixtures are built with the [foundry] extra (MDS shards through ``streaming``)
 FOUNDRY_FIXTURES = frozenset({"assets", "tokenizer"})
+#: a CUDA device and flash-attn: transformers finds the real FA2 kernels here (on this CPU box it finds none)
+REAL_FLASH_ATTN = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -53,8 +58,16 @@ def make_llama(impl: str = "sdpa", seed: int = 0, **shape: int) -> torch.nn.Modu
     as 4.51 allows; run it under ``reference_flash_attn()`` on CPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0)
+    cfg = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+    )
     cfg.update(shape)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="eager" if impl == "flash_attention_2" else impl))
@@ -63,11 +76,12 @@ def make_llama(impl: str = "sdpa", seed: int = 0, **shape: int) -> torch.nn.Modu
 
 
 def skip_unless_flex_trains(backend: str) -> None:
-    """Flex training tests run where the policy lets flex train (torch 2.7 CPU, CUDA); elsewhere it refuses
-    flex with this reason, which tests/test_conformance.py and tests/test_policy.py assert."""
+    """Flex training tests run where the policy lets flex train on the CPU they train on, a CUDA box's too
+    (torch 2.7); elsewhere it refuses flex with this reason, which tests/test_conformance.py and
+    tests/test_policy.py assert."""
     from foundry_attn.capability import flex_backward_error
 
-    why = flex_backward_error("cuda" if torch.cuda.is_available() else "cpu") if backend == "flex_attention" else None
+    why = flex_backward_error("cpu") if backend == "flex_attention" else None
     if why:
         pytest.skip(f"the policy refuses flex_attention here: {why}")
 
@@ -75,3 +89,43 @@ def skip_unless_flex_trains(backend: str) -> None:
 @pytest.fixture
 def llama():
     return make_llama
+
+
+# ---- the globals reference_flash_attn() and FlashCallTracer patch, restored exactly -------------------------
+
+#: every module whose globals ``reference_flash_attn()`` and ``FlashCallTracer`` patch
+PATCHED_MODULES = (
+    "transformers.modeling_flash_attention_utils",
+    "transformers.modeling_utils",
+    "transformers.utils",
+    "transformers.utils.import_utils",
+)
+
+
+def snapshot() -> dict[str, dict[str, object]]:
+    """Every global of the patched modules, by identity."""
+    return {name: dict(vars(importlib.import_module(name))) for name in PATCHED_MODULES}
+
+
+def assert_restored(before: dict[str, dict[str, object]], *, traced: bool = False) -> None:
+    """Every global of ``before`` is back, by identity, and none was added.
+
+    ``traced``: tracers (and models) ran meanwhile, so submodules imported lazily may have appeared; no other
+    global may, and no tracer may be left on the flash-attention module.
+    """
+    after = snapshot()
+    for name in PATCHED_MODULES:
+        if traced:
+            assert before[name].keys() <= after[name].keys(), name
+            added = [
+                k for k in after[name].keys() - before[name].keys() if not isinstance(after[name][k], types.ModuleType)
+            ]
+            assert not added, (name, added)  # (lazily imported submodules may appear)
+        else:
+            assert after[name].keys() == before[name].keys(), name
+        changed = [k for k in before[name] if after[name][k] is not before[name][k]]
+        assert not changed, (name, changed)
+    if traced:
+        from foundry_attn import flash_symbols
+
+        assert not list(flash_symbols.iter_traced())

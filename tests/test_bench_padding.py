@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from foundry_attn.bench.padding import MODES, TARGETS
@@ -14,11 +15,20 @@ from foundry_attn.bench.timing import PeakLiveBytes, PeakMemory, paired_ratio_me
 from foundry_attn.cli import main
 
 
+@pytest.mark.slow
 def test_quick_bench_reports_modes_ratios_and_targets(capsys) -> None:
     assert main(["bench", "padding", "--json", "--quick"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert {"command", "settings", "modes", "ratios", "collator", "correctness", "targets",
-            "all_targets_met"} <= result.keys()
+    assert {
+        "command",
+        "settings",
+        "modes",
+        "ratios",
+        "collator",
+        "correctness",
+        "targets",
+        "all_targets_met",
+    } <= result.keys()
     assert result["settings"]["quick"] is True
     assert result["settings"]["real_tokens"] == 1395
     for mode in MODES:
@@ -75,6 +85,7 @@ def test_round_robin_gc_off_inside_a_call_and_self_timed_seconds() -> None:
     assert paired_ratio_median([2.0, 3.0, 8.0], [1.0, 1.0, 2.0]) == 3.0
 
 
+@pytest.mark.slow
 def test_quick_isolation_and_compile_benches_run_and_agree(capsys) -> None:
     """The isolation-probe and compile benchmarks through the CLI, untimed: probes pass, one graph, losses agree."""
     assert main(["bench", "isolation", "--json", "--quick"]) == 0
@@ -88,6 +99,7 @@ def test_quick_isolation_and_compile_benches_run_and_agree(capsys) -> None:
     assert row["graphs_after_warmup"] == 0 and row["graph_breaks"] == 0 and row["losses_agree"], row
 
 
+@pytest.mark.slow
 def test_quick_events_bench_agrees(capsys) -> None:
     """A small sweep (4 runs x 10 ranks x 1000 events): the three readers agree and --fell-back finds the T4s."""
     assert main(["bench", "events", "--json", "--quick"]) == 0

@@ -34,9 +34,17 @@ def tiny_fa2_llama(layers: int = LAYERS, seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_SEQ_LEN,
-                      attention_dropout=0.0, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_SEQ_LEN,
+        attention_dropout=0.0,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "flash_attention_2"  # 4.51 switches by this attribute alone
     return model.eval()
@@ -63,17 +71,22 @@ def stock_inputs(batch: dict[str, Any], width: int = MAX_SEQ_LEN) -> dict[str, t
     stock run pads back to 2048. cu_seqlens and max length do not depend on the width.
     """
     extra = width - batch["input_ids"].shape[1]
-    return {"input_ids": torch.nn.functional.pad(batch["input_ids"], (0, extra), value=PAD_ID),
-            "attention_mask": torch.nn.functional.pad(batch["attention_mask"], (0, extra), value=0)}
+    return {
+        "input_ids": torch.nn.functional.pad(batch["input_ids"], (0, extra), value=PAD_ID),
+        "attention_mask": torch.nn.functional.pad(batch["attention_mask"], (0, extra), value=0),
+    }
 
 
 def run_stock(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[dict, list[dict], torch.Tensor]:
     inputs = stock_inputs(batch)
     inspector = ModelInspector(model)
     # tracer first, reference kernel inside: the layers compose in either order
-    with FlashCallTracer() as tracer, reference_flash_attn(), torch.no_grad(), inspector.capture(
-        BatchInfo.from_batch(inputs)
-    ) as records:
+    with (
+        FlashCallTracer() as tracer,
+        reference_flash_attn(),
+        torch.no_grad(),
+        inspector.capture(BatchInfo.from_batch(inputs)) as records,
+    ):
         logits = model(**inputs, use_cache=False).logits
     return tracer.summary(), list(records), logits
 
@@ -161,21 +174,32 @@ def main() -> int:
     model, batch = tiny_fa2_llama(), blog_batch()
     stock, stock_records, _ = run_stock(model, batch)
     ours, our_records, _ = run_unpad_once(model, batch)
-    print(f"The report's batch: {len(LENGTHS)} rows x max_seq_len {MAX_SEQ_LEN}, real lengths {list(LENGTHS)}; "
-          f"a {LAYERS}-layer Llama on the FA2 *reference* kernel (pure PyTorch, not flash-attn), CPU.\n")
-    for title, summary, records in (("stock transformers FA2 path (2-D padding mask)", stock, stock_records),
-                                    ("foundry_attn unpad-once path (forward_documents)", ours, our_records)):
+    print(
+        f"The report's batch: {len(LENGTHS)} rows x max_seq_len {MAX_SEQ_LEN}, real lengths {list(LENGTHS)}; "
+        f"a {LAYERS}-layer Llama on the FA2 *reference* kernel (pure PyTorch, not flash-attn), CPU.\n"
+    )
+    for title, summary, records in (
+        ("stock transformers FA2 path (2-D padding mask)", stock, stock_records),
+        ("foundry_attn unpad-once path (forward_documents)", ours, our_records),
+    ):
         c = summary["counts"]
         print(f"== {title}")
-        print(f"   per forward: _upad_input {c[UPAD]}, prepare_fa2_from_position_ids {c[POSIDS]}, "
-              f"flash_attn_varlen_func {c[VARLEN]}, flash_attn_func {c[DENSE]}, pad_input {c[PAD]}")
-        print(f"   cu_seqlens at the varlen kernel: {summary['first'].get(VARLEN, {}).get('cu_seqlens_q')}, "
-              f"max_seqlen {summary['max_seqlen']}")
+        print(
+            f"   per forward: _upad_input {c[UPAD]}, prepare_fa2_from_position_ids {c[POSIDS]}, "
+            f"flash_attn_varlen_func {c[VARLEN]}, flash_attn_func {c[DENSE]}, pad_input {c[PAD]}"
+        )
+        print(
+            f"   cu_seqlens at the varlen kernel: {summary['first'].get(VARLEN, {}).get('cu_seqlens_q')}, "
+            f"max_seqlen {summary['max_seqlen']}"
+        )
         print("   " + format_table(records, "attention_inspector:").replace("\n", "\n   ") + "\n")
-    ok = (stock["counts"][UPAD] == LAYERS and ours["counts"][UPAD] == 0
-          and stock["cu_seqlens"] == ours["cu_seqlens"] == CU_SEQLENS and ours["max_seqlen"] == 350)
-    print("REPRODUCED: stock unpads in every layer; unpad-once never does; same cu_seqlens" if ok
-          else "NOT REPRODUCED")
+    ok = (
+        stock["counts"][UPAD] == LAYERS
+        and ours["counts"][UPAD] == 0
+        and stock["cu_seqlens"] == ours["cu_seqlens"] == CU_SEQLENS
+        and ours["max_seqlen"] == 350
+    )
+    print("REPRODUCED: stock unpads in every layer; unpad-once never does; same cu_seqlens" if ok else "NOT REPRODUCED")
     return 0 if ok else 1
 
 

@@ -6,6 +6,8 @@ Under reference-FA2 (transformers' real FA2 code path with our varlen metadata),
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,10 +25,20 @@ EOS = 0
 PAD = 63  # pad != EOS so a document may be a lone EOS; pad == EOS has its own case below
 MAX_SEQ_LEN = 24
 BACKENDS = ("flash_attention_2", "sdpa", "eager", "flex_attention")
-MODELS = {impl: make_llama(impl) for impl in BACKENDS}
-for _impl, _model in MODELS.items():
-    attach(_model, _impl, fa2_reference=True)
-ALONE = make_llama("sdpa")
+
+
+@functools.cache
+def batched(impl: str) -> torch.nn.Module:
+    """The model that runs the batches under ``impl`` (attached; FA2 on the reference kernel), built on first use."""
+    model = make_llama(impl)
+    attach(model, impl, fa2_reference=True)
+    return model
+
+
+@functools.cache
+def alone_model() -> torch.nn.Module:
+    """Stock SDPA, the same weights: each document by itself, built on first use."""
+    return make_llama("sdpa")
 
 
 def _docs(lengths: list[int], seed: int) -> list[torch.Tensor]:
@@ -44,7 +56,7 @@ def _rows(docs: list[torch.Tensor], empty_rows: int, pad: int = PAD) -> list[tor
 def _alone(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and per-token loss of one document run by itself (no mask, no padding)."""
     with torch.no_grad():
-        logits = ALONE(input_ids=doc[None]).logits[0]
+        logits = alone_model()(input_ids=doc[None]).logits[0]
     return logits, F.cross_entropy(logits[:-1], doc[1:], reduction="none")
 
 
@@ -53,7 +65,7 @@ def check_equivalent(
 ) -> None:
     docs = _docs(lengths, seed)
     batch = PaddingCollator(pad, EOS, MAX_SEQ_LEN, mode)(_rows(docs, empty_rows, pad))
-    model = MODELS[impl]
+    model = batched(impl)
     with torch.no_grad():
         out = forward_documents(model, batch)
     logits = repad_logits(out)
@@ -63,10 +75,10 @@ def check_equivalent(
     for r, row in enumerate(layout.doc_lens):
         start = 0
         for n in row:
-            doc = batch["input_ids"][r, start:start + n]
+            doc = batch["input_ids"][r, start : start + n]
             want_logits, want_loss = _alone(doc)
-            torch.testing.assert_close(logits[r, start:start + n], want_logits, atol=1e-5, rtol=1e-5)
-            got_loss = F.cross_entropy(logits[r, start:start + n - 1], doc[1:], reduction="none")
+            torch.testing.assert_close(logits[r, start : start + n], want_logits, atol=1e-5, rtol=1e-5)
+            got_loss = F.cross_entropy(logits[r, start : start + n - 1], doc[1:], reduction="none")
             torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
             token_losses.append(want_loss)
             start += n
@@ -74,8 +86,7 @@ def check_equivalent(
     assert seen == len(lengths)
     # the training loss itself: the mean over every document's own targets, nothing across documents (none: 0)
     targets = torch.cat(token_losses)
-    torch.testing.assert_close(out.loss, targets.mean() if targets.numel() else torch.tensor(0.0), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(out.loss, targets.mean() if targets.numel() else torch.tensor(0.0), atol=1e-5, rtol=1e-5)
 
 
 CASES = {  # name: (lengths, rows entirely padding, pad id)
@@ -97,8 +108,11 @@ def test_documents_match_running_alone(impl: str, mode: str, case: str) -> None:
 @pytest.mark.parametrize("impl", BACKENDS)
 @pytest.mark.parametrize("mode", ["mask", "pack"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lengths=st.lists(st.integers(1, MAX_SEQ_LEN), min_size=1, max_size=6), empty=st.integers(0, 1),
-       seed=st.integers(0, 1000))
+@given(
+    lengths=st.lists(st.integers(1, MAX_SEQ_LEN), min_size=1, max_size=6),
+    empty=st.integers(0, 1),
+    seed=st.integers(0, 1000),
+)
 def test_random_batches_match_running_alone(impl: str, mode: str, lengths: list[int], empty: int, seed: int) -> None:
     check_equivalent(impl, mode, lengths, empty, seed)
 
@@ -130,7 +144,7 @@ def test_stock_sdpa_contaminates_packed_documents() -> None:
     docs = _docs([6, 9], 1)
     batch = PaddingCollator(PAD, EOS, MAX_SEQ_LEN, "pack")(_rows(docs, 0))
     with torch.no_grad():
-        stock = MODELS["sdpa"](input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        stock = batched("sdpa")(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     want, _ = _alone(docs[1])
     assert (stock[0, 6:15] - want).abs().max() > 1e-3
 
@@ -145,10 +159,10 @@ def test_a_users_2d_mask_gives_the_stock_result(impl: str, side: str) -> None:
     offsets = {"left": [0, 4, 7], "right": [0, 0, 0], "both": [0, 2, 5]}[side]
     mask = torch.zeros(3, 10, dtype=torch.long)
     for r, (n, o) in enumerate(zip(lengths, offsets, strict=True)):
-        mask[r, o:o + n] = 1
+        mask[r, o : o + n] = 1
     stock = make_llama(impl)
     with torch.no_grad():
         want = stock(input_ids=ids, attention_mask=mask).logits
-        got = repad_logits(forward_documents(MODELS[impl], {"input_ids": ids, "attention_mask": mask}))
+        got = repad_logits(forward_documents(batched(impl), {"input_ids": ids, "attention_mask": mask}))
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)

@@ -29,8 +29,12 @@ def test_one_json_line_per_event_with_stamp(tmp_path: Path) -> None:
     assert event == json.loads(json.dumps(first, default=str))
     assert event["kind"] == "attn_decision" and event["rank"] == 3 and event["chosen"] == "sdpa"
     assert event["host"] == "node-7" and event["device_name"] == "Tesla T4" and event["capability"] == "sm75"
-    assert event["versions"] == {"torch": "2.7.0+cu126", "transformers": "4.51.3", "flash_attn": None,
-                                 "transformer_engine": None}
+    assert event["versions"] == {
+        "torch": "2.7.0+cu126",
+        "transformers": "4.51.3",
+        "flash_attn": None,
+        "transformer_engine": None,
+    }
     assert before <= event["time"] <= time.time()
     assert event["dtype"] == "torch.bfloat16"  # not JSON: written as text, never a broken line
     assert json.loads(lines[1])["calls"] == 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import itertools
 import math
 
 import pytest
@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from foundry_attn import fa2_reference as ref
 from foundry_attn.fa2_reference import flash_attn_func, flash_attn_varlen_func, reference_flash_attn
 from foundry_attn.flash_symbols import FlashCallTracer
+
+from .conftest import REAL_FLASH_ATTN, assert_restored, snapshot
 
 HEADS = [(2, 2), (4, 2), (4, 1)]  # (query heads, key/value heads): MHA, GQA, MQA
 D = 8
@@ -56,11 +58,20 @@ def test_varlen_matches_per_sequence_sdpa(
     total = sum(lengths)
     q, k, v = (torch.randn(total, h, D, generator=gen) for h in (hq, hk, hk))
     cu_seqlens = cu(lengths)
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max(lengths),
-                                 max_seqlen_k=max(lengths), softmax_scale=scale, causal=causal)
+    out = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max(lengths),
+        max_seqlen_k=max(lengths),
+        softmax_scale=scale,
+        causal=causal,
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     starts = cu_seqlens.tolist()
-    for a, b in zip(starts[:-1], starts[1:], strict=True):
+    for a, b in itertools.pairwise(starts):
         torch.testing.assert_close(out[a:b], sdpa_one(q[a:b], k[a:b], v[a:b], causal, scale), atol=1e-5, rtol=1e-5)
 
 
@@ -130,21 +141,24 @@ def test_sliding_window_and_softcap() -> None:
     out = flash_attn_func(q, k, v, causal=True, window_size=(2, 2))
     i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
     mask = (j <= i) & (j >= i - 2)
-    expected = F.scaled_dot_product_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                              attn_mask=mask).transpose(0, 1)
+    expected = F.scaled_dot_product_attention(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), attn_mask=mask
+    ).transpose(0, 1)
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
     capped = flash_attn_func(q * 10, k, v, softcap=1.0)
     scores = 1.0 * torch.tanh((q[0] * 10).transpose(0, 1) @ k[0].permute(1, 2, 0) / math.sqrt(D) / 1.0)
-    torch.testing.assert_close(capped[0], (scores.softmax(-1) @ v[0].transpose(0, 1)).transpose(0, 1),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        capped[0], (scores.softmax(-1) @ v[0].transpose(0, 1)).transpose(0, 1), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_half_inputs_keep_dtype() -> None:
     q = torch.randn(1, 4, 2, D, dtype=torch.bfloat16)
     out = flash_attn_func(q, q, q, causal=True)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), flash_attn_func(q.float(), q.float(), q.float(), causal=True),
-                               atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        out.float(), flash_attn_func(q.float(), q.float(), q.float(), causal=True), atol=1e-2, rtol=1e-2
+    )
 
 
 def test_unsupported_arguments_raise() -> None:
@@ -172,30 +186,16 @@ def test_bert_padding_helpers_round_trip() -> None:
 
 # ---- reference_flash_attn(): where transformers looks, and restoring it exactly ------------------------------
 
-PATCHED_MODULES = ("transformers.modeling_flash_attention_utils", "transformers.modeling_utils",
-                   "transformers.utils", "transformers.utils.import_utils")
-
-
-def snapshot() -> dict[str, dict[str, object]]:
-    """Every global of the patched modules, by identity."""
-    return {name: dict(vars(importlib.import_module(name))) for name in PATCHED_MODULES}
-
-
-def assert_restored(before: dict[str, dict[str, object]]) -> None:
-    after = snapshot()
-    for name in PATCHED_MODULES:
-        assert after[name].keys() == before[name].keys(), name
-        changed = [k for k in before[name] if after[name][k] is not before[name][k]]
-        assert not changed, (name, changed)
-
 
 def test_context_installs_reference_kernels() -> None:
     import transformers.modeling_flash_attention_utils as fa_utils
     import transformers.utils
 
     before = snapshot()
-    assert not transformers.utils.is_flash_attn_2_available()
-    assert "flash_attn_varlen_func" not in vars(fa_utils)
+    stock = transformers.utils.is_flash_attn_2_available()
+    if not REAL_FLASH_ATTN:  # on a CUDA box with flash-attn, transformers has the real kernels already
+        assert not stock
+        assert "flash_attn_varlen_func" not in vars(fa_utils)
     with reference_flash_attn():
         assert fa_utils.flash_attn_varlen_func is flash_attn_varlen_func
         assert fa_utils.flash_attn_func is flash_attn_func
@@ -208,8 +208,9 @@ def test_context_installs_reference_kernels() -> None:
             kernels = fa_utils.lazy_import_flash_attention("flash_attention_2")[0]
             assert flash_attn_func in kernels and flash_attn_varlen_func in kernels
     assert_restored(before)
-    assert not transformers.utils.is_flash_attn_2_available()
-    assert not hasattr(fa_utils, "flash_attn_varlen_func") and getattr(fa_utils, "flash_attn_func", None) is None
+    assert transformers.utils.is_flash_attn_2_available() == stock
+    if not REAL_FLASH_ATTN:
+        assert not hasattr(fa_utils, "flash_attn_varlen_func") and getattr(fa_utils, "flash_attn_func", None) is None
 
 
 def test_context_restores_when_body_raises() -> None:

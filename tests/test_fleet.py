@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from foundry_attn.capability import probe
 from foundry_attn.cli import main
 from foundry_attn.events import EventLog, Skipped, event_files, iter_events
+
+
+def this_device() -> str:
+    """What the events below are stamped with, probing this machine: "cpu" here, the GPU's name on a CUDA box."""
+    return probe().device_name
 
 
 def _decision(log: EventLog, requested: str, chosen: str | None, reason: str, **extra: object) -> None:
@@ -38,7 +44,7 @@ def test_fell_back_names_the_rank_and_why(tree: Path, capsys: pytest.CaptureFixt
     out, err = capsys.readouterr()
     [row] = json.loads(out)
     assert (row["run"], row["launch"], row["rank"], row["chosen"]) == ("run-a", "L1", 1, "sdpa")
-    assert "compute capability" in row["reason"] and row["device_name"] == "cpu"
+    assert "compute capability" in row["reason"] and row["device_name"] == this_device()
     assert "skipped 2 line(s)" in err  # counted, never fatal
     assert main(["events", str(tree), "--fell-back"]) == 0
     table = capsys.readouterr().out.splitlines()
@@ -50,7 +56,7 @@ def test_summary_by_device_and_reason(tree: Path, capsys: pytest.CaptureFixture)
     result = json.loads(capsys.readouterr().out)
     assert (result["ranks"], result["fell_back"], result["runs"]) == (3, 1, 2)
     [(device, counts)] = result["by_device"].items()
-    assert device.startswith("cpu") and counts["fell_back"] == 1 and counts["ranks"] == 3
+    assert device.startswith(this_device()) and counts["fell_back"] == 1 and counts["ranks"] == 3
     assert list(result["by_reason"].values()) == [1]
 
 
@@ -73,13 +79,17 @@ def test_a_writer_starts_a_new_line_after_a_cut_one(tmp_path: Path) -> None:
     assert skipped.lines == 1
 
 
-@pytest.mark.parametrize(("setup", "message"), [
-    ("missing", "no such file or folder"),
-    ("empty", "no event files"),
-    ("not_jsonl", "no events (skipped 2 line(s)"),
-])
-def test_bad_paths_give_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, setup: str,
-                                            message: str) -> None:
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "no such file or folder"),
+        ("empty", "no event files"),
+        ("not_jsonl", "no events (skipped 2 line(s)"),
+    ],
+)
+def test_bad_paths_give_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, setup: str, message: str
+) -> None:
     path = tmp_path / "events"
     if setup != "missing":
         path.mkdir()

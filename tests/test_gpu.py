@@ -9,10 +9,13 @@ import torch
 
 from .conftest import make_llama
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-    reason="needs a CUDA GPU with flash-attn installed",
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+        reason="needs a CUDA GPU with flash-attn installed",
+    ),
+]
 
 
 def test_real_flash_attn_varlen_matches_the_reference() -> None:
@@ -47,8 +50,9 @@ def test_unpad_once_on_real_fa2_matches_sdpa() -> None:
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("FA2 needs sm80+")
     rows = [torch.cat([torch.randint(1, 63, (n - 1,)), torch.tensor([0])]) for n in (5, 24, 13)]
-    batch = PaddingCollator(63, 0, 24, "pack")([torch.nn.functional.pad(r, (0, 24 - r.numel()), value=63)
-                                                 for r in rows])
+    batch = PaddingCollator(63, 0, 24, "pack")(
+        [torch.nn.functional.pad(r, (0, 24 - r.numel()), value=63) for r in rows]
+    )
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     outs = []
     for impl in ("flash_attention_2", "sdpa"):

@@ -13,8 +13,9 @@ LAYOUT = Layout(((2, 1), (3,), ()), 4)  # row 0: two documents + 1 pad; row 1: o
 
 
 def test_from_batch_doc_lens() -> None:
-    batch = PaddingCollator(0, 0, 6, mode="pack")([torch.tensor([5, 6, 0, 7, 8, 9, 0, 0]),
-                                                    torch.tensor([3, 0, 0, 0, 0, 0, 0, 0])])
+    batch = PaddingCollator(0, 0, 6, mode="pack")(
+        [torch.tensor([5, 6, 0, 7, 8, 9, 0, 0]), torch.tensor([3, 0, 0, 0, 0, 0, 0, 0])]
+    )
     layout = Layout.from_batch(batch)
     assert layout == Layout(((3, 2), (4,)), 5)
     assert torch.equal(layout.position_ids(), batch["position_ids"])
@@ -38,7 +39,7 @@ def test_from_batch_attention_mask() -> None:
 
 def test_from_batch_plain_input_ids() -> None:
     layout = Layout.from_batch({"input_ids": torch.zeros(2, 5, dtype=torch.long)})
-    assert layout.doc_lens == ((5,), (5,)) and not layout.has_padding and layout.fill_ratio == 1.0
+    assert layout.doc_lens == ((5,), (5,)) and layout.fill_ratio == 1.0
     assert torch.equal(layout.position_ids(), torch.arange(5).expand(2, 5))
 
 
@@ -46,7 +47,7 @@ def test_properties() -> None:
     assert LAYOUT.rows == 3 and LAYOUT.lengths == [2, 1, 3]
     assert LAYOUT.bounds() == [0, 2, 3, 6]
     assert LAYOUT.real_tokens == 6 and LAYOUT.max_length == 3
-    assert LAYOUT.has_padding and LAYOUT.fill_ratio == 0.5
+    assert LAYOUT.fill_ratio == 0.5
     assert LAYOUT.signature() == (((2, 1), (3,), ()), 4, ())
     assert Layout((), 4).max_length == 0
 
@@ -61,7 +62,7 @@ def test_cu_seq_lens_real_indices_segments_positions() -> None:
     hidden = torch.arange(12.0).reshape(3, 4)
     assert hidden.flatten()[idx].tolist() == [0.0, 1.0, 2.0, 4.0, 5.0, 6.0]
     full = Layout(((4,), (2, 2)), 4)
-    assert full.segment_ids().tolist() == [[1, 1, 1, 1], [1, 1, 2, 2]] and not full.has_padding
+    assert full.segment_ids().tolist() == [[1, 1, 1, 1], [1, 1, 2, 2]] and full.fill_ratio == 1.0
 
 
 def test_left_padded_mask() -> None:

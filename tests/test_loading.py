@@ -23,13 +23,17 @@ def test_transformers_load_check_catches_its_own_errors() -> None:
     class NoFlash(LlamaForCausalLM):
         _supports_flash_attn_2 = _supports_flash_attn = False  # the 4.51 name, and the 4.54+/5.x one
 
-    assert "does not support Flash Attention" in transformers_load_check(NoFlash, config, "flash_attention_2",
-                                                                         torch.bfloat16)
+    assert "does not support Flash Attention" in transformers_load_check(
+        NoFlash, config, "flash_attention_2", torch.bfloat16
+    )
 
 
 def test_compute_dtype_on_cpu_and_bad_names() -> None:
-    cap = probe()
+    cap = probe("cpu")  # the CPU, also on a CUDA box
     assert resolve_compute_dtype("auto", cap) == torch.float32
+    if torch.cuda.is_available():  # the GPU itself computes attention in half precision
+        half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        assert resolve_compute_dtype("auto", probe()) == half
     assert resolve_compute_dtype("bf16", cap) == torch.bfloat16
     with pytest.raises(ValueError, match="valid values: auto, bf16, fp16, fp32"):
         resolve_compute_dtype("float8", cap)
@@ -40,11 +44,21 @@ def test_decide_reads_the_model_folder(assets: Path) -> None:
     assert decision.chosen == "sdpa"
     assert model_class_for(LlamaConfig()) is LlamaForCausalLM
     smol = decide(str(assets / "smollm2-135m"), "flash_attention_2")
-    assert (smol.requested, smol.chosen, smol.candidates[0].check) == ("flash_attention_2", "sdpa",
-                                                                       "flash-attn installed")
+    cap = probe()
+    if cap.flash_attn_version is None:  # this CPU box, or a GPU box without flash-attn: sdpa, and why
+        assert (smol.requested, smol.chosen, smol.candidates[0].check) == (
+            "flash_attention_2",
+            "sdpa",
+            "flash-attn installed",
+        )
+    elif cap.compute_capability >= (8, 0):  # a GPU box with flash-attn, Ampere or newer
+        assert (smol.requested, smol.chosen) == ("flash_attention_2", "flash_attention_2"), smol.reason
+    else:
+        assert (smol.chosen, smol.candidates[0].check) == ("sdpa", "compute capability")
 
 
 def test_reference_kernel_is_explicit_and_strict_accepts_it(assets: Path) -> None:
     decision = decide(str(assets / "tiny-llama"), "flash_attention_2", strict=True, fa2_reference=True)
     assert decision.chosen == "flash_attention_2" and "not flash-attn" in decision.reason
-    assert decide(str(assets / "tiny-llama")).chosen == "sdpa"  # never chosen without the opt-in
+    cpu = probe("cpu")  # where FA2 could only run on the reference kernel (the CPU, also on a CUDA box)
+    assert decide(str(assets / "tiny-llama"), cap=cpu).chosen == "sdpa"  # never chosen without the opt-in

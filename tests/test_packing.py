@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from foundry_attn.layout import Layout
-from foundry_attn.packing import IGNORE_INDEX, PaddingCollator, split_at_eos, true_lengths
+from foundry_attn.packing import IGNORE_INDEX, PaddingCollator, true_lengths
 
 EOS = PAD = 0  # the test tokenizer's choice: pad == EOS
 
@@ -37,7 +37,7 @@ def check_invariants(batch: dict, max_seq_len: int) -> None:
         assert batch["attention_mask"].sum(1).tolist() == batch["total_tokens"]
 
 
-# ---- true_lengths / split_at_eos ------------------------------------------------------------------------------
+# ---- true_lengths ------------------------------------------------------------------------------------------
 
 
 def test_true_lengths_pad_is_eos() -> None:
@@ -50,17 +50,6 @@ def test_true_lengths_pad_differs_from_eos() -> None:
     ids = rows([5, 2, 1, 1], [5, 6, 1, 1], [1, 1, 1, 1], [5, 6, 7, 2])
     assert true_lengths(ids, pad, eos).tolist() == [2, 2, 0, 4]
     assert true_lengths(ids, pad, None).tolist() == [2, 2, 0, 4]
-
-
-def test_split_at_eos() -> None:
-    parts = split_at_eos(torch.tensor([5, 6, 0, 7, 0, 8]), EOS)
-    assert [p.tolist() for p in parts] == [[5, 6, 0], [7, 0], [8]]
-    assert [p.tolist() for p in split_at_eos(torch.tensor([5, 0]), EOS)] == [[5, 0]]
-    assert [p.tolist() for p in split_at_eos(torch.tensor([5, 0]), None)] == [[5, 0]]
-    assert split_at_eos(torch.tensor([], dtype=torch.long), EOS) == []
-
-
-# ---- mask mode --------------------------------------------------------------------------------------------------
 
 
 def test_mask_mode_with_tokenizer_pad_eq_eos(tokenizer) -> None:
@@ -177,8 +166,11 @@ def test_pack_mode_random_documents(examples: list[list[int]], max_seq_len: int,
         start += n
     want = []
     for d in docs:
-        want += [d[i : i + max_seq_len] for i in range(0, len(d), max_seq_len)] if overflow == "split" else [
-            d[:max_seq_len]]
+        want += (
+            [d[i : i + max_seq_len] for i in range(0, len(d), max_seq_len)]
+            if overflow == "split"
+            else [d[:max_seq_len]]
+        )
     assert sorted(got_pieces) == sorted(want)
 
 
@@ -215,15 +207,16 @@ def test_finetuning_examples_keep_prompt_labels() -> None:
     masked = PaddingCollator(PAD, EOS, 16)(examples)
     check_invariants(masked, 16)
     assert masked["doc_lens"] == [[5], [4]]
-    assert masked["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 7, 8, EOS],
-                                         [IGNORE_INDEX, IGNORE_INDEX, 3, EOS, IGNORE_INDEX]]
+    assert masked["labels"].tolist() == [
+        [IGNORE_INDEX, IGNORE_INDEX, 7, 8, EOS],
+        [IGNORE_INDEX, IGNORE_INDEX, 3, EOS, IGNORE_INDEX],
+    ]
     assert masked["loss_generating_tokens"] == [3, 2]
 
 
 def test_text_not_split_when_disabled() -> None:
     batch = PaddingCollator(PAD, EOS, 8, mode="pack", split_text_at_eos=False)([torch.tensor([5, 0, 6, 0, 0])])
     assert batch["doc_lens"] == [[4]]
-
 
 
 def test_pack_mode_mixed_text_and_finetuning() -> None:
@@ -279,11 +272,12 @@ def test_non_int_and_empty_lists_fall_back_to_torch() -> None:
     assert batch["labels"].dtype == torch.long
     assert batch["labels"].tolist() == [[IGNORE_INDEX, 6, 0], [IGNORE_INDEX] * 3]
 
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 
 def test_empty_batch_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="empty batch.*no examples"):
+    with pytest.raises(ValueError, match=r"empty batch.*no examples"):
         PaddingCollator(PAD, EOS, 8)([])
 
 
@@ -293,8 +287,10 @@ def test_missing_pad_id_names_the_fix() -> None:
     assert "pad_token" in str(info.value)
 
 
-@pytest.mark.parametrize(("kw", "key", "choices"), [({"mode": "packed"}, "padding", "mask, pack"),
-                                                    ({"overflow": "drop"}, "overflow", "split, truncate")])
+@pytest.mark.parametrize(
+    ("kw", "key", "choices"),
+    [({"mode": "packed"}, "padding", "mask, pack"), ({"overflow": "drop"}, "overflow", "split, truncate")],
+)
 def test_unknown_choices_list_valid_values(kw: dict, key: str, choices: str) -> None:
     with pytest.raises(ValueError) as info:
         PaddingCollator(PAD, EOS, 8, **kw)
@@ -328,7 +324,11 @@ def test_true_lengths_matches_python_reference(data: list[list[int]], pad_is_eos
 @pytest.mark.parametrize("mode", ["mask", "pack"])
 def test_batch_counts_examples_not_rows(mode: str) -> None:
     """The sample clock: 4 examples (one empty), however many rows packing or splitting makes of them."""
-    rows = [torch.tensor([5, 6, EOS, 7, EOS]), torch.tensor([PAD, PAD]), torch.tensor([8, EOS, PAD]),
-            torch.arange(1, 12)]
+    rows = [
+        torch.tensor([5, 6, EOS, 7, EOS]),
+        torch.tensor([PAD, PAD]),
+        torch.tensor([8, EOS, PAD]),
+        torch.arange(1, 12),
+    ]
     batch = PaddingCollator(PAD, EOS, 4, mode=mode)(rows)
     assert sum(batch["examples"]) == 4 and len(batch["examples"]) == batch["input_ids"].shape[0] != 4

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import torch
 
+from foundry_attn.adapters import ModelNeeds
 from foundry_attn.capability import Capability, probe
 from foundry_attn.policy import (
     AUTO,
@@ -15,6 +17,7 @@ from foundry_attn.policy import (
     FLEX,
     IMPLEMENTATIONS,
     SDPA,
+    TORCH_VARLEN,
     AttentionUnavailableError,
     Candidate,
     Decision,
@@ -27,14 +30,23 @@ LLAMA_TRAITS = ModelTraits("LlamaForCausalLM", 64, frozenset(IMPLEMENTATIONS))
 
 
 def make_cap(
-    cc: tuple[int, int] | None = (8, 0), name: str = "NVIDIA A100-SXM4-80GB", fa: str | None = "2.6.3",
-    cuda: bool = True, fa_error: str | None = None,
+    cc: tuple[int, int] | None = (8, 0),
+    name: str = "NVIDIA A100-SXM4-80GB",
+    fa: str | None = "2.6.3",
+    cuda: bool = True,
+    fa_error: str | None = None,
 ) -> Capability:
     """A hand-built capability: an A100 with flash-attn 2.6.3 unless told otherwise."""
     return Capability(
-        cuda=cuda, device_name=name, compute_capability=cc, torch_version="2.7.0+cu126",
-        transformers_version="4.51.3", flash_attn_version=fa, flash_attn_error=fa_error,
-        transformer_engine_version=None, host="node-1",
+        cuda=cuda,
+        device_name=name,
+        compute_capability=cc,
+        torch_version="2.7.0+cu126",
+        transformers_version="4.51.3",
+        flash_attn_version=fa,
+        flash_attn_error=fa_error,
+        transformer_engine_version=None,
+        host="node-1",
     )
 
 
@@ -55,16 +67,30 @@ def failed(decision: Decision, name: str) -> Candidate:
 
 
 def test_real_cpu_probe_falls_back_to_sdpa() -> None:
-    cap = probe()
-    assert not cap.cuda and cap.sm == "cpu" and cap.flash_attn_version is None
-    assert "not installed" in cap.flash_attn_error
+    """The CPU as probed (on a CUDA box too) falls back to sdpa and says why; the default probe names this
+    machine's own device (tests/test_gpu.py checks the choice on a GPU with flash-attn)."""
+    real = probe()
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        assert real.cuda and real.sm == f"sm{major}{minor}" and real.device_name == torch.cuda.get_device_name()
+    else:
+        assert not real.cuda and real.sm == "cpu"
+    cap = probe("cpu")
+    assert not cap.cuda and cap.sm == "cpu"
     assert json.loads(json.dumps(cap.as_dict()))["device_name"] == "cpu"
     d = choose(cap=cap, traits=LLAMA_TRAITS, smoke_test=None)
-    assert d.chosen == SDPA and d.fallback
-    assert d.reason.startswith(f"{FA2}: ") and "flash-attn is not installed" in d.reason
+    assert d.chosen == SDPA and d.fallback and d.reason.startswith(f"{FA2}: ")
+    if cap.flash_attn_version is not None:  # a GPU box with flash-attn: the CPU still cannot run it
+        assert failed(d, FA2).check == "CUDA device"
+        return
+    assert "not installed" in cap.flash_attn_error
+    assert "flash-attn is not installed" in d.reason
     assert failed(d, FA2).check == "flash-attn installed"
     # the default argument (probe + real smoke test) must not call the kernel when flash-attn is missing
-    assert choose().chosen == SDPA
+    if torch.cuda.is_available():  # a GPU box without flash-attn: whatever else it picks, not FA2
+        assert choose().chosen != FA2
+    else:
+        assert choose().chosen == SDPA
 
 
 def test_no_cuda() -> None:
@@ -161,10 +187,10 @@ def test_strict_raises_with_check_device_and_fix() -> None:
 def test_non_strict_request_falls_back() -> None:
     d = decide(T4, requested=FA2)
     assert d.chosen == SDPA and d.fallback and d.requested == FA2
-    assert [c.name for c in d.candidates] == [FA2, SDPA, EAGER]
+    assert [c.name for c in d.candidates] == [FA2, TORCH_VARLEN, SDPA, EAGER]
     d = decide(T4, requested=EAGER)
     assert d.chosen == EAGER and not d.fallback
-    assert [c.name for c in d.candidates] == [EAGER, FA2, SDPA]
+    assert [c.name for c in d.candidates] == [EAGER, FA2, TORCH_VARLEN, SDPA]
 
 
 def test_strict_auto_fails_only_when_nothing_runs() -> None:
@@ -181,8 +207,11 @@ def test_strict_auto_fails_only_when_nothing_runs() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "key"),
-    [({"requested": "flash_attn_2"}, "attn_implementation"), ({"fallback": [FA2, "spda"]}, "attn_fallback"),
-     ({"fallback": "xformers"}, "attn_fallback")],
+    [
+        ({"requested": "flash_attn_2"}, "attn_implementation"),
+        ({"fallback": [FA2, "spda"]}, "attn_fallback"),
+        ({"fallback": "xformers"}, "attn_fallback"),
+    ],
 )
 def test_unknown_names_list_valid_names(kw: dict, key: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -213,9 +242,10 @@ def test_decision_as_dict() -> None:
     out = json.loads(json.dumps(d.as_dict()))
     assert out["requested"] == AUTO and out["chosen"] == SDPA and out["fallback"] is True
     assert out["reason"] == d.reason and out["strict"] is False and out["compute_dtype"] == "bfloat16"
-    assert [c["name"] for c in out["candidates"]] == [FA2, SDPA, EAGER]
+    assert [c["name"] for c in out["candidates"]] == [FA2, TORCH_VARLEN, SDPA, EAGER]
     assert out["candidates"][0]["check"] == "compute capability" and out["candidates"][0]["fix"]
-    assert out["candidates"][1]["available"] is True and out["candidates"][1]["check"] == ""
+    assert out["candidates"][1]["check"] == "torch version"  # torch_varlen: this capability's torch is 2.7
+    assert out["candidates"][2]["available"] is True and out["candidates"][2]["check"] == ""
 
 
 def test_with_rejection_moves_on() -> None:
@@ -234,8 +264,9 @@ def test_summarize_eight_ranks() -> None:
         cap = T4 if rank in (3, 7) else make_cap()
         dicts.append({**decide(cap).as_dict(), "rank": rank})
     dicts.reverse()  # arrival order does not matter
-    assert summarize(dicts) == ("attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back "
-                               "(rank 3, rank 7: Tesla T4 sm75 < 8.0)")
+    assert summarize(dicts) == (
+        "attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back (rank 3, rank 7: Tesla T4 sm75 < 8.0)"
+    )
     same = [{**decide(make_cap()).as_dict(), "rank": r} for r in range(2)]
     assert summarize(same) == "attention: 2/2 ranks flash_attention_2"
 
@@ -247,7 +278,7 @@ def test_model_traits_from_llama_class() -> None:
     traits = ModelTraits.from_model_class(LlamaForCausalLM, config)
     assert traits.class_name == "LlamaForCausalLM"
     assert traits.head_dim == 8
-    assert traits.supports == frozenset({FA2, FLEX, SDPA, EAGER})
+    assert traits.supports == frozenset({FA2, TORCH_VARLEN, FLEX, SDPA, EAGER})
     assert ModelTraits.from_model_class(LlamaForCausalLM).head_dim is None
 
     class Plain:
@@ -260,8 +291,9 @@ def test_a_hub_kernel_redirect_is_named_and_never_taken() -> None:
     """transformers 5.x with `kernels` installed loads kernels-community/flash-attn2 for a missing flash-attn."""
     import dataclasses
 
-    cap = dataclasses.replace(make_cap(fa=None, fa_error="flash-attn is not installed"),
-                              hub_kernel="kernels-community/flash-attn2")
+    cap = dataclasses.replace(
+        make_cap(fa=None, fa_error="flash-attn is not installed"), hub_kernel="kernels-community/flash-attn2"
+    )
     d = decide(cap, fallback=[FA2, SDPA])
     assert d.chosen == SDPA and failed(d, FA2).check == "flash-attn installed"
     assert "hub kernel kernels-community/flash-attn2" in d.reason and "foundry_attn does not" in d.reason
@@ -286,7 +318,49 @@ def test_the_hub_kernel_transformers_would_load_is_read_from_transformers(monkey
     from foundry_attn import capability
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(capability.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "kernels" else real(name, *a))
+    monkeypatch.setattr(
+        capability.importlib.util, "find_spec", lambda name, *a: object() if name == "kernels" else real(name, *a)
+    )
     want = None if transformers.__version__.startswith("4.51") else "kernels-community/flash-attn2"
     assert capability._hub_kernel() == want
+
+
+def test_one_strict_rule_and_one_message_on_every_path() -> None:
+    """At build (our checks) and later (transformers' load, isolation, the first-forward dtype): the same format."""
+    import re
+
+    early = pytest.raises(AttentionUnavailableError)
+    with early:
+        decide(T4, requested=FA2, strict=True)
+    strict = decide(make_cap(), requested=FA2, strict=True)
+    assert strict.binding and not decide(make_cap(), requested=AUTO, strict=True).binding
+    with pytest.raises(AttentionUnavailableError) as late:
+        strict.with_rejection(FA2, "fp32 weights", check="dtype", fix="train with precision: amp_bf16")
+    shape = r"attn_strict: flash_attention_2 cannot run on .+ \(sm\d+\) on node-1: check '[^']+' failed: .+\. Fix: .+"
+    for message in (str(early.excinfo.value), str(late.value)):
+        assert re.fullmatch(shape, message, re.S), message
+    assert "check 'dtype' failed: fp32 weights. Fix: train with precision: amp_bf16" in str(late.value)
+
+
+def test_torch_varlen_sits_between_flash_attn_and_sdpa() -> None:
+    """PyTorch's varlen kernel keeps the unpad-once layout where flash-attn is missing or broken (torch >= 2.10)."""
+    import dataclasses
+
+    new_torch = dataclasses.replace(
+        make_cap(fa=None, fa_error="flash-attn is not installed"), torch_version="2.11.0+cu128"
+    )
+    d = decide(new_torch)
+    has_varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    assert d.chosen == (TORCH_VARLEN if has_varlen else SDPA), d.as_dict()
+    t4 = decide(dataclasses.replace(new_torch, compute_capability=(7, 5)), fallback=[TORCH_VARLEN, SDPA])
+    assert failed(t4, TORCH_VARLEN).check == ("compute capability" if has_varlen else "torch version")
+    assert failed(decide(CPU, torch.float32, fallback=[TORCH_VARLEN, SDPA]), TORCH_VARLEN).check in (
+        "torch version",
+        "CUDA device",
+    )
+    softcapped = ModelTraits("Gemma2ForCausalLM", 64, frozenset(IMPLEMENTATIONS), ModelNeeds("Gemma2", softcap=50.0))
+    if has_varlen:
+        assert (
+            failed(decide(new_torch, traits=softcapped, fallback=[TORCH_VARLEN, EAGER]), TORCH_VARLEN).check
+            == "exactness"
+        )

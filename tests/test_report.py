@@ -27,23 +27,39 @@ def test_report_embeds_every_figure_as_a_png(report: Path) -> None:
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(images) == 4  # fill ratio, calls, ranks, devices (a tree of 3 runs)
     assert all(base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n" for img in images)
-    assert {p.name for p in report.parent.glob("*.png")} == {"fill_ratio.png", "calls.png", "ranks.png",
-                                                             "devices.png"}
+    assert {p.name for p in report.parent.glob("*.png")} == {"fill_ratio.png", "calls.png", "ranks.png", "devices.png"}
     assert "Tesla T4" in page and "fell back" in page  # the fell-back table names the T4 ranks
 
 
 def test_every_image_loads_in_headless_chromium(report: Path, tmp_path: Path) -> None:
-    browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)),
-                   None)
+    browser = next(
+        (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None
+    )
     if browser is None:
         pytest.skip("no Chromium on this machine (Debian: apt-get install chromium); the PNG checks above ran")
     probe = tmp_path / "probe.html"
-    probe.write_text(report.read_text().replace(
-        "</body>", "<script>window.onload=()=>{const bad=[...document.images].filter(i=>!i.complete||"
-                   "!i.naturalWidth).length;document.title='images:'+document.images.length+' broken:'+bad;}"
-                   "</script></body>"))
-    out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
-                          "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
+    probe.write_text(
+        report.read_text().replace(
+            "</body>",
+            "<script>window.onload=()=>{const bad=[...document.images].filter(i=>!i.complete||"
+            "!i.naturalWidth).length;document.title='images:'+document.images.length+' broken:'+bad;}"
+            "</script></body>",
+        )
+    )
+    out = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "<title>images:4 broken:0</title>" in out.stdout, out.stderr[-2000:]
 
 

@@ -22,6 +22,8 @@ from foundry_attn.forward import forward_documents
 from .conftest import REPO, skip_unless_flex_trains
 from .wrapped_worker import recorded
 
+pytestmark = pytest.mark.slow  # torch.compile and torchrun subprocesses: 1.5-16 s each here
+
 
 def _errors(family: str, backend: str, loss: torch.Tensor, model: torch.nn.Module) -> tuple[float, float]:
     want_loss, want_grad = conformance._truth(family, backend)
@@ -29,15 +31,19 @@ def _errors(family: str, backend: str, loss: torch.Tensor, model: torch.nn.Modul
     return abs(loss.item() - want_loss), ((grad - want_grad).norm() / want_grad.norm()).item()
 
 
-@pytest.mark.parametrize(("family", "backend", "compiler", "checkpointing"), [
-    ("llama", "sdpa", "inductor", "plain"),
-    ("mistral", "sdpa", "aot_eager", "checkpoint_wrapper"),
-    ("gemma3", "eager", "aot_eager", "plain"),
-    ("qwen2", "flash_attention_2", "aot_eager", "hf_non_reentrant"),
-    ("mistral", "flex_attention", "aot_eager", "plain"),
-])
-def test_compiled_model_is_exact(monkeypatch: pytest.MonkeyPatch, family: str, backend: str, compiler: str,
-                                checkpointing: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "backend", "compiler", "checkpointing"),
+    [
+        ("llama", "sdpa", "inductor", "plain"),
+        ("mistral", "sdpa", "aot_eager", "checkpoint_wrapper"),
+        ("gemma3", "eager", "aot_eager", "plain"),
+        ("qwen2", "flash_attention_2", "aot_eager", "hf_non_reentrant"),
+        ("mistral", "flex_attention", "aot_eager", "plain"),
+    ],
+)
+def test_compiled_model_is_exact(
+    monkeypatch: pytest.MonkeyPatch, family: str, backend: str, compiler: str, checkpointing: str
+) -> None:
     """``torch.compile(model)`` (inductor once, aot_eager for the rest: the same traced graph and autograd)."""
     from transformers.modeling_utils import AttentionInterface
 
@@ -49,31 +55,52 @@ def test_compiled_model_is_exact(monkeypatch: pytest.MonkeyPatch, family: str, b
     monkeypatch.setitem(AttentionInterface._global_mapping, name, AttentionInterface._global_mapping[name])
     recorded(name, calls)  # undone by monkeypatch after the test
     conformance.enable_checkpointing(model, checkpointing)
-    out = forward_documents(torch.compile(model, backend=compiler), conformance._batch(conformance._documents(),
-                                                                                       "pack"))
+    out = forward_documents(
+        torch.compile(model, backend=compiler), conformance._batch(conformance._documents(), "pack")
+    )
     out.loss.backward()
     loss_err, grad_err = _errors(family, backend, out.loss, model)
     assert loss_err <= conformance.LOSS_TOL and grad_err <= conformance.GRAD_TOL, (loss_err, grad_err)
     assert calls and all(calls), calls  # placeholder + documents in every call: no L x L mask
 
 
-@pytest.mark.parametrize(("wrapper", "ranks", "family", "backend", "checkpointing"), [
-    ("fsdp2", 1, "llama", "sdpa", "plain"),
-    ("fsdp2", 2, "gemma3", "sdpa", "checkpoint_wrapper"),
-    ("fsdp2", 2, "llama", "flash_attention_2", "checkpoint_wrapper"),
-    ("fsdp2", 2, "qwen2", "flex_attention", "plain"),
-    ("ddp", 1, "mistral", "eager", "plain"),
-    ("ddp", 2, "phi3", "sdpa", "hf_non_reentrant"),
-])
-def test_distributed_is_exact(tmp_path: Path, wrapper: str, ranks: int, family: str, backend: str,
-                              checkpointing: str) -> None:
+@pytest.mark.parametrize(
+    ("wrapper", "ranks", "family", "backend", "checkpointing"),
+    [
+        ("fsdp2", 1, "llama", "sdpa", "plain"),
+        ("fsdp2", 2, "gemma3", "sdpa", "checkpoint_wrapper"),
+        ("fsdp2", 2, "llama", "flash_attention_2", "checkpoint_wrapper"),
+        ("fsdp2", 2, "qwen2", "flex_attention", "plain"),
+        ("ddp", 1, "mistral", "eager", "plain"),
+        ("ddp", 2, "phi3", "sdpa", "hf_non_reentrant"),
+    ],
+)
+def test_distributed_is_exact(
+    tmp_path: Path, wrapper: str, ranks: int, family: str, backend: str, checkpointing: str
+) -> None:
     """Each rank packs its share of the documents; rank 0 compares the averaged gradients with the truth."""
     skip_unless_flex_trains(backend)
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-         str(REPO / "tests" / "wrapped_worker.py"), family, backend, wrapper, str(out), checkpointing],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+            str(REPO / "tests" / "wrapped_worker.py"),
+            family,
+            backend,
+            wrapper,
+            str(out),
+            checkpointing,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads(out.read_text())
     assert result["loss_err"] <= conformance.LOSS_TOL and result["grad_err"] <= conformance.GRAD_TOL, result

@@ -72,9 +72,13 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
     dist.all_reduce(total)
     if rank == 0:
         want_loss, want_grad = conformance._truth(family, backend)
-        result = dict(loss_err=abs(total.item() - want_loss),
-                      grad_err=((grad - want_grad).norm() / want_grad.norm()).item(),
-                      calls=len(calls), fast=all(calls), wrapped=type(wrapped).__name__)
+        result = dict(
+            loss_err=abs(total.item() - want_loss),
+            grad_err=((grad - want_grad).norm() / want_grad.norm()).item(),
+            calls=len(calls),
+            fast=all(calls),
+            wrapped=type(wrapped).__name__,
+        )
         with open(out, "w") as f:
             json.dump(result, f)
     dist.barrier()  # both ranks done before gloo tears down (torch 2.13 aborted a rank still in flight, once)

@@ -18,5 +18,9 @@ def machine() -> dict[str, Any]:
     """What a result was measured with: threads, torch, transformers, CPU."""
     import transformers
 
-    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu": platform.processor() or platform.machine()}
+    return {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }

@@ -80,8 +80,7 @@ def _assets(root: Path) -> tuple[Any, Path]:
 def _docs(tokenizer: Any, n: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(SEED)
     lengths = torch.randint(10, 61, (n,), generator=gen).tolist()
-    return [torch.randint(2, len(tokenizer), (k,), generator=gen).tolist() + [tokenizer.eos_token_id]
-            for k in lengths]
+    return [[*torch.randint(2, len(tokenizer), (k,), generator=gen).tolist(), tokenizer.eos_token_id] for k in lengths]
 
 
 def _trainers(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[list[int]]) -> dict[str, Any]:
@@ -99,9 +98,14 @@ def _trainers(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[li
     weights = None
     for variant in VARIANTS:
         torch.manual_seed(SEED)
-        model = FoundryAttnCausalLM(tokenizer=tokenizer, pretrained_model_name_or_path=str(config), pretrained=False,
-                                    attn_implementation=impl, events_dir=str(root / "model-events"),
-                                    fa2_reference_kernel=impl == "flash_attention_2")
+        model = FoundryAttnCausalLM(
+            tokenizer=tokenizer,
+            pretrained_model_name_or_path=str(config),
+            pretrained=False,
+            attn_implementation=impl,
+            events_dir=str(root / "model-events"),
+            fa2_reference_kernel=impl == "flash_attention_2",
+        )
         if model.attn_implementation != impl:
             raise RuntimeError(f"bench callbacks: wanted {impl}, the model chose {model.attn_implementation}")
         if weights is None:
@@ -114,27 +118,49 @@ def _trainers(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[li
         elif variant != "none":
             interval = int(variant.split("_")[1])
             events = str(root / f"events-{impl}-{variant}")
-            callbacks += [AttentionInspector(log_interval=interval, events_dir=events),
-                          UpadTracer(log_interval=interval, events_dir=events)]
+            callbacks += [
+                AttentionInspector(log_interval=interval, events_dir=events),
+                UpadTracer(log_interval=interval, events_dir=events),
+            ]
         callbacks.append(stop)
-        loader = DataLoader(docs, batch_size=ROWS, shuffle=False,
-                            collate_fn=lambda ex: collate([torch.tensor(e) for e in ex]))
-        trainer = Trainer(model=model, train_dataloader=loader, callbacks=callbacks, loggers=[], device="cpu",
-                          precision="fp32", progress_bar=False, log_to_console=False, seed=SEED,
-                          optimizers=torch.optim.SGD(model.parameters(), lr=1e-3),
-                          run_name=f"bench-callbacks-{impl}-{variant}", save_folder=None,
-                          spin_dataloaders=False)  # each fit() starts the one-batch loader afresh
+        # a list is a map-style dataset (__getitem__, __len__); DataLoader's annotation asks for a Dataset
+        loader: DataLoader[list[int]] = DataLoader(
+            docs,  # type: ignore[arg-type]
+            batch_size=ROWS,
+            shuffle=False,
+            collate_fn=lambda ex: collate([torch.tensor(e) for e in ex]),
+        )
+        trainer = Trainer(
+            model=model,
+            train_dataloader=loader,
+            callbacks=callbacks,
+            loggers=[],
+            device="cpu",
+            precision="fp32",
+            progress_bar=False,
+            log_to_console=False,
+            seed=SEED,
+            optimizers=torch.optim.SGD(model.parameters(), lr=1e-3),
+            run_name=f"bench-callbacks-{impl}-{variant}",
+            save_folder=None,
+            spin_dataloaders=False,
+        )  # each fit() starts the one-batch loader afresh
         out[variant] = (trainer, times)
     return out
 
 
 def _stats(times: list[float]) -> dict[str, float]:
-    return {"median_ms": 1e3 * median(times), "mean_ms": 1e3 * statistics.fmean(times),
-            "min_ms": 1e3 * min(times), "n": len(times)}
+    return {
+        "median_ms": 1e3 * median(times),
+        "mean_ms": 1e3 * statistics.fmean(times),
+        "min_ms": 1e3 * min(times),
+        "n": len(times),
+    }
 
 
-def _bench_impl(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[list[int]], rounds: int,
-                warmup: int) -> dict[str, Any]:
+def _bench_impl(
+    impl: str, root: Path, tokenizer: Any, config: Path, docs: list[list[int]], rounds: int, warmup: int
+) -> dict[str, Any]:
     trainers = _trainers(impl, root, tokenizer, config, docs)
     for variant in VARIANTS:  # warm-up (the always-sampled first batch included), not timed
         trainers[variant][0].fit(duration=f"{warmup}ba")
@@ -146,6 +172,7 @@ def _bench_impl(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[
         def fit() -> float:  # one step; its time runs from BATCH_START to BATCH_END (the timer callbacks)
             trainer.fit(duration="1ba")
             return times[-1]
+
         return fit
 
     timings = round_robin({v: step(v) for v in VARIANTS}, rounds, self_timed=True)
@@ -169,8 +196,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {}
     started = time.perf_counter()
     load_at_start = list(os.getloadavg())
-    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as devnull, \
-            contextlib.redirect_stdout(devnull):
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         root = Path(tmp)
         tokenizer, config = _assets(root)
         docs = _docs(tokenizer, ROWS)  # one batch, every step: the same work in every variant and round
@@ -182,8 +208,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         finally:
             torch.set_num_threads(threads)
     headline = {key: max(results[i][key] for i in impls) for key in TARGETS}
-    labels = {"sdpa": "sdpa (tracer idle: nothing to trace)",
-              "flash_attention_2": "flash_attention_2 on the fa2-reference kernel (pure PyTorch, not flash-attn)"}
+    labels = {
+        "sdpa": "sdpa (tracer idle: nothing to trace)",
+        "flash_attention_2": "flash_attention_2 on the fa2-reference kernel (pure PyTorch, not flash-attn)",
+    }
     return {
         "command": COMMAND + (" --quick" if quick else ""),
         **headline,
@@ -193,19 +221,27 @@ def run(quick: bool = False) -> dict[str, Any]:
         "settings": {
             "model": "tiny-llama (hidden 64, 2 layers, 4 heads, 2 KV heads), fp32, CPU, SGD",
             "batch": f"{ROWS} documents of 10-60 tokens packed into rows of <= {MAX_SEQ_LEN} (padding: pack), "
-                     "the same batch every step",
-            "variants": {"none": "no callback", "noop": "two empty Composer callbacks (the dispatch floor)",
-                         "interval_1": "both callbacks, log_interval 1",
-                         "interval_100": "both callbacks, log_interval 100"},
-            "rounds": rounds, "warmup_steps": warmup, "timed_steps_per_variant": rounds,
+            "the same batch every step",
+            "variants": {
+                "none": "no callback",
+                "noop": "two empty Composer callbacks (the dispatch floor)",
+                "interval_1": "both callbacks, log_interval 1",
+                "interval_100": "both callbacks, log_interval 100",
+            },
+            "rounds": rounds,
+            "warmup_steps": warmup,
+            "timed_steps_per_variant": rounds,
             "schedule": "round-robin, one step per variant per round (trainer.fit(duration='1ba')), order rotated "
-                        "each round, GC off inside a step; medians of per-step times",
+            "each round, GC off inside a step; medians of per-step times",
             "torch_threads": 1,
             "quick": quick,
         },
         "machine": {
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "load_average_at_end": list(os.getloadavg()),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpu_count": os.cpu_count(),
+            "load_average_at_end": list(os.getloadavg()),
             "note": "CPU timings on a possibly shared machine: compare ratios from one run, not across runs",
         },
         "wall_s": round(time.perf_counter() - started, 1),

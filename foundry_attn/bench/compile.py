@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -55,8 +55,10 @@ def batches(name: str, count: int, device: torch.device, seed: int = 0) -> list[
     collate = PaddingCollator(EOS, EOS, width, mode="pack")
     out = []
     for _ in range(count):
-        rows = [torch.tensor([*(rng.randrange(1, vocab) for _ in range(rng.randint(low, high) - 1)), EOS])
-                for _ in range(docs)]
+        rows = [
+            torch.tensor([*(rng.randrange(1, vocab) for _ in range(rng.randint(low, high) - 1)), EOS])
+            for _ in range(docs)
+        ]
         batch = collate(rows)
         out.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
     return out
@@ -67,7 +69,10 @@ def build(name: str, device: torch.device) -> torch.nn.Module:
 
     vocab, shape, *_ = WORKLOADS[name]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(vocab, **shape, attn_implementation=SDPA, attention_dropout=0.0))
+    # to mypy, transformers' top-level classes are dummies (no nn.Module methods)
+    model = cast(
+        torch.nn.Module, LlamaForCausalLM(llama_config(vocab, **shape, attn_implementation=SDPA, attention_dropout=0.0))
+    )
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = model.to(device=device, dtype=dtype).train()
     attach(model, SDPA)
@@ -113,35 +118,58 @@ def measure(name: str, device: torch.device, layouts: int, warmup: int) -> dict[
             loss = forward_documents(runner, next(timed)).loss
             loss.backward()
             return loss.detach()
+
         return step
 
-    times = round_robin({"eager": steps(eager_model), "compiled": steps(compiled)}, len(data) - warmup,
-                        device=device, before=lambda variant: models[variant].zero_grad(set_to_none=True))
-    worst = max((abs(c.item() - e.item()) for c, e in zip(times.values["compiled"], times.values["eager"],
-                                                          strict=True)), default=0.0)
+    times = round_robin(
+        {"eager": steps(eager_model), "compiled": steps(compiled)},
+        len(data) - warmup,
+        device=device,
+        before=lambda variant: models[variant].zero_grad(set_to_none=True),
+    )
+    worst = max(
+        (abs(c.item() - e.item()) for c, e in zip(times.values["compiled"], times.values["eager"], strict=True)),
+        default=0.0,
+    )
     eager_ms = median(times.seconds["eager"]) * 1e3
     compiled_ms = median(times.seconds["compiled"]) * 1e3
     tolerance = 1e-4 if device.type == "cpu" else 5e-2
     return {
-        "model": name, "layouts": layouts, "distinct_layouts": len({str(b["doc_lens"]) for b in data}),
-        "graphs": len(compiled_graphs), "graphs_after_warmup": len(compiled_graphs) - after_warmup,
-        "graph_breaks": sum(counters["graph_break"].values()), "warmup_s": warmup_s,
-        "eager_step_ms": eager_ms, "compiled_step_ms": compiled_ms, "speedup": eager_ms / compiled_ms,
-        "max_loss_diff": worst, "losses_agree": worst <= tolerance,
+        "model": name,
+        "layouts": layouts,
+        "distinct_layouts": len({str(b["doc_lens"]) for b in data}),
+        "graphs": len(compiled_graphs),
+        "graphs_after_warmup": len(compiled_graphs) - after_warmup,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "warmup_s": warmup_s,
+        "eager_step_ms": eager_ms,
+        "compiled_step_ms": compiled_ms,
+        "speedup": eager_ms / compiled_ms,
+        "max_loss_diff": worst,
+        "losses_agree": worst <= tolerance,
         "real_tokens_per_step": statistics.mean(sum(b["total_tokens"]) for b in data),
     }
 
 
-def run(device: str | None = None, layouts: int = 50, warmup: int = 5,
-        models: tuple[str, ...] = tuple(WORKLOADS)) -> dict[str, Any]:
+def run(
+    device: str | None = None, layouts: int = 50, warmup: int = 5, models: tuple[str, ...] = tuple(WORKLOADS)
+) -> dict[str, Any]:
     dev = torch.device(device or "cpu")
     started = time.perf_counter()
     rows = [measure(m, dev, layouts, warmup) for m in models]
-    return {"command": COMMAND, "device": str(dev), **machine(), "warmup_layouts": warmup, "target_speedup": TARGET,
-            "rows": rows,
-            "all_targets_met": all(r["speedup"] >= TARGET and r["losses_agree"] and r["graphs_after_warmup"] == 0
-                                   for r in rows),
-            "elapsed_s": time.perf_counter() - started}
+    return {
+        "command": COMMAND,
+        "device": str(dev),
+        **machine(),
+        "warmup_layouts": warmup,
+        "target_speedup": TARGET,
+        "rows": rows,
+        "all_targets_met": all(
+            r["speedup"] >= TARGET and r["losses_agree"] and r["graphs_after_warmup"] == 0 for r in rows
+        ),
+        "elapsed_s": time.perf_counter() - started,
+    }
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

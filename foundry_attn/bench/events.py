@@ -40,9 +40,18 @@ VERSIONS = {"torch": "2.7.0", "transformers": "4.51.3", "flash_attn": "2.7.4", "
 
 
 def _module(i: int) -> dict[str, Any]:
-    return {"module": f"model.layers.{i}.self_attn", "level": "attention", "class": "LlamaAttention",
-            "mask": "none", "mask_dtype": None, "mask_shape": None, "has_zeros": None, "real_tokens": 1395,
-            "fill_ratio": 0.681, "positions": "restart"}
+    return {
+        "module": f"model.layers.{i}.self_attn",
+        "level": "attention",
+        "class": "LlamaAttention",
+        "mask": "none",
+        "mask_dtype": None,
+        "mask_shape": None,
+        "has_zeros": None,
+        "real_tokens": 1395,
+        "fill_ratio": 0.681,
+        "positions": "restart",
+    }
 
 
 def generate(root: Path, runs: int = 100, ranks: int = 10, per_rank: int = 1000, seed: int = 0) -> int:
@@ -55,24 +64,54 @@ def generate(root: Path, runs: int = 100, ranks: int = 10, per_rank: int = 1000,
         launch = f"{rng.getrandbits(48):012x}"
         for rank in range(ranks):
             slow = rng.random() < 0.2
-            stamp = {"rank": rank, "run": f"run-{r:03d}", "launch": launch, "host": f"node{rank // 8}",
-                     **(T4 if slow else H100), "versions": VERSIONS}
+            stamp = {
+                "rank": rank,
+                "run": f"run-{r:03d}",
+                "launch": launch,
+                "host": f"node{rank // 8}",
+                **(T4 if slow else H100),
+                "versions": VERSIONS,
+            }
             t = 1_795_000_000.0 + r * 3600
-            lines = [json.dumps({"kind": "attn_impl", **stamp, "time": t, "requested": "flash_attention_2",
-                                 "chosen": "sdpa" if slow else "flash_attention_2", "fallback": slow,
-                                 "reason": "flash_attention_2 failed check 'compute capability': sm_75 < sm_80"
-                                 if slow else "requested", "strict": False})]
+            lines = [
+                json.dumps(
+                    {
+                        "kind": "attn_impl",
+                        **stamp,
+                        "time": t,
+                        "requested": "flash_attention_2",
+                        "chosen": "sdpa" if slow else "flash_attention_2",
+                        "fallback": slow,
+                        "reason": "flash_attention_2 failed check 'compute capability': sm_75 < sm_80"
+                        if slow
+                        else "requested",
+                        "strict": False,
+                    }
+                )
+            ]
             for step in range(per_rank - 1):
                 if step % 2:
-                    body = {"kind": "upad_trace", "step": step, "attn_implementation": "flash_attention_2",
-                            "kernel": "flash-attn", "counts": {"upad": 0, "posids": 0, "varlen": 30, "dense": 0,
-                                                               "pad": 0},
-                            "cu_seqlens": [0, 220, 437, 732, 915, 1045, 1395], "max_seqlen": 350}
+                    body = {
+                        "kind": "upad_trace",
+                        "step": step,
+                        "attn_implementation": "flash_attention_2",
+                        "kernel": "flash-attn",
+                        "counts": {"upad": 0, "posids": 0, "varlen": 30, "dense": 0, "pad": 0},
+                        "cu_seqlens": [0, 220, 437, 732, 915, 1045, 1395],
+                        "max_seqlen": 350,
+                    }
                 else:
-                    body = {"kind": "attn_inspect", "step": step, "metrics": {"attn/fill": 0.681},
-                            "batch": {"shape": [6, 2048], "real_tokens": 1395 + step % 7,
-                                      "fill_ratio": (1395 + step % 7) / 2048},
-                            "modules": [_module(i) for i in range(8)]}
+                    body = {
+                        "kind": "attn_inspect",
+                        "step": step,
+                        "metrics": {"attn/fill": 0.681},
+                        "batch": {
+                            "shape": [6, 2048],
+                            "real_tokens": 1395 + step % 7,
+                            "fill_ratio": (1395 + step % 7) / 2048,
+                        },
+                        "modules": [_module(i) for i in range(8)],
+                    }
                 lines.append(json.dumps({**body, **stamp, "time": t + step}))
             data = ("\n".join(lines) + "\n").encode()
             (folder / f"events-rank{rank}.jsonl").write_bytes(data)
@@ -106,8 +145,9 @@ def _best(fn: Any, *args: Any, repeats: int = 3) -> tuple[float, Any]:
     return best, result
 
 
-def run(directory: str | None = None, keep: bool = False, runs: int = 100, ranks: int = 10,
-        per_rank: int = 1000) -> dict[str, Any]:
+def run(
+    directory: str | None = None, keep: bool = False, runs: int = 100, ranks: int = 10, per_rank: int = 1000
+) -> dict[str, Any]:
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="foundry-attn-events-"))
     try:
         started = time.perf_counter()
@@ -130,11 +170,22 @@ def run(directory: str | None = None, keep: bool = False, runs: int = 100, ranks
             times["orjson_every_line"], _ = _best(_scan, paths, orjson.loads, repeats=1)
         except ImportError:
             pass
-        return {"command": COMMAND, "runs": runs, "ranks": ranks, "events_per_rank": per_rank,
-                "events": runs * ranks * per_rank, "bytes": size, "generate_s": generated_s,
-                "fell_back_ranks": fell, "attn_impl_events": decisions_a, "agree": decisions_a == decisions_b,
-                "seconds": times, "ours_vs_parse_every_line": times["parse_every_line"] / times["ours"],
-                "target_s": TARGET_S, "met": times["ours"] <= TARGET_S}
+        return {
+            "command": COMMAND,
+            "runs": runs,
+            "ranks": ranks,
+            "events_per_rank": per_rank,
+            "events": runs * ranks * per_rank,
+            "bytes": size,
+            "generate_s": generated_s,
+            "fell_back_ranks": fell,
+            "attn_impl_events": decisions_a,
+            "agree": decisions_a == decisions_b,
+            "seconds": times,
+            "ours_vs_parse_every_line": times["parse_every_line"] / times["ours"],
+            "target_s": TARGET_S,
+            "met": times["ours"] <= TARGET_S,
+        }
     finally:
         if not keep and not directory:
             shutil.rmtree(root, ignore_errors=True)

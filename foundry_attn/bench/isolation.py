@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -57,7 +57,8 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
     torch.manual_seed(0)
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).train()
+    model = cast(torch.nn.Module, LlamaForCausalLM(config))  # to mypy, transformers' top-level classes are dummies
+    model = model.to(device=device, dtype=dtype).train()
     attach(model, backend, fa2_reference=reference)
     failure, first = isolation_check(model)
     warm = [isolation_check(model)[1] for _ in range(repeats)]
@@ -71,16 +72,29 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
 
     step()  # warm-up
     step_ms = median(round_robin({"step": step}, repeats, device=device).seconds["step"]) * 1e3
-    return {"model": model_name, "backend": backend + (" (reference kernel)" if reference else ""),
-            "passed": failure is None, "first_ms": first, "warm_ms": median(warm), "step_ms": step_ms,
-            "probe_vs_step": first / step_ms}
+    return {
+        "model": model_name,
+        "backend": backend + (" (reference kernel)" if reference else ""),
+        "passed": failure is None,
+        "first_ms": first,
+        "warm_ms": median(warm),
+        "step_ms": step_ms,
+        "probe_vs_step": first / step_ms,
+    }
 
 
 def run(device: str | None = None, repeats: int = 3, models: tuple[str, ...] = tuple(MODELS)) -> dict[str, Any]:
     dev = torch.device(device or "cpu")
     rows = [measure(m, b, ref, dev, repeats) for m in models for b, ref in _backends(dev)]
-    return {"command": COMMAND, "device": str(dev), **machine(), "repeats": repeats, "rows": rows,
-            "all_passed": all(r["passed"] for r in rows)}
+    return {
+        "command": COMMAND,
+        "device": str(dev),
+        **machine(),
+        "repeats": repeats,
+        "rows": rows,
+        "all_passed": all(r["passed"] for r in rows),
+    }
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -55,10 +55,11 @@ timed on LLM-Foundry's rows (tensors padded to 2048), its input in training, for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -68,6 +69,9 @@ from foundry_attn.bench.timing import PeakMemory, median, round_robin
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.policy import FA2, SDPA
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 LENGTHS: tuple[int, ...] = (220, 217, 295, 183, 130, 350)
 MAX_SEQ_LEN = 2048
@@ -107,9 +111,21 @@ class Settings:
         dev = torch.device(device or "cpu")
         dtype = "float32" if dev.type == "cpu" else "bfloat16"
         if quick:  # a toy model: the smoke test checks the plumbing, not the numbers
-            return cls(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=16, layers=1, vocab=512, warmup=1, rounds=1, slow_rounds=1, collator_reps=50,
-                       device=str(dev), dtype=dtype)
+            return cls(
+                hidden_size=32,
+                intermediate_size=64,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                layers=1,
+                vocab=512,
+                warmup=1,
+                rounds=1,
+                slow_rounds=1,
+                collator_reps=50,
+                device=str(dev),
+                dtype=dtype,
+            )
         return cls(device=str(dev), dtype=dtype)
 
 
@@ -132,7 +148,7 @@ class Mode:
             attach(model, self.impl)
             out = forward_documents(model, self.batch)
         else:
-            model.config._attn_implementation = self.impl
+            cast("PretrainedConfig", model.config)._attn_implementation = self.impl
             out = model(**self.batch, use_cache=False)
         out.loss.backward()
         return out.loss.detach()
@@ -164,13 +180,24 @@ def build_model(settings: Settings, impl: str = SDPA) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     s = settings
-    config = LlamaConfig(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-                         num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
-                         head_dim=s.head_dim, num_hidden_layers=s.layers, vocab_size=s.vocab,
-                         max_position_embeddings=MAX_SEQ_LEN, tie_word_embeddings=True, attention_dropout=0.0,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, use_cache=False, attn_implementation=impl)
+    config = LlamaConfig(
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.head_dim,
+        num_hidden_layers=s.layers,
+        vocab_size=s.vocab,
+        max_position_embeddings=MAX_SEQ_LEN,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        use_cache=False,
+        attn_implementation=impl,
+    )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model = cast(torch.nn.Module, LlamaForCausalLM(config))  # to mypy, transformers' top-level classes are dummies
     return model.to(device=settings.device, dtype=getattr(torch, settings.dtype)).train()
 
 
@@ -190,8 +217,14 @@ def make_modes(docs: Sequence[torch.Tensor], device: torch.device, fa2: bool) ->
     pack = PaddingCollator(PAD_ID, EOS_ID, MAX_SEQ_LEN, mode="pack")(rows)
     batches = {
         "pad_max": ("plain", {"input_ids": ids, "labels": labels}),
-        "pad_longest": ("plain", {"input_ids": ids[:, :longest].clone(), "attention_mask": attention_mask,
-                                  "labels": labels[:, :longest].clone()}),
+        "pad_longest": (
+            "plain",
+            {
+                "input_ids": ids[:, :longest].clone(),
+                "attention_mask": attention_mask,
+                "labels": labels[:, :longest].clone(),
+            },
+        ),
         "mask": ("ours", PaddingCollator(PAD_ID, EOS_ID, MAX_SEQ_LEN, mode="mask")(rows)),
         "pack": ("ours", pack),
         "padded_full_batch": ("plain", {"input_ids": flat, "labels": flat.clone()}),
@@ -219,11 +252,17 @@ def _agree(losses: Mapping[str, float], grads: Mapping[str, torch.Tensor], dtype
     loss_tol, grad_tol = (1e-4, 1e-4) if dtype == "float32" else (2e-2, 5e-2)
     ref = losses["mask"]
     loss_diff = {name: abs(loss - ref) for name, loss in losses.items() if name not in ("mask", "padded_full_batch")}
-    grad_diff = {name: float((grads[name] - grads["mask"]).norm() / grads["mask"].norm())
-                 for name in grads if name != "mask"}
+    grad_diff = {
+        name: float((grads[name] - grads["mask"]).norm() / grads["mask"].norm()) for name in grads if name != "mask"
+    }
     ok = all(d <= loss_tol for d in loss_diff.values()) and all(d <= grad_tol for d in grad_diff.values())
-    return {"ok": ok, "loss_abs_diff_vs_mask": loss_diff, "grad_rel_diff_vs_mask": grad_diff,
-            "loss_tolerance": loss_tol, "grad_tolerance": grad_tol}
+    return {
+        "ok": ok,
+        "loss_abs_diff_vs_mask": loss_diff,
+        "grad_rel_diff_vs_mask": grad_diff,
+        "loss_tolerance": loss_tol,
+        "grad_tolerance": grad_tol,
+    }
 
 
 def bench_steps(settings: Settings) -> dict[str, Any]:
@@ -243,11 +282,15 @@ def bench_steps(settings: Settings) -> dict[str, Any]:
             mode.step(model)
     correctness = _agree(losses, grads, settings.dtype)
     del grads
-    times = round_robin({m.name: lambda m=m: m.step(model) for m in modes}, settings.rounds,
-                        samples={SLOW_MODE: settings.slow_rounds}, device=device,
-                        before=lambda _: model.zero_grad(set_to_none=True))
+    times = round_robin(
+        {m.name: functools.partial(m.step, model) for m in modes},
+        settings.rounds,
+        samples={SLOW_MODE: settings.slow_rounds},
+        device=device,
+        before=lambda _: model.zero_grad(set_to_none=True),
+    )
     model.zero_grad(set_to_none=True)
-    result = {}
+    result: dict[str, dict[str, Any]] = {}
     for mode in modes:
         wall = times.seconds[mode.name]
         step = median(wall)
@@ -295,10 +338,16 @@ def bench_collators(settings: Settings) -> dict[str, Any]:
     def call(fn: Callable[[Any], Any], examples: Any) -> Callable[[], None]:
         def collate() -> None:  # the batch is dropped inside the timed call, not kept
             fn(examples)
+
         return collate
 
-    variants = {"flattening": call(flattening, features), "pack": call(pack, features),
-                "mask": call(mask, features), "pack_rows": call(pack, rows), "mask_rows": call(mask, rows)}
+    variants = {
+        "flattening": call(flattening, features),
+        "pack": call(pack, features),
+        "mask": call(mask, features),
+        "pack_rows": call(pack, rows),
+        "mask_rows": call(mask, rows),
+    }
     for fn in variants.values():  # warm-up
         fn()
     times = round_robin(variants, settings.collator_reps)
@@ -327,17 +376,27 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
         ratios["pack_fa2_vs_pad_max"] = modes["pack_fa2"]["tokens_per_s"] / modes["pad_max"]["tokens_per_s"]
         ratios["pack_fa2_vs_pack"] = modes["pack_fa2"]["tokens_per_s"] / pack
     correct = steps["correctness"]["ok"] and collator["matches_flattening"]
-    targets = {name: {"target": target, "value": ratios[name], "met": correct and ratios[name] >= target}
-               for name, target in TARGETS.items()}
+    targets = {
+        name: {"target": target, "value": ratios[name], "met": correct and ratios[name] >= target}
+        for name, target in TARGETS.items()
+    }
 
     return {
         "command": COMMAND + (" --quick" if quick else ""),
         "settings": {
-            **dataclasses.asdict(settings), "quick": quick, "attn_implementation": SDPA,
-            "fa2_mode": steps["fa2"], "lengths": list(LENGTHS), "real_tokens": sum(LENGTHS),
-            "max_seq_len": MAX_SEQ_LEN, "pad_id": PAD_ID, "eos_id": EOS_ID, "seed": SEED,
+            **dataclasses.asdict(settings),
+            "quick": quick,
+            "attn_implementation": SDPA,
+            "fa2_mode": steps["fa2"],
+            "lengths": list(LENGTHS),
+            "real_tokens": sum(LENGTHS),
+            "max_seq_len": MAX_SEQ_LEN,
+            "pad_id": PAD_ID,
+            "eos_id": EOS_ID,
+            "seed": SEED,
             **machine(),
-            "peak_mem": "cuda max_memory_allocated delta" if settings.device.startswith("cuda")
+            "peak_mem": "cuda max_memory_allocated delta"
+            if settings.device.startswith("cuda")
             else "peak live bytes of newly allocated tensor storages (TorchDispatchMode)",
         },
         "modes": modes,

@@ -114,8 +114,9 @@ def median(values: Sequence[float]) -> float:
 def paired_ratio_median(numerator: Sequence[float], denominator: Sequence[float]) -> float:
     """Median over rounds of ``numerator[i] / denominator[i]``: a ratio of two variants timed in the same rounds."""
     if len(numerator) != len(denominator):
-        raise ValueError(f"paired ratio of {len(numerator)} and {len(denominator)} samples: "
-                         "not timed in the same rounds")
+        raise ValueError(
+            f"paired ratio of {len(numerator)} and {len(denominator)} samples: not timed in the same rounds"
+        )
     return statistics.median(n / d for n, d in zip(numerator, denominator, strict=True))
 
 

@@ -171,16 +171,21 @@ class AttentionInspector(ReleasingCallback):
     """
 
     def __init__(
-        self, log_interval: int | str | Time = 50, events_dir: str | None = None,
-        attention_selector: str | None = None, print_table: bool = True,
+        self,
+        log_interval: int | str | Time = 50,
+        events_dir: str | None = None,
+        attention_selector: str | None = None,
+        print_table: bool = True,
     ) -> None:
         self.log_interval = check_log_interval("attention_inspector", log_interval)
         if attention_selector is not None:
             try:
                 re.compile(attention_selector)
             except re.error as exc:
-                raise ValueError(f"attention_inspector: attention_selector {attention_selector!r} is not a valid "
-                                 f"regular expression: {exc}") from exc
+                raise ValueError(
+                    f"attention_inspector: attention_selector {attention_selector!r} is not a valid "
+                    f"regular expression: {exc}"
+                ) from exc
         self.events_dir = events_dir
         self.attention_selector = attention_selector
         self.print_table = print_table
@@ -208,8 +213,11 @@ class AttentionInspector(ReleasingCallback):
             return None
         found = find_hf_model(state.model)
         if found is None:
-            self._warn_once("no_hf", "attention_inspector: no Hugging Face PreTrainedModel in state.model; "
-                                     "inspecting the whole model without decoder-layer discovery")
+            self._warn_once(
+                "no_hf",
+                "attention_inspector: no Hugging Face PreTrainedModel in state.model; "
+                "inspecting the whole model without decoder-layer discovery",
+            )
             self._hf_name, model = "", state.model
         else:
             self._hf_name, model = found
@@ -217,12 +225,18 @@ class AttentionInspector(ReleasingCallback):
         mods = inspector.modules
         if not mods.selector_matched:
             classes = ", ".join(f"{c} x{n}" for c, n in mods.attention_like.items()) or "none"
-            self._warn_once("selector", f"attention_inspector: attention_selector {mods.selector!r} matched no "
-                                        f"module; attention-like classes found: {classes}. The attention level is "
-                                        f"not inspected.")
+            self._warn_once(
+                "selector",
+                f"attention_inspector: attention_selector {mods.selector!r} matched no "
+                f"module; attention-like classes found: {classes}. The attention level is "
+                f"not inspected.",
+            )
         elif not mods.attention:
-            self._warn_once("no_attn", "attention_inspector: found no attention-like module (class names with "
-                                       "'Attention'/'Attn'); set attention_selector")
+            self._warn_once(
+                "no_attn",
+                "attention_inspector: found no attention-like module (class names with "
+                "'Attention'/'Attn'); set attention_selector",
+            )
         self._inspector, self._model_id = inspector, id(state.model)
         return inspector
 
@@ -263,18 +277,31 @@ class AttentionInspector(ReleasingCallback):
         self.last_records, self.last_metrics = records, metrics
         logger.log_metrics(metrics)
         if self.events is not None:
-            self.events.append("attn_inspect", step=self._step, model=self._hf_name,
-                               attn_implementation=attn_implementation(inspector.model),
-                               batch={"shape": self._batch.shape, "real_tokens": self._batch.real_tokens,
-                                      "fill_ratio": self._batch.fill_ratio},
-                               metrics=metrics, modules=records)
+            self.events.append(
+                "attn_inspect",
+                step=self._step,
+                model=self._hf_name,
+                attn_implementation=attn_implementation(inspector.model),
+                batch={
+                    "shape": self._batch.shape,
+                    "real_tokens": self._batch.real_tokens,
+                    "fill_ratio": self._batch.fill_ratio,
+                },
+                metrics=metrics,
+                modules=records,
+            )
         if self.print_table and not self._printed and dist.get_global_rank() == 0:
             self._printed = True
             fill = self._batch.fill_ratio
-            title = (f"attention_inspector: batch {self._step}, rank {dist.get_global_rank()}, "
-                     f"implementation {attn_implementation(inspector.model)}"
-                     + (f", batch fill {fill:.3f} ({self._batch.real_tokens}/{self._batch.positions} real)"
-                        if fill is not None else ""))
+            title = (
+                f"attention_inspector: batch {self._step}, rank {dist.get_global_rank()}, "
+                f"implementation {attn_implementation(inspector.model)}"
+                + (
+                    f", batch fill {fill:.3f} ({self._batch.real_tokens}/{self._batch.positions} real)"
+                    if fill is not None
+                    else ""
+                )
+            )
             table = format_table(records, title)
             log.info("\n%s", table)
             print(table, flush=True)

@@ -9,23 +9,27 @@ from typing import Any
 
 from composer.core import Callback, State
 from composer.loggers import Logger
-from composer.utils import dist
 
 from foundry_attn.callbacks.common import foundry_model
-from foundry_attn.policy import summarize
 
 __all__ = ["AttnDecisionLogger", "decision_hparams"]
 
 
 def decision_hparams(model: Any) -> dict[str, Any]:
-    """``attn/*`` hyperparameters of a ``foundry_attn_causal_lm`` (through DDP); empty for other models."""
+    """``attn/*`` hyperparameters of a ``foundry_attn_causal_lm`` (through DDP); empty for other models. The
+    summary is the one the model gathered from every rank when it was built (no second gather)."""
     ours = foundry_model(model)
     if ours is None:
         return {}
     decision = ours.attn_decision
-    return {"attn/requested": decision.requested, "attn/chosen": decision.chosen,
-            "attn/fallback": decision.fallback, "attn/reason": decision.reason,
-            "attn/compute_dtype": decision.compute_dtype}
+    return {
+        "attn/requested": decision.requested,
+        "attn/chosen": decision.chosen,
+        "attn/fallback": decision.fallback,
+        "attn/reason": decision.reason,
+        "attn/compute_dtype": decision.compute_dtype,
+        "attn/summary": ours.attn_summary,
+    }
 
 
 class AttnDecisionLogger(Callback):
@@ -97,8 +101,4 @@ class AttnDecisionLogger(Callback):
         hparams = decision_hparams(state.model)
         if not hparams:
             return
-        gathered = dist.all_gather_object({
-            "rank": dist.get_global_rank(), "chosen": hparams["attn/chosen"],
-            "fallback": hparams["attn/fallback"], "reason": hparams["attn/reason"],
-        })
-        logger.log_hyperparameters({**hparams, "attn/summary": summarize(gathered)})
+        logger.log_hyperparameters(hparams)

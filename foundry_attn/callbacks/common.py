@@ -40,8 +40,10 @@ def foundry_model(model: Any) -> Any:
     return None
 
 
-_LOG_INTERVAL = ("an integer >= 1 (batches between samples; the first batch is always sampled), a time string "
-                 "in batches such as '25ba', or a composer Time in batches")
+_LOG_INTERVAL = (
+    "an integer >= 1 (batches between samples; the first batch is always sampled), a time string "
+    "in batches such as '25ba', or a composer Time in batches"
+)
 
 
 def check_log_interval(owner: str, log_interval: Any) -> int:
@@ -55,8 +57,10 @@ def check_log_interval(owner: str, log_interval: Any) -> int:
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r} ({exc})") from None
         if parsed.unit != TimeUnit.BATCH:
-            raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}, whose unit is "
-                             f"{parsed.unit.name.lower()} ('{parsed.unit.value}'), not batches ('ba')")
+            raise ValueError(
+                f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}, whose unit is "
+                f"{parsed.unit.name.lower()} ('{parsed.unit.value}'), not batches ('ba')"
+            )
         value = parsed.value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}")
@@ -81,18 +85,19 @@ def compiled(model: Any) -> bool:
     return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
 
 
-COMPILED = ("{owner}: the model runs under torch.compile (compile_config); per-call hooks and patches inside a "
-            "compiled graph would break or change it, so {owner} steps aside for this run; training goes on")
+COMPILED = (
+    "{owner}: the model runs under torch.compile (compile_config); per-call hooks and patches inside a "
+    "compiled graph would break or change it, so {owner} steps aside for this run; training goes on"
+)
 
 
 def say_once(said: set[str], key: str, message: str) -> bool:
-    """Log ``message`` (and print it on rank 0) the first time ``key`` comes; True when it was said now."""
+    """Log ``message`` at WARNING the first time ``key`` comes (one channel: LLM-Foundry's ``train.py`` shows
+    warnings on the console); True when it was said now."""
     if key in said:
         return False
     said.add(key)
     log.warning(message)
-    if dist.get_global_rank() == 0:
-        print(message, flush=True)
     return True
 
 

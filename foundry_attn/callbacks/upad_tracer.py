@@ -146,7 +146,10 @@ class UpadTracer(ReleasingCallback):
     """
 
     def __init__(
-        self, log_interval: int | str | Time = 50, events_dir: str | None = None, print_counts: bool = True,
+        self,
+        log_interval: int | str | Time = 50,
+        events_dir: str | None = None,
+        print_counts: bool = True,
     ) -> None:
         self.log_interval = check_log_interval("upad_tracer", log_interval)
         self.events_dir = events_dir
@@ -185,19 +188,27 @@ class UpadTracer(ReleasingCallback):
         elif self._hf is None:
             self.idle_reason = "no Hugging Face PreTrainedModel in state.model"
         elif not is_flash(self.implementation):
-            self.idle_reason = (f"the attention implementation is {self.implementation!r}, not flash_attention_2: "
-                                f"transformers' flash-attention utilities never run")
+            self.idle_reason = (
+                f"the attention implementation is {self.implementation!r}, not flash_attention_2: "
+                f"transformers' flash-attention utilities never run"
+            )
         else:
             self.symbols = discover()
             missing = self.symbols.describe_missing()
             if missing:
-                self._say_once("upad_trace_missing", "upad_tracer: " + "; ".join(missing) + "; training continues",
-                               symbols=self.symbols.as_dict())
+                self._say_once(
+                    "upad_trace_missing",
+                    "upad_tracer: " + "; ".join(missing) + "; training continues",
+                    symbols=self.symbols.as_dict(),
+                )
             self.idle_reason = None if self.symbols.found else "no flash-attention symbol could be found"
         if self.idle_reason is not None:
             self.tracer = None
-            self._say_once("upad_trace_idle", f"upad_tracer: nothing to trace ({self.idle_reason})",
-                           attn_implementation=self.implementation)
+            self._say_once(
+                "upad_trace_idle",
+                f"upad_tracer: nothing to trace ({self.idle_reason})",
+                attn_implementation=self.implementation,
+            )
         else:
             assert self.symbols is not None
             self.tracer = FlashCallTracer(self.symbols, record=True)
@@ -251,13 +262,17 @@ class UpadTracer(ReleasingCallback):
         logger.log_metrics(metrics)
         kernel = REFERENCE_NAME if self._reference else "flash-attn"
         if self.events is not None:
-            self.events.append("upad_trace", step=self._step, attn_implementation=self.implementation,
-                               kernel=kernel, **summary)
+            self.events.append(
+                "upad_trace", step=self._step, attn_implementation=self.implementation, kernel=kernel, **summary
+            )
         if self.print_counts and dist.get_global_rank() == 0:
             assert self.symbols is not None
             label = {role: symbol_label(self.symbols, role) for role in ROLES}
             counts = ", ".join(f"{label[r]} {tracer.counts[r]}" for r in (UPAD, POSIDS, VARLEN, DENSE, PAD))
             note = f" [kernel: {kernel}]" if "kernel_note" not in self._said else ""
             self._said.add("kernel_note")
-            print(f"upad_tracer: batch {self._step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
-                  f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen}{note}", flush=True)
+            print(
+                f"upad_tracer: batch {self._step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
+                f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen}{note}",
+                flush=True,
+            )

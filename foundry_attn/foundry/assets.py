@@ -27,8 +27,10 @@ _WORDS = ["the", "a", "and", ".", "?", "what", "who", "does", "answer", ":", *_N
 
 
 def _sentence(rng: random.Random) -> str:
-    return (f"the {rng.choice(_ADJS)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} "
-            f"a {rng.choice(_ADJS)} {rng.choice(_NOUNS)} .")
+    return (
+        f"the {rng.choice(_ADJS)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} "
+        f"a {rng.choice(_ADJS)} {rng.choice(_NOUNS)} ."
+    )
 
 
 def _document(rng: random.Random, max_sentences: int) -> str:
@@ -56,7 +58,7 @@ def write_text_mds(out: Path, tokenizer, n_rows: int, max_seq_len: int, seed: in
     eos = tokenizer.eos_token_id
     with MDSWriter(columns={"tokens": "ndarray:int32"}, out=str(out), compression=None) as writer:
         for _ in range(n_rows):
-            ids = tokenizer(_document(rng, 6), add_special_tokens=False)["input_ids"][: max_seq_len - 1] + [eos]
+            ids = [*tokenizer(_document(rng, 6), add_special_tokens=False)["input_ids"][: max_seq_len - 1], eos]
             row = np.full(max_seq_len, eos, dtype=np.int32)
             row[: len(ids)] = ids
             writer.write({"tokens": row})

@@ -58,8 +58,12 @@ def _examples_in_batch(batch: Mapping) -> int:
 
 
 def _data_spec(dl: DataLoader) -> DataSpec:
-    return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func(), split_batch=_split_packed,
-                    get_num_samples_in_batch=_examples_in_batch)
+    return DataSpec(
+        dataloader=dl,
+        get_num_tokens_in_batch=get_tokens_per_batch_func(),
+        split_batch=_split_packed,
+        get_num_samples_in_batch=_examples_in_batch,
+    )
 
 
 class WholeRowTextDataset(StreamingTextDataset):
@@ -90,31 +94,52 @@ class WholeRowTextDataset(StreamingTextDataset):
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         saved = obj.get("foundry_attn_padding", "none")
         if saved != self.padding:
-            raise ValueError(f"foundry_attn_text: this checkpoint was written with padding: {saved}, and this run "
-                             f"uses padding: {self.padding}; resume with padding: {saved} (the same examples make "
-                             "different batches under another mode)")
+            raise ValueError(
+                f"foundry_attn_text: this checkpoint was written with padding: {saved}, and this run "
+                f"uses padding: {self.padding}; resume with padding: {saved} (the same examples make "
+                "different batches under another mode)"
+            )
         super().load_state_dict({k: v for k, v in obj.items() if k != "foundry_attn_padding"})
 
 
 def build_text_dataloader(
-    tokenizer: Any, device_batch_size: int | float, dataset: dict[str, Any], padding: str = "mask",
-    overflow: str = "split", drop_last: bool = False, num_workers: int = 0, pin_memory: bool = True,
-    prefetch_factor: int | None = 2, persistent_workers: bool = True, timeout: int = 0,
+    tokenizer: Any,
+    device_batch_size: int | float,
+    dataset: dict[str, Any],
+    padding: str = "mask",
+    overflow: str = "split",
+    drop_last: bool = False,
+    num_workers: int = 0,
+    pin_memory: bool = True,
+    prefetch_factor: int | None = 2,
+    persistent_workers: bool = True,
+    timeout: int = 0,
 ) -> DataSpec:
     """LLM-Foundry's text loader (same keys) with ``padding``/``overflow`` added."""
     check_choice("padding", padding, PADDING_MODES)
-    loader_kwargs = dict(drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
-                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, timeout=timeout)
+    loader_kwargs = dict(
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+        timeout=timeout,
+    )
     if padding == "none":
-        return _stock_text(tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset),
-                           **loader_kwargs)
+        return _stock_text(
+            tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset), **loader_kwargs
+        )
     cfg = dict(dataset)
     collate = _collator(tokenizer, cfg["max_seq_len"], padding, overflow)
     streams = build_streams(streams=cfg.pop("streams", None))
     allowed = set(inspect.signature(StreamingTextDataset).parameters) | set(
-        inspect.signature(StreamingDataset).parameters)
+        inspect.signature(StreamingDataset).parameters
+    )
     text_dataset = WholeRowTextDataset(
-        tokenizer=tokenizer, streams=streams, batch_size=int(device_batch_size), padding=padding,
+        tokenizer=tokenizer,
+        streams=streams,
+        batch_size=int(device_batch_size),
+        padding=padding,
         **{k: v for k, v in cfg.items() if k in allowed},
     )
     dl = DataLoader(text_dataset, collate_fn=collate, batch_size=int(device_batch_size), **loader_kwargs)
@@ -122,22 +147,31 @@ def build_text_dataloader(
 
 
 def build_finetuning_dataloader(
-    tokenizer: Any, device_batch_size: int | float, dataset: dict[str, Any], padding: str = "mask",
-    overflow: str = "split", **kwargs: Any,
+    tokenizer: Any,
+    device_batch_size: int | float,
+    dataset: dict[str, Any],
+    padding: str = "mask",
+    overflow: str = "split",
+    **kwargs: Any,
 ) -> DataSpec:
     """LLM-Foundry's finetuning loader (same keys: tokenization, prompt masking, splits) with our collator."""
     check_choice("padding", padding, PADDING_MODES)
-    spec = _stock_finetuning(tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset),
-                             **kwargs)
+    spec = _stock_finetuning(tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset), **kwargs)
     if padding == "none":
         return spec
     stock = spec.dataloader
     collate = _collator(tokenizer, dataset["max_seq_len"], padding, overflow)
     dl = DataLoader(
-        stock.dataset, collate_fn=_FinetuningExamples(collate, tokenizer.eos_token_id), batch_size=stock.batch_size,
-        sampler=stock.sampler, drop_last=stock.drop_last, num_workers=stock.num_workers,
-        pin_memory=stock.pin_memory, prefetch_factor=stock.prefetch_factor if stock.num_workers else None,
-        persistent_workers=stock.persistent_workers, timeout=stock.timeout,
+        stock.dataset,
+        collate_fn=_FinetuningExamples(collate, tokenizer.eos_token_id),
+        batch_size=stock.batch_size,
+        sampler=stock.sampler,
+        drop_last=stock.drop_last,
+        num_workers=stock.num_workers,
+        pin_memory=stock.pin_memory,
+        prefetch_factor=stock.prefetch_factor if stock.num_workers else None,
+        persistent_workers=stock.persistent_workers,
+        timeout=stock.timeout,
     )
     return _data_spec(dl)
 

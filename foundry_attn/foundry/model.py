@@ -40,6 +40,7 @@ from transformers import AutoConfig
 from foundry_attn.adapters import attach, backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
+from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.forward import finish_documents, has_layout, prepare_documents, repad_logits
 from foundry_attn.isolation import isolation_check
 from foundry_attn.loading import decide
@@ -65,8 +66,10 @@ def rank_override(overrides: dict | None, rank: int) -> dict:
     entry = (overrides or {}).get(rank, (overrides or {}).get(str(rank))) or {}
     unknown = sorted(set(entry) - set(RANK_OVERRIDABLE))
     if unknown:
-        raise ValueError(f"attn_rank_overrides[{rank}]: unknown key(s) {', '.join(unknown)}; valid keys: "
-                         f"{', '.join(RANK_OVERRIDABLE)}")
+        raise ValueError(
+            f"attn_rank_overrides[{rank}]: unknown key(s) {', '.join(unknown)}; valid keys: "
+            f"{', '.join(RANK_OVERRIDABLE)}"
+        )
     return dict(entry)
 
 
@@ -105,17 +108,33 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         # FIT_START to ./<run_name>/attn_events; without them, the first forward binds the fallback folder)
         known = events_dir or (default_events_dir() if os.environ.get(ENV_EVENTS_DIR) or run_from_env() else None)
         self.attn_events = EventLog(known, rank, cap, launch=launch[0])
-        config = AutoConfig.from_pretrained(pretrained_model_name_or_path,
-                                            trust_remote_code=kwargs.get("trust_remote_code", True))
+        config = AutoConfig.from_pretrained(
+            pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code", True)
+        )
         set_config_overrides(config, kwargs.get("config_overrides") or {})  # a bad key fails here, not as attention
         try:
-            decision = decide(pretrained_model_name_or_path, requested, fallback, attn_strict, attn_compute_dtype,
-                              cap, fa2_reference=fa2_reference_kernel, config=config)
+            decision = decide(
+                pretrained_model_name_or_path,
+                requested,
+                fallback,
+                attn_strict,
+                attn_compute_dtype,
+                cap,
+                fa2_reference=fa2_reference_kernel,
+                config=config,
+            )
             decision = self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
             decision = self._attach(decision, fa2_reference_kernel, attn_isolation_check)
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
-            self.attn_events.append("attn_impl", requested=requested, chosen=None, fallback=True, failed=True,
-                                    strict=attn_strict, reason=str(exc))
+            self.attn_events.append(
+                "attn_impl",
+                requested=requested,
+                chosen=None,
+                fallback=True,
+                failed=True,
+                strict=attn_strict,
+                reason=str(exc),
+            )
             if not self.attn_events.bound:  # no run will start: write it where the run's folder would be
                 self.attn_events.bind(default_events_dir())
             raise
@@ -130,11 +149,12 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         while True:
             load_as = SDPA if (decision.chosen == FA2 and reference) else decision.chosen
             try:
-                super().__init__(tokenizer=tokenizer, pretrained_model_name_or_path=path,
-                                 attn_implementation=load_as, **kwargs)
+                super().__init__(
+                    tokenizer=tokenizer, pretrained_model_name_or_path=path, attn_implementation=load_as, **kwargs
+                )
             except (ValueError, ImportError, RuntimeError) as exc:
                 others = [c for c in decision.candidates if c.available and c.name != decision.chosen]
-                if not others or (decision.strict and decision.requested != AUTO):
+                if not others or decision.binding:
                     raise
                 log.warning("attention: building with %s failed: %s", decision.chosen, exc)
                 decision = decision.with_rejection(decision.chosen, f"model build failed: {exc}")
@@ -147,8 +167,9 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             check = "documents"
             try:
                 attach(self.model, decision.chosen, fa2_reference=reference)
-                failure, ms = isolation_check(self.model) if isolation and self._probe_runs(decision, reference) \
-                    else (None, None)
+                failure, ms = (
+                    isolation_check(self.model) if isolation and self._probe_runs(decision, reference) else (None, None)
+                )
                 check = "isolation"
             except ValueError as exc:
                 failure, ms = str(exc), None
@@ -166,15 +187,28 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
     def _record(self, decision: Decision, cap: Any, rank: int) -> None:
         info = decision.as_dict()
         level = logging.WARNING if decision.fallback or self._fa2_reference else logging.INFO
-        log.log(level, "attention rank %d on %s (%s): requested %s, chose %s (%s)", rank, cap.device_name,
-                cap.sm, decision.requested, decision.chosen, decision.reason)
+        log.log(
+            level,
+            "attention rank %d on %s (%s): requested %s, chose %s (%s)",
+            rank,
+            cap.device_name,
+            cap.sm,
+            decision.requested,
+            decision.chosen,
+            decision.reason,
+        )
         if self._fa2_reference:
-            log.warning("attention: flash_attention_2 runs on the pure-PyTorch REFERENCE kernel, not flash-attn "
-                        "(fa2_reference_kernel: true). Use it for tests and diagnosis only.")
+            log.warning(
+                "attention: flash_attention_2 runs on the pure-PyTorch REFERENCE kernel, not flash-attn "
+                "(fa2_reference_kernel: true). Use it for tests and diagnosis only."
+            )
         self.attn_events.append("attn_impl", **info)
         gathered = dist.all_gather_object({"rank": rank, "device_name": cap.device_name, "sm": cap.sm, **info})
+        #: every rank's choice in one line, gathered once here (``attn_decision`` logs it as ``attn/summary``)
+        self.attn_summary = summarize(gathered)
         if rank == 0:
-            log.warning(summarize(gathered))
+            loud = any(d["fallback"] for d in gathered) or REFERENCE_NAME in self.attn_summary
+            log.log(logging.WARNING if loud else logging.INFO, self.attn_summary)
 
     # ---- forward ------------------------------------------------------------------------------------
     @property
@@ -190,11 +224,9 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         if torch.is_autocast_enabled(device.type) or self.model.dtype in (torch.float16, torch.bfloat16):
             return
         reason = "fp32 weights without autocast at the first forward (FA2 needs fp16/bf16)"
-        if self.attn_decision.strict and self.attn_decision.requested != AUTO:
-            raise AttentionUnavailableError(
-                f"attn_strict: flash_attention_2 cannot run on {self.attn_capability.device_name}: check 'dtype' "
-                f"failed: {reason}. Fix: train with precision: amp_bf16 (or amp_fp16).")
-        self.attn_decision = self.attn_decision.with_rejection(FA2, reason, check="dtype")
+        self.attn_decision = self.attn_decision.with_rejection(  # strict: raises, naming check, device and fix
+            FA2, reason, check="dtype", fix="train with precision: amp_bf16 (or amp_fp16)"
+        )
         attach(self.model, self.attn_decision.chosen)
         log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")

@@ -1,0 +1,139 @@
+"""The ``torch_varlen`` adapter's glue, on the CPU: PyTorch's ``varlen_attn`` (CUDA only) stood in for by the
+pure-PyTorch FA2 reference, in both signatures torch has shipped (2.10-2.11: ``is_causal``; 2.12+:
+``window_size``, ``enable_gqa``). Exact against stock transformers running each document alone with sdpa."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from foundry_attn import adapters, conformance
+from foundry_attn.adapters import TORCH_VARLEN, attach
+from foundry_attn.fa2_reference import flash_attn_varlen_func
+from foundry_attn.forward import forward_documents
+
+calls: list[dict[str, Any]] = []
+
+
+def varlen_212(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    calls.append({"window_size": window_size, "enable_gqa": enable_gqa, "heads": (q.shape[1], k.shape[1])})
+    assert enable_gqa or q.shape[1] == k.shape[1]
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        softmax_scale=scale,
+        causal=window_size[1] == 0,
+        window_size=(window_size[0], -1),
+    )
+
+
+def varlen_210(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    calls.append({"is_causal": is_causal, "heads": (q.shape[1], k.shape[1])})
+    assert q.shape[1] == k.shape[1]  # no enable_gqa before 2.12: the adapter repeats KV heads
+    return flash_attn_varlen_func(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale, causal=is_causal)
+
+
+def varlen_noscale(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """A release whose varlen_attn takes no ``scale=``: the adapter folds the model's scale into the query."""
+    return varlen_212(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size, enable_gqa=enable_gqa)
+
+
+@pytest.fixture(params=[varlen_212, varlen_210, varlen_noscale], ids=["torch>=2.12", "torch2.10", "no-scale"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    import inspect
+
+    fn = request.param
+    monkeypatch.setattr(adapters, "_torch_varlen_kernel", lambda: fn)
+    monkeypatch.setattr(adapters, "_varlen_signature", lambda: inspect.signature(fn))
+    calls.clear()
+    return fn
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "phi3", "gemma3"])
+def test_torch_varlen_documents_are_exact(kernel: Any, family: str) -> None:
+    model = conformance.build(family, "sdpa")
+    attach(model, TORCH_VARLEN)
+    batch = conformance._batch(conformance._documents(), "pack")
+    windowed = adapters.ModelNeeds.of(family, model.config).window
+    if windowed and kernel is varlen_210:  # refused loudly, as the policy refuses it on such a torch
+        with pytest.raises(ValueError, match="no window_size"):
+            forward_documents(model, batch)
+        return
+    out = forward_documents(model, batch)
+    out.loss.backward()
+    want_loss, want_grad = conformance._truth(family, "sdpa")
+    grad = conformance._grads(model)
+    assert abs(out.loss.item() - want_loss) <= conformance.LOSS_TOL
+    assert ((grad - want_grad).norm() / want_grad.norm()).item() <= conformance.GRAD_TOL
+    layers = model.config.num_hidden_layers
+    assert len(calls) == layers  # one varlen call per layer over the flat row: no per-layer unpad
+    if kernel is not varlen_210:
+        heads = calls[0]["heads"]
+        assert calls[0]["enable_gqa"] == (heads[0] != heads[1])
+        assert calls[0]["window_size"] == ((windowed - 1 if windowed else -1), 0)
+
+
+def test_torch_varlen_refuses_softcap_and_dropout(kernel: Any) -> None:
+    model = conformance.build("gemma2", "eager")
+    attach(model, TORCH_VARLEN)
+    with pytest.raises(ValueError, match="softcap"):
+        forward_documents(model, conformance._batch(conformance._documents(), "pack"))
+
+
+def test_flex_block_masks_live_on_the_query_device_one_per_device() -> None:
+    """Pipeline stages / device_map put layers on different devices: each device gets its own mask, and every
+    tensor its mask_mod captures sits on that device (a foreign one fails under compile)."""
+    from foundry_attn.adapters import BLOCK_MASKS, Documents
+
+    docs = Documents.from_lengths([5, 11, 3])
+    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(min(2, torch.cuda.device_count()))]
+    masks = {str(d): BLOCK_MASKS.get(docs, None, d) for d in devices}
+    assert len({id(m) for m in masks.values()}) == len(devices)  # one per device
+    assert all(BLOCK_MASKS.get(docs, None, d) is masks[str(d)] for d in devices)  # cached per (device, layout)
+    for name, mask in masks.items():
+        captured = [
+            c.cell_contents for c in mask.mask_mod.__closure__ or () if isinstance(c.cell_contents, torch.Tensor)
+        ]
+        assert captured and all(str(t.device) == name for t in captured), name
+        assert all(str(t.device) == name for t in (mask.kv_num_blocks, mask.kv_indices))
