@@ -97,7 +97,10 @@ def flex_backward_error(device_type: str) -> str | None:
         assert isinstance(out, torch.Tensor)
         out.sum().backward()
     except Exception as exc:  # the reason is reported, the policy rejects flex
-        return f"torch {torch.__version__} FlexAttention has no backward on {device_type}: {type(exc).__name__}: {exc}"
+        first = str(exc).split(". ")[0]
+        return (
+            f"torch {torch.__version__} FlexAttention has no backward on {device_type} ({type(exc).__name__}: {first})"
+        )
     return None
 
 

@@ -134,7 +134,7 @@ def refusal(family: str, backend: str) -> str | None:
         decide(None, backend, (backend,), strict=True, compute_dtype="fp32", fa2_reference=True, config=config)
         attach(build(family, backend), backend, fa2_reference=True)
     except (AttentionUnavailableError, ValueError) as exc:
-        return str(exc).split("failed: ", 1)[-1].split(" (fix: ")[0]
+        return str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0].split(" (fix: ")[0]
     return None
 
 
