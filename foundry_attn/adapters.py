@@ -26,6 +26,7 @@ import functools
 import inspect
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -96,14 +97,64 @@ class Documents:
         return torch.cat([torch.arange(e - s) for s, e in self.spans]).to(device)[None]
 
 
-def _varlen_signature() -> inspect.Signature | None:
-    """The signature of ``torch.nn.attention.varlen.varlen_attn`` (2.10: ``is_causal``; 2.12: ``window_size``,
-    ``enable_gqa``), or None on a torch without it."""
+def torch_varlen_kernel() -> Callable | None:
+    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), or None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return inspect.signature(varlen_attn)
+    return varlen_attn
+
+
+_VARLEN_PARAMETERS: dict[Callable, frozenset[str]] = {}
+
+
+def varlen_parameters(kernel: Callable | None) -> frozenset[str]:
+    """The keywords a ``varlen_attn`` takes (2.10-2.11: ``is_causal``; 2.12+: ``window_size``, ``enable_gqa``),
+    read once per kernel; empty for None."""
+    if kernel is None:
+        return frozenset()
+    if kernel not in _VARLEN_PARAMETERS:
+        _VARLEN_PARAMETERS[kernel] = frozenset(inspect.signature(kernel).parameters)
+    return _VARLEN_PARAMETERS[kernel]
+
+
+def call_varlen(
+    kernel: Callable,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    causal: bool = True,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D] through torch's ``varlen_attn`` in whichever signature it has:
+    a window ``(left, right)`` as flash-attn counts it, grouped KV heads (repeated where there is no
+    ``enable_gqa``), and ``scale`` (folded into the query where the kernel takes none)."""
+    params = varlen_parameters(kernel)
+    left, right = window
+    extra: dict[str, Any] = {}
+    if "window_size" in params:
+        extra["window_size"] = (left, 0 if causal else right)
+    elif (left, right) != (-1, -1):
+        raise ValueError(f"foundry_attn: torch {torch.__version__} varlen_attn has no window_size (torch >= 2.12)")
+    else:
+        extra["is_causal"] = causal
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if "scale" in params:
+        extra["scale"] = scale
+    elif scale is not None and scale != q.shape[-1] ** -0.5:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return kernel(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +185,7 @@ BACKENDS: dict[str, Backend] = {
         TORCH_VARLEN,
         softcap=False,
         dropout=False,
-        window="window_size" in getattr(_varlen_signature(), "parameters", {}),
+        window="window_size" in varlen_parameters(torch_varlen_kernel()),
     ),
 }
 
@@ -519,12 +570,6 @@ def fa2_reference_documents(
         return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
 
 
-def _torch_varlen_kernel() -> Any:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn
-
-
 def torch_varlen_documents(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -546,27 +591,14 @@ def torch_varlen_documents(
     if docs is None:  # a mask built by the model (generation): eager math takes it
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
-    params = _varlen_signature().parameters  # type: ignore[union-attr]  # the policy checked torch has it
-    if sliding_window and "window_size" not in params:
-        raise ValueError(f"foundry_attn: torch {torch.__version__} varlen_attn has no window_size (torch >= 2.12)")
-    if "enable_gqa" in params:
-        extra: dict[str, Any] = {"enable_gqa": query.shape[1] != key.shape[1]}
-    else:
-        key, value = _expand_kv(query, key, value)
-        extra = {}
-    if "window_size" in params:
-        extra["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
-    else:
-        extra["is_causal"] = True
+    kernel = torch_varlen_kernel()
+    if kernel is None:
+        raise ValueError(f"foundry_attn: torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
     cu = docs.cu_seq_lens(query.device)
     longest = query.shape[2] if torch.compiler.is_compiling() else docs.max_length
-    scale = _scale(query, scaling)
-    if "scale" in params:
-        extra["scale"] = scale
-    elif scale != query.shape[-1] ** -0.5:  # a release without scale=: fold the model's scale into the query
-        query = query * (scale * query.shape[-1] ** 0.5)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [1, H, T, D] -> [T, H, D]
-    out = _torch_varlen_kernel()(q, k, v, cu, cu, longest, longest, **extra)
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    out = call_varlen(kernel, q, k, v, cu, cu, longest, longest, scale=_scale(query, scaling), window=window)
     return out[None], None
 
 

@@ -180,6 +180,39 @@ def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:
     return Candidate(name, False, reason, check, fix)
 
 
+#: the fix each GPU-class check names, per implementation
+FA2_FIXES = {
+    "CUDA device": "run on an NVIDIA Ampere-or-newer GPU",
+    "compute capability": "FA2 needs Ampere or newer (A100, A10, L4, H100); use sdpa on this GPU",
+    "dtype": "train with precision: amp_bf16 (or load the model in bf16)",
+    "head dim": "use sdpa for models with head_dim > 256",
+}
+TORCH_VARLEN_FIXES = {
+    "CUDA device": "use sdpa here",
+    "compute capability": "use sdpa on this GPU",
+    "dtype": "train with precision: amp_bf16",
+    "head dim": "use sdpa",
+}
+
+
+def _flash_class(
+    name: str, kernel: str, cap: Capability, dtype: torch.dtype, traits: ModelTraits, fixes: dict[str, str]
+) -> Candidate | None:
+    """The checks every flash-class kernel shares (CUDA, sm80+, fp16/bf16, head dim <= 256): the first that
+    fails, or None."""
+    if not cap.cuda or cap.compute_capability is None:
+        return _fail(name, "CUDA device", f"no CUDA device ({kernel} runs on NVIDIA GPUs only)", fixes["CUDA device"])
+    if cap.compute_capability < (8, 0):
+        return _fail(name, "compute capability", f"{cap.device_name} {cap.sm} < 8.0", fixes["compute capability"])
+    if dtype not in HALF_DTYPES:
+        return _fail(
+            name, "dtype", f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16", fixes["dtype"]
+        )
+    if traits.head_dim is not None and traits.head_dim > FA2_MAX_HEAD_DIM:
+        return _fail(name, "head dim", f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}", fixes["head dim"])
+    return None
+
+
 def check_fa2(
     cap: Capability,
     dtype: torch.dtype,
@@ -224,31 +257,9 @@ def check_fa2(
     for problem in preflight(cap):  # known-bad installs (TransformerEngine pins, transformers' minimum, ...)
         if problem.rejects == FA2:
             return _fail(FA2, problem.check, problem.reason, problem.fix)
-    if not cap.cuda or cap.compute_capability is None:
-        return _fail(
-            FA2, "CUDA device", "no CUDA device (FA2 runs on NVIDIA GPUs only)", "run on an NVIDIA Ampere-or-newer GPU"
-        )
-    if cap.compute_capability < (8, 0):
-        return _fail(
-            FA2,
-            "compute capability",
-            f"{cap.device_name} {cap.sm} < 8.0",
-            "FA2 needs Ampere or newer (A100, A10, L4, H100); use sdpa on this GPU",
-        )
-    if dtype not in HALF_DTYPES:
-        return _fail(
-            FA2,
-            "dtype",
-            f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16",
-            "train with precision: amp_bf16 (or load the model in bf16)",
-        )
-    if traits.head_dim is not None and traits.head_dim > FA2_MAX_HEAD_DIM:
-        return _fail(
-            FA2,
-            "head dim",
-            f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}",
-            "use sdpa for models with head_dim > 256",
-        )
+    unfit = _flash_class(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
+    if unfit:
+        return unfit
     if smoke_test is not None:
         error = smoke_test(torch.device("cuda"), dtype)
         if error:
@@ -266,16 +277,15 @@ def check_fa2(
 
 def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
     """One tiny ``varlen_attn`` call (forward and backward) on ``device``."""
-    try:
-        from foundry_attn.adapters import _torch_varlen_kernel, _varlen_signature
+    from foundry_attn.adapters import call_varlen, torch_varlen_kernel
 
+    kernel = torch_varlen_kernel()
+    if kernel is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    try:
         q = torch.randn(8, 2, 64, device=device, dtype=dtype, requires_grad=True)
         cu = torch.tensor([0, 3, 8], device=device, dtype=torch.int32)
-        signature = _varlen_signature()
-        if signature is None:
-            return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-        causal = {"window_size": (-1, 0)} if "window_size" in signature.parameters else {"is_causal": True}
-        _torch_varlen_kernel()(q, q, q, cu, cu, 5, 5, **causal).sum().backward()
+        call_varlen(kernel, q, q, q, cu, cu, 5, 5).sum().backward()
         torch.cuda.synchronize(device)
     except Exception as exc:
         return f"a tiny varlen_attn call failed on the device: {type(exc).__name__}: {exc}"
@@ -285,7 +295,7 @@ def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | N
 def check_torch_varlen(
     cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None
 ) -> Candidate:
-    from foundry_attn.adapters import _varlen_signature
+    from foundry_attn.adapters import torch_varlen_kernel
 
     name = TORCH_VARLEN
     if name not in traits.supports:
@@ -295,31 +305,16 @@ def check_torch_varlen(
             f"{traits.class_name} has no attention-interface support",
             "pick another implementation",
         )
-    if Version(cap.torch_version.split("+")[0]) < Version("2.10") or _varlen_signature() is None:
+    if Version(cap.torch_version.split("+")[0]) < Version("2.10") or torch_varlen_kernel() is None:
         return _fail(
             name,
             "torch version",
             f"torch {cap.torch_version} has no torch.nn.attention.varlen (>= 2.10)",
             "pip install 'torch>=2.10', or use flash_attention_2 / sdpa",
         )
-    if not cap.cuda or cap.compute_capability is None:
-        return _fail(name, "CUDA device", "no CUDA device (varlen_attn runs on NVIDIA GPUs)", "use sdpa here")
-    if cap.compute_capability < (8, 0):
-        return _fail(
-            name,
-            "compute capability",
-            f"{cap.device_name} {cap.sm} < 8.0 (varlen_attn is flash)",
-            "use sdpa on this GPU",
-        )
-    if dtype not in HALF_DTYPES:
-        return _fail(
-            name,
-            "dtype",
-            f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16",
-            "train with precision: amp_bf16",
-        )
-    if traits.head_dim is not None and traits.head_dim > FA2_MAX_HEAD_DIM:
-        return _fail(name, "head dim", f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}", "use sdpa")
+    unfit = _flash_class(name, "varlen_attn", cap, dtype, traits, TORCH_VARLEN_FIXES)
+    if unfit:
+        return unfit
     inexact = refusal(name, traits.needs)
     if inexact:
         return _fail(name, "exactness", inexact, "pick a backend that honours it, or change the model config")

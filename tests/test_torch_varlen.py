@@ -11,6 +11,7 @@ import torch
 
 from foundry_attn import adapters, conformance
 from foundry_attn.adapters import TORCH_VARLEN, attach
+from foundry_attn.bench.gpu import reference_varlen_attn
 from foundry_attn.fa2_reference import flash_attn_varlen_func
 from foundry_attn.forward import forward_documents
 
@@ -32,17 +33,8 @@ def varlen_212(
 ) -> torch.Tensor:
     calls.append({"window_size": window_size, "enable_gqa": enable_gqa, "heads": (q.shape[1], k.shape[1])})
     assert enable_gqa or q.shape[1] == k.shape[1]
-    return flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seq_q,
-        cu_seq_k,
-        max_q,
-        max_k,
-        softmax_scale=scale,
-        causal=window_size[1] == 0,
-        window_size=(window_size[0], -1),
+    return reference_varlen_attn(
+        q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa
     )
 
 
@@ -81,11 +73,9 @@ def varlen_noscale(
 
 @pytest.fixture(params=[varlen_212, varlen_210, varlen_noscale], ids=["torch>=2.12", "torch2.10", "no-scale"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    import inspect
 
     fn = request.param
-    monkeypatch.setattr(adapters, "_torch_varlen_kernel", lambda: fn)
-    monkeypatch.setattr(adapters, "_varlen_signature", lambda: inspect.signature(fn))
+    monkeypatch.setattr(adapters, "torch_varlen_kernel", lambda: fn)
     calls.clear()
     return fn
 

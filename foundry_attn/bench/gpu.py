@@ -65,7 +65,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import math
 import platform
 import random
@@ -77,7 +76,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.adapters import attach
+from foundry_attn.adapters import attach, call_varlen, torch_varlen_kernel, varlen_parameters
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
 from foundry_attn.fa2_reference import flash_attn_varlen_func as reference_varlen
@@ -124,24 +123,14 @@ def _unsupported(
         )
 
 
-def torch_varlen_attn() -> Callable | None:
-    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
 def flash_varlen_from_torch(kernel: Callable | None = None) -> Callable:
     """flash-attn's ``flash_attn_varlen_func`` over torch's ``varlen_attn`` (or ``kernel``, with one of its
     signatures: 2.10-2.11 ``is_causal`` (the earliest without ``scale``: default scale only); 2.12+
     ``window_size=(left, right)`` and ``enable_gqa``), read from the signature."""
-    kernel = kernel or torch_varlen_attn()
+    kernel = kernel or torch_varlen_kernel()
     if kernel is None:
         raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)")
-    params = inspect.signature(kernel).parameters
-    windowed, gqa, has_scale = "window_size" in params, "enable_gqa" in params, "scale" in params
+    params = varlen_parameters(kernel)
 
     def flash_attn_varlen_func(
         q: torch.Tensor,
@@ -162,26 +151,30 @@ def flash_varlen_from_torch(kernel: Callable | None = None) -> Callable:
         block_table: object = None,
     ) -> torch.Tensor:
         _unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs, block_table)
-        left, right = window_size
-        extra: dict[str, Any] = {}
-        if windowed:
-            extra["window_size"] = (left, 0 if causal else right)
-        elif (left, right) != (-1, -1):
+        if "window_size" not in params and tuple(window_size) != (-1, -1):
             raise NotImplementedError(f"torch {torch.__version__} varlen_attn has no window_size (torch >= 2.12)")
-        else:
-            extra["is_causal"] = causal
-        if q.shape[1] != k.shape[1]:
-            if gqa:
-                extra["enable_gqa"] = True
-            else:
-                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        if has_scale:
-            extra["scale"] = softmax_scale
-        elif softmax_scale is not None and not math.isclose(softmax_scale, q.shape[-1] ** -0.5, rel_tol=1e-6):
+        default = q.shape[-1] ** -0.5
+        if (
+            "scale" not in params
+            and softmax_scale is not None
+            and not math.isclose(softmax_scale, default, rel_tol=1e-6)
+        ):
             raise NotImplementedError(
                 f"torch {torch.__version__} varlen_attn has no scale (only 1/sqrt(head_dim)), asked for {softmax_scale}"
             )
-        return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), **extra)
+        return call_varlen(
+            kernel,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            scale=softmax_scale,
+            window=(window_size[0], window_size[1]),
+            causal=causal,
+        )
 
     return flash_attn_varlen_func
 
@@ -255,8 +248,7 @@ def reference_torch_varlen() -> Iterator[None]:
     from foundry_attn.patching import patch_attribute
 
     patches = [
-        patch_attribute(adapters, "_torch_varlen_kernel", replace=lambda: reference_varlen_attn),
-        patch_attribute(adapters, "_varlen_signature", replace=lambda: inspect.signature(reference_varlen_attn)),
+        patch_attribute(adapters, "torch_varlen_kernel", replace=lambda: reference_varlen_attn),
     ]
     try:
         yield
@@ -434,7 +426,7 @@ def make_tiers(device: torch.device) -> list[Tier]:
     """Every tier, with what it runs on here or why it is skipped."""
     cuda = device.type == "cuda"
     fa_version = flash_attn_version() if cuda else None
-    varlen = torch_varlen_attn() if cuda else None
+    varlen = torch_varlen_kernel() if cuda else None
     tiers = [
         Tier(
             BASELINE,
@@ -689,7 +681,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "device": str(device),
         "flash_attn": flash_attn_version() if device.type == "cuda" else None,
-        "torch_varlen_attn": torch_varlen_attn() is not None,
+        "torch_varlen_attn": torch_varlen_kernel() is not None,
     }
     if device.type == "cuda":
         info.update(
