@@ -83,7 +83,7 @@ bench: $(STAMP)
 	$(BIN)/foundry-attn bench padding --json
 	$(BIN)/foundry-attn bench callbacks --json
 	$(BIN)/foundry-attn bench compile --json
-	$(BIN)/foundry-attn bench isolation --json
+	$(BIN)/foundry-attn bench proof --json
 	$(BIN)/foundry-attn bench events --json
 
 clean:

@@ -1,7 +1,7 @@
 """Document-aware attention functions, registered in transformers' attention interface by name.
 
-    from foundry_attn.adapters import attach
-    attach(hf_model, "sdpa")            # config._attn_implementation = "foundry_sdpa", for good
+    from foundry_attn.paths import attach
+    attach(hf_model, "sdpa")            # proven: config._attn_implementation = "foundry_sdpa" (flat), or rows
     out = forward_documents(hf_model, batch)
 
 Each backend (``flash_attention_2``, ``sdpa``, ``eager``, ``flex_attention``) has one function here,
@@ -60,6 +60,7 @@ class Documents:
         self, bounds: tuple[int, ...], cu: torch.Tensor | None = None, host_bounds: torch.Tensor | None = None
     ) -> None:
         self.bounds, self.cu, self.host_bounds = tuple(bounds), cu, host_bounds
+        self.calls = 0  # attention calls that received these documents (uncompiled; the proof reads it)
 
     def __repr__(self) -> str:
         return f"Documents(bounds={self.bounds})"
@@ -239,15 +240,67 @@ def is_placeholder(mask: Any) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (1, 1)
 
 
-def _documents(kwargs: dict, attention_mask: Any, query: torch.Tensor) -> Documents | None:
+class DocumentsDropped(RuntimeError):
+    """A layer called attention without our ``foundry_documents`` argument while the flat row was running."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.attention_class = type(module).__name__
+        super().__init__(
+            f"foundry_attn: the documents did not reach {self.attention_class}: the layer that calls it passed "
+            f"no '{DOCS_KEY}' argument (it forwards no **kwargs to attention)"
+        )
+
+
+class FlatUnsupported(ValueError):
+    """The attention call carries an argument the flat path does not honour (sinks, a position bias, ...)."""
+
+
+#: what a layer may pass to attention that the flat row makes moot (positions and lengths are ours, no cache)
+IGNORED_KWARGS = frozenset(
+    (
+        "position_ids",
+        "cache_position",
+        "past_key_value",
+        "past_key_values",
+        "use_cache",
+        "output_attentions",
+        "is_causal",
+        "layer_idx",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "position_embeddings",
+        "attn_implementation",
+    )
+)
+
+
+def unhonoured(kwargs: dict) -> list[str]:
+    """The arguments of an attention call that the flat path would drop: any that carries a value and is not
+    known to be moot. Refusing them (rather than ignoring) keeps sinks, biases and the like exact."""
+    return sorted(
+        k
+        for k, v in kwargs.items()
+        if k not in IGNORED_KWARGS and v is not None and v is not False and not (isinstance(v, float) and v == 0.0)
+    )
+
+
+def _documents(kwargs: dict, attention_mask: Any, query: torch.Tensor, module: torch.nn.Module) -> Documents | None:
     """The documents of this call; a placeholder mask without them means a caller dropped our argument."""
     docs = kwargs.pop(DOCS_KEY, None)
-    if docs is None and query.shape[2] > 1 and is_placeholder(attention_mask):
-        raise RuntimeError(
-            "foundry_attn: the documents did not reach this attention call: a layer dropped the "
-            f"'{DOCS_KEY}' argument (GPT-NeoX does under HF gradient_checkpointing_enable()); use "
-            "activation checkpointing through Composer (checkpoint_wrapper) or another family"
+    if docs is None:
+        if query.shape[2] > 1 and is_placeholder(attention_mask):
+            raise DocumentsDropped(module)
+        return None
+    extra = unhonoured(kwargs)
+    if extra:
+        raise FlatUnsupported(
+            f"{type(module).__name__} passes {', '.join(repr(k) for k in extra)} to attention, which the flat "
+            "path does not honour"
         )
+    if not torch.compiler.is_compiling():
+        docs.calls += 1
     return docs
 
 
@@ -272,7 +325,7 @@ def sdpa_documents(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask."""
-    docs = _documents(kwargs, attention_mask, query)
+    docs = _documents(kwargs, attention_mask, query, module)
     _no_softcap(SDPA, softcap)
     if docs is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -355,7 +408,7 @@ def eager_documents(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' eager math, one document at a time (causal and window per document)."""
-    docs = _documents(kwargs, attention_mask, query)
+    docs = _documents(kwargs, attention_mask, query, module)
     if docs is None:
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -440,7 +493,7 @@ def flex_documents(
 
     Uncompiled on CPU (the only dependable flex there in torch 2.7), compiled elsewhere.
     """
-    docs = _documents(kwargs, attention_mask, query)
+    docs = _documents(kwargs, attention_mask, query, module)
     _no_softcap(FLEX, softcap)
     if dropout:
         raise ValueError(f"foundry_attn: flex_attention cannot apply attention dropout {dropout}")
@@ -484,7 +537,7 @@ def _fa2(
     kwargs: dict,
 ) -> tuple[torch.Tensor, None]:
     """transformers' own FA2 code path with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
-    docs = _documents(kwargs, attention_mask, query)
+    docs = _documents(kwargs, attention_mask, query, module)
     if docs is None:  # a mask built by the model (generation): FA2 cannot take a 4-D mask; eager math can
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -584,7 +637,7 @@ def torch_varlen_documents(
 ) -> tuple[torch.Tensor, None]:
     """PyTorch's varlen flash kernel over the flat row: the FA2 layout (``cu_seqlens``, no per-layer unpad, no
     host sync) without flash-attn. A window lets a query see ``sliding_window`` keys (as our sdpa does)."""
-    docs = _documents(kwargs, attention_mask, query)
+    docs = _documents(kwargs, attention_mask, query, module)
     _no_softcap(TORCH_VARLEN, softcap)
     if dropout:
         raise ValueError(f"foundry_attn: torch_varlen cannot apply attention dropout {dropout}")
@@ -620,6 +673,13 @@ def register() -> None:
 
     for name, fn in FUNCTIONS.items():
         AttentionInterface.register(PREFIX + name, fn)
+    try:  # transformers 5.x builds masks per name, and none at all for a name it does not know
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:  # 4.51: the model's own mask code builds a 4-D mask for any name but its own
+        return
+    masks = {SDPA: SDPA, FLEX: FLEX}  # FA2, torch_varlen and eager take the additive mask on their mask branch
+    for name in FUNCTIONS:
+        AttentionMaskInterface.register(PREFIX + name, ALL_MASK_ATTENTION_FUNCTIONS[masks.get(name, EAGER)])
 
 
 def backend_of(impl: str | None) -> str | None:
@@ -628,26 +688,17 @@ def backend_of(impl: str | None) -> str | None:
     return FA2 if name == FA2_REFERENCE else name
 
 
-def attach(model: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
-    """Point ``model``'s attention at our function for ``backend`` (default: its current one), for good.
+def point(model: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
+    """Point ``model``'s attention at our function for ``backend`` (default: its current one), unproven.
 
-    Models whose base ``forward`` passes no ``**kwargs`` to attention (GPT-2 in 4.51) keep the stock
-    name: :func:`foundry_attn.forward.forward_documents` then runs one document per row instead.
+    Low level: :func:`foundry_attn.paths.attach` points, proves the flat path against stock and records the
+    path; ``forward_documents`` runs a model that was only pointed one document per row.
     Returns the name now in ``config._attn_implementation``.
     """
     register()
-    config = model.config
-    backend = backend or backend_of(config._attn_implementation)
+    backend = backend or backend_of(model.config._attn_implementation)
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if passes_kwargs(model):
-        name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
-    elif (backend == FA2 and fa2_reference) or backend in (FLEX, TORCH_VARLEN):
-        raise ValueError(
-            f"{type(model).__name__} passes no per-call arguments to attention, so {backend}"
-            f"{' on the reference kernel' if fa2_reference else ''} cannot see the documents"
-        )
-    else:
-        name = backend
-    config._attn_implementation = name
+    name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
+    model.config._attn_implementation = name
     return name

@@ -3,7 +3,7 @@
 foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
 [--attn-strict] [--model-config ./build/tiny/tiny-llama]
 foundry-attn assets build/tiny
-foundry-attn bench padding|callbacks|compile|isolation|events --json [--device cuda] [--quick]
+foundry-attn bench padding|callbacks|compile|proof|events --json [--device cuda] [--quick]
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
 foundry-attn conformance [--markdown] [--family mistral]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
@@ -106,7 +106,7 @@ def bench(args: argparse.Namespace) -> int:
         "events": {"runs": 4 if quick else 100},
         "compile": {"device": args.device, "layouts": 12 if quick else 50, "models": ("tiny",) if quick else None},
         "gpu": {"device": args.device, "quick": quick, "layers": args.layers, "rounds": args.rounds},
-        "isolation": {"device": args.device, "repeats": 1 if quick else 3, "models": ("tiny",) if quick else None},
+        "proof": {"device": args.device, "repeats": 1 if quick else 3, "models": ("tiny",) if quick else None},
         "callbacks": {"quick": quick},
     }
     module = importlib.import_module(f"foundry_attn.bench.{args.which}")
@@ -212,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", nargs="?", default="build/tiny")
     p.set_defaults(func=assets)
     p = sub.add_parser("bench", help="side-by-side benchmarks; prints ratios from one run")
-    p.add_argument("which", choices=("padding", "callbacks", "isolation", "compile", "events", "gpu"))
+    p.add_argument("which", choices=("padding", "callbacks", "proof", "compile", "events", "gpu"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the README)")
     p.add_argument(
         "--device",
         default=None,
-        help="padding, isolation, compile: cpu (the default, even with a GPU present) or cuda[:N]; "
+        help="padding, proof, compile: cpu (the default, even with a GPU present) or cuda[:N]; "
         "gpu: cuda[:N] (the default) or cpu (its plumbing on a tiny model, not a GPU number)",
     )
     p.add_argument("--layers", type=int, default=None, help="gpu: decoder layers (default 30; cpu: 2)")

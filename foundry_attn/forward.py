@@ -1,17 +1,19 @@
-"""One forward of a HF causal LM that honours document boundaries under every backend.
+"""One forward of a HF causal LM that honours document boundaries under every backend: two paths.
 
-    attach(hf_model, "sdpa")                        # once: foundry_attn.adapters
+    attach(hf_model, "sdpa")                        # once: foundry_attn.paths (proves the flat path)
     out = forward_documents(hf_model, batch)        # batch from foundry_attn.packing, or any 2-D mask
     logits = repad_logits(out)                      # [rows, width, vocab], only if you need them
 
-The batch is unpadded once into one flat row of real tokens. Every attention call of the model then
-carries the documents as an argument (``foundry_documents``) to our function for its backend
-(``foundry_attn.adapters``): FA2 varlen with ``cu_seq_lens``, one causal SDPA call per document, eager
-math per document, or one flex call with a document ``BlockMask``. No L x L mask is built: the model's own
-mask code gets a ``[1, 1, 1, 1]`` placeholder, which it passes through unchanged.
+**flat**: the batch is unpadded once into one flat row of real tokens, and every attention call carries the
+documents as an argument (``foundry_documents``) to our function for its backend (``foundry_attn.adapters``):
+FA2 varlen with ``cu_seq_lens``, one causal SDPA call per document, eager math per document, or one flex
+call with a document ``BlockMask``. No L x L mask is built: the model's own mask code gets a ``[1, 1, 1, 1]``
+placeholder, which it passes through unchanged. Only for a model whose flat path was proven
+(:func:`foundry_attn.paths.attach`); the proof is kept on the model and re-checked on the batches that train.
 
-A model whose base ``forward`` passes nothing on to attention (GPT-2 in transformers 4.51) keeps its
-stock backend and runs one document per row, right-padded, with a 2-D mask: exact, at the cost of padding.
+**rows**: the stock backend, one document per row, right-padded, with a 2-D mask and the model's own
+position ids: exact for every family that handles right padding, at the cost of padding. Everything else
+(a model nobody attached, one whose flat proof failed) runs this way.
 Core module: torch and transformers only.
 """
 
@@ -20,16 +22,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents
+from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents, DocumentsDropped
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.layout import Layout
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.policy import FA2
+
+log = logging.getLogger(__name__)
+
+FLAT, ROWS = "flat", "rows"
+PATH_ATTR = "foundry_path"  # the PathState :func:`foundry_attn.paths.attach` keeps on the HF model
+
+
+class PathGuard(Protocol):
+    """What ``forward_documents`` asks of the path kept on a model (:class:`foundry_attn.paths.PathState`)."""
+
+    path: str
+
+    def before_batch(self, model: Any, batch: Mapping, layout: Layout) -> None: ...
+
+    def dropped(self, exc: DocumentsDropped, model: Any) -> None: ...
+
+
+def path_state(model: Any) -> PathGuard | None:
+    """The proven path of ``model`` (or of the HF model inside a wrapper), or None if it was never attached."""
+    return getattr(unwrapped(model), PATH_ATTR, None)
 
 
 def kernel_context(impl: str, device: torch.device, fa2_reference: bool = False) -> contextlib.AbstractContextManager:
@@ -53,7 +76,15 @@ def unwrapped(model: Any) -> Any:
 def forward_documents(model: Any, batch: Mapping) -> Any:
     """Run ``model`` (a HF causal LM, or a DDP / FSDP / compiled wrapper of one) so that no document sees another."""
     inputs, placed, no_targets = prepare_documents(model, batch)
-    return finish_documents(model(**inputs, use_cache=False), placed, no_targets)
+    state = path_state(model)
+    try:
+        out = model(**inputs, use_cache=False)
+    except DocumentsDropped as exc:  # a layer dropped our argument in training only (HF checkpointing)
+        if state is None:
+            raise
+        state.dropped(exc, model)  # rows from now on, or the binding error
+        return forward_documents(model, batch)
+    return finish_documents(out, placed, no_targets)
 
 
 @torch.compiler.disable
@@ -75,20 +106,47 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
     layout = Layout.from_batch(batch)
     if layout.real_tokens == 0:
         raise ValueError("empty batch: no real tokens (every row is padding)")
-    positions = batch.get("position_ids")
-    if positions is None:  # ours restart per document; a user's mask keeps HF's default (index in the row)
-        positions = (
-            layout.position_ids(ids.device)
-            if batch.get("doc_lens") is not None
-            else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        )
     labels = batch.get("labels")
     no_targets = labels is not None and not _has_targets(batch, labels)
     if no_targets:
         labels = None
-    flat_path = unwrapped(model).config._attn_implementation in REGISTERED
-    inputs, placed = (_flat if flat_path else _rows)(model, ids, positions, labels, layout)
+    hf = unwrapped(model)
+    state = path_state(hf)
+    if state is not None:
+        state.before_batch(model, batch, layout)  # proves the flat path on this batch when it is due
+    elif hf.config._attn_implementation in REGISTERED:
+        _say_unproven(type(hf).__name__)
+    if state is not None and state.path == FLAT:
+        inputs, placed = _flat(model, ids, _flat_positions(batch, layout), labels, layout)
+    else:
+        inputs, placed = _rows(model, ids, _user_positions(batch), labels, layout)
     return inputs, placed, no_targets
+
+
+@functools.cache
+def _say_unproven(class_name: str) -> None:
+    log.warning(
+        "foundry_attn: %s was pointed at our attention but never proven (foundry_attn.paths.attach): "
+        "forward_documents runs it one document per row (rows path). Call attach(model, backend) for the flat path.",
+        class_name,
+    )
+
+
+def _flat_positions(batch: Mapping, layout: Layout) -> torch.Tensor:
+    """Ours restart per document; a user's mask keeps HF's default (index in the row)."""
+    positions = batch.get("position_ids")
+    if positions is not None:
+        return positions
+    ids = batch["input_ids"]
+    if batch.get("doc_lens") is not None:
+        return layout.position_ids(ids.device)
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+
+def _user_positions(batch: Mapping) -> torch.Tensor | None:
+    """Rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style
+    offsets included); only a user's explicit ``position_ids`` with their own mask are passed on."""
+    return None if batch.get("doc_lens") is not None else batch.get("position_ids")
 
 
 def _has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
@@ -128,7 +186,13 @@ def _flat(
     # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
     if "last_cache_position" in _base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
         inputs["last_cache_position"] = total
-    inputs["attention_mask"] = torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
+    inputs["attention_mask"] = (
+        # a MoE forward hands its mask to the router loss, which reads it as [batch, seq]: every token of the
+        # flat row is real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)
+        torch.ones(1, total, dtype=torch.long, device=ids.device)
+        if getattr(hf.config, "output_router_logits", False)
+        else torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
+    )
     inputs[DOCS_KEY] = docs
     return inputs, (torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
 
@@ -140,7 +204,7 @@ def _base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
 
 
 def _rows(
-    model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
+    model: Any, ids: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor | None, layout: Layout
 ) -> tuple[dict[str, Any], tuple]:
     """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
     flat = layout.real_indices(ids.device)
@@ -157,13 +221,18 @@ def _rows(
     row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
     if row_labels is not None:
         row_labels[:, 0] = IGNORE_INDEX
-    inputs = dict(
-        input_ids=scatter(ids, 0),
-        position_ids=scatter(positions, 0),
-        attention_mask=scatter(torch.ones_like(ids), 0),
-        labels=row_labels,
-    )
+    inputs = dict(input_ids=scatter(ids, _pad_id(model)), attention_mask=scatter(torch.ones_like(ids), 0))
+    if positions is not None:
+        inputs["position_ids"] = scatter(positions, 0)
+    inputs["labels"] = row_labels
     return inputs, (dst, flat, layout.rows, layout.width)
+
+
+def _pad_id(model: Any) -> int:
+    """The id right padding is filled with: the model's pad token where it has one (RoBERTa-style position ids
+    count from it), else 0."""
+    pad = getattr(unwrapped(model).config, "pad_token_id", None)
+    return pad if isinstance(pad, int) and pad >= 0 else 0
 
 
 def repad_logits(out: Any) -> torch.Tensor:

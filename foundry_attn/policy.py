@@ -96,8 +96,10 @@ class Decision:
     candidates: tuple[Candidate, ...]
     strict: bool = False
     compute_dtype: str = "float32"
-    isolation: str = ""  # the isolation probe: "passed in N ms", "off", "skipped here"
+    isolation: str = ""  # the flat-path proof at build: "passed in N ms (...)", "failed (...)", "off"
     where: str = ""  # "<device> (<sm>) on <host>", for error messages
+    path: str = ""  # "flat" | "rows" (foundry_attn.paths), empty before the model is attached
+    path_reason: str = ""
 
     @property
     def binding(self) -> bool:
@@ -126,6 +128,8 @@ class Decision:
             "strict": self.strict,
             "compute_dtype": self.compute_dtype,
             "isolation": self.isolation,
+            "path": self.path,
+            "path_reason": self.path_reason,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }
 

@@ -86,14 +86,14 @@ def test_round_robin_gc_off_inside_a_call_and_self_timed_seconds() -> None:
 
 
 @pytest.mark.slow
-def test_quick_isolation_and_compile_benches_run_and_agree(capsys) -> None:
-    """The isolation-probe and compile benchmarks through the CLI, untimed: probes pass, one graph, losses agree."""
-    assert main(["bench", "isolation", "--json", "--quick"]) == 0
-    isolation = json.loads(capsys.readouterr().out)
+def test_quick_proof_and_compile_benches_run_and_agree(capsys) -> None:
+    """The proof and compile benchmarks through the CLI, untimed: probes pass, one graph, losses agree."""
+    assert main(["bench", "proof", "--json", "--quick"]) == 0
+    proof = json.loads(capsys.readouterr().out)
     from foundry_attn.capability import flex_backward_error
 
     backends = 4 if flex_backward_error("cpu") is None else 3  # flex is left out where it cannot train
-    assert isolation["all_passed"] and len(isolation["rows"]) == backends
+    assert proof["all_passed"] and len(proof["rows"]) == backends
     assert main(["bench", "compile", "--json", "--quick"]) == 0
     [row] = json.loads(capsys.readouterr().out)["rows"]
     assert row["graphs_after_warmup"] == 0 and row["graph_breaks"] == 0 and row["losses_agree"], row

@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from foundry_attn import conformance
-from foundry_attn.adapters import FUNCTIONS, attach
+from foundry_attn.adapters import FUNCTIONS
 from foundry_attn.capability import probe
-from foundry_attn.isolation import isolation_check
+from foundry_attn.paths import attach
 
 #: (family, backend) -> a phrase the refusal must contain; every other cell must be exact
 REFUSED = {
@@ -18,11 +18,11 @@ REFUSED = {
     ("gemma2", "flex_attention"): ("cannot apply Gemma2ForCausalLM's attention logit softcap", "no backward"),
     ("gpt2", "flex_attention"): ("has no flex_attention support", "no backward"),
 }
-if transformers.__version__.startswith("4."):  # 4.51's GPT-2 passes no **kwargs to attention (5.x does)
-    REFUSED["gpt2", "flash_attention_2"] = "passes no per-call arguments to attention"
+#: 4.51's GPT-2 passes no **kwargs to attention (5.x does): one document per row, exact
+ROWS = {("gpt2", b) for b in ("flash_attention_2", "sdpa", "eager")} if transformers.__version__.startswith("4.") else set()
 #: torch after 2.7 has no FlexAttention backward on the CPU: the policy refuses flex for training there
 NO_FLEX_BACKWARD = probe().flex_backward_error is not None
-#: GPT-NeoX's HF gradient checkpointing drops **kwargs in 4.51: refused loudly at the first forward (5.x: exact)
+#: GPT-NeoX's HF gradient checkpointing drops **kwargs in 4.51: rows from the first forward on (5.x: flat)
 DROPS_KWARGS = {("gpt_neox", kind) for kind in ("hf_reentrant", "hf_non_reentrant")}
 
 
@@ -43,26 +43,28 @@ def test_every_cell_is_exact_or_refused(family: str) -> None:
                     phrases = (phrases,) if isinstance(phrases, str) else phrases
                     assert c.status == "refused" and any(p in c.detail for p in phrases), where
                 elif (family, kind) in DROPS_KWARGS and transformers.__version__.startswith("4."):
-                    assert c.status == "refused" and "did not reach" in c.detail, where
+                    assert c.status == "exact" and c.path == "rows" and "did not reach" in c.detail, where
+                    assert "gradient checkpointing" in c.detail, where
                 else:
                     assert c.status == "exact", where
+                    assert c.path == ("rows" if (family, backend) in ROWS else "flat"), where
 
 
-def test_isolation_probe_catches_a_broken_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_proof_catches_a_broken_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flat function that ignores the documents fails the proof against stock: the model moves to rows."""
     from transformers.modeling_utils import AttentionInterface
 
     model = conformance.build("llama", "sdpa")
-    attach(model, "sdpa")
-    assert isolation_check(model)[0] is None
+    assert attach(model, "sdpa").path == "flat"
 
-    def leaky(module, query, key, value, attention_mask, **kwargs):  # ignores the documents
-        kwargs.pop("foundry_documents")
+    def leaky(module, query, key, value, attention_mask, **kwargs):  # takes the documents, ignores them
+        kwargs.pop("foundry_documents").calls += 1
         return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)
 
     monkeypatch.setitem(AttentionInterface._global_mapping, "foundry_sdpa", leaky)
-    failure, ms = isolation_check(model)
-    assert failure and "documents see each other" in failure and ms > 0
-    assert model.training  # mode restored
+    state = attach(model, "sdpa")
+    assert state.path == "rows" and "differ from stock sdpa" in state.reason, state.reason
+    assert model.config._attn_implementation == "sdpa" and model.training  # stock name, mode restored
 
 
 def test_table_lists_every_family() -> None:
@@ -94,7 +96,7 @@ def test_a_bad_config_override_is_not_blamed_on_attention(assets, tmp_path, capl
     assert "building with" not in caplog.text
 
 
-def test_model_records_the_isolation_probe(assets, tmp_path) -> None:
+def test_model_records_the_proof(assets, tmp_path) -> None:
     from foundry_attn.foundry.model import FoundryAttnCausalLM
 
     model = FoundryAttnCausalLM(
@@ -104,6 +106,6 @@ def test_model_records_the_isolation_probe(assets, tmp_path) -> None:
         events_dir=str(tmp_path),
         attn_implementation="eager",
     )
-    assert model.attn_decision.isolation.startswith("passed in")
+    assert model.attn_decision.isolation.startswith("passed in") and model.attn_decision.path == "flat"
     assert model.model.config._attn_implementation == "foundry_eager" and model.attn_implementation == "eager"
     assert next(model.parameters()).dtype == torch.float32

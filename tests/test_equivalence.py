@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from foundry_attn.adapters import attach
 from foundry_attn.forward import forward_documents, repad_logits
 from foundry_attn.layout import Layout
 from foundry_attn.packing import PaddingCollator
+from foundry_attn.paths import attach
 
 from .conftest import make_llama, skip_unless_flex_trains
 

@@ -7,6 +7,8 @@ import importlib.util
 import pytest
 import torch
 
+from foundry_attn.paths import attach
+
 from .conftest import make_llama
 
 pytestmark = [
@@ -43,7 +45,6 @@ def test_policy_picks_fa2_on_this_gpu() -> None:
 
 
 def test_unpad_once_on_real_fa2_matches_sdpa() -> None:
-    from foundry_attn.adapters import attach
     from foundry_attn.forward import forward_documents, repad_logits
     from foundry_attn.packing import PaddingCollator
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foundry_attn.paths import attach
+
 
 def _tiny(arch: str) -> torch.nn.Module:
     import transformers as tf
@@ -55,7 +57,6 @@ def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_inspector_sees_the_flat_row(llama, impl: str) -> None:
     """Unpadded once: one flat row of real tokens, no mask, one restart per document boundary."""
-    from foundry_attn.adapters import attach
     from foundry_attn.forward import forward_documents
     from foundry_attn.inspection import BatchInfo, ModelInspector
 

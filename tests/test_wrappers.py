@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from foundry_attn import conformance
-from foundry_attn.adapters import attach
 from foundry_attn.forward import forward_documents
+from foundry_attn.paths import attach
 
 from .conftest import REPO, skip_unless_flex_trains
 from .wrapped_worker import recorded

@@ -32,11 +32,12 @@ from typing import Any, cast
 
 import torch
 
-from foundry_attn.adapters import SDPA, attach
+from foundry_attn.adapters import SDPA
 from foundry_attn.bench import machine, sync
 from foundry_attn.bench.timing import median, round_robin
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import PaddingCollator
+from foundry_attn.paths import attach
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench compile --json"

@@ -76,13 +76,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.adapters import attach, call_varlen, torch_varlen_kernel, varlen_parameters
+from foundry_attn.adapters import call_varlen, torch_varlen_kernel, varlen_parameters
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
 from foundry_attn.fa2_reference import flash_attn_varlen_func as reference_varlen
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX
+from foundry_attn.paths import attach
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench gpu --json"
@@ -399,7 +400,10 @@ class Tier:
 
     def setup(self, model: Any) -> None:
         if self.backend is not None:
-            attach(model, self.backend)
+            with self.context():  # the proof runs the tier's kernel (a CPU stand-in where there is no GPU)
+                state = attach(model, self.backend)
+            if state.path != "flat":
+                raise RuntimeError(f"{self.name}: the flat path is not proven for this model: {state.reason}")
         else:
             model.config._attn_implementation = self.stock_impl
 

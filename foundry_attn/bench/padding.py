@@ -63,11 +63,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from foundry_attn.adapters import attach
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, round_robin
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
+from foundry_attn.paths import attach
 from foundry_attn.policy import FA2, SDPA
 
 if TYPE_CHECKING:

@@ -10,16 +10,19 @@
       attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
       events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR, else ./<run_name>/attn_events
       fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
-      attn_isolation_check: true           # packed vs alone on two tiny documents at build; a leak rejects
+      attn_path: auto                      # auto | flat | rows: flat where proven exact, else one document per row
+      attn_proof_interval: 100             # prove flat again every N training batches (and on the first, and
+                                           # whenever the attention code changes); 0: first batch and changes only
+      attn_isolation_check: true           # the proof at build on two synthetic documents (false: first batch only)
       attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
         1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
     callbacks:
       attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
 
-Every other ``hf_causal_lm`` key works unchanged. The model's attention is pointed at our function for
-the chosen backend (``foundry_attn.adapters``) and the forward honours ``foundry_attn`` batches
-(``doc_lens``) and 2-D masks under every backend: one flat row of real tokens (unpadded once), the
-documents passed to every attention call as an argument.
+Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches (``doc_lens``)
+and 2-D masks under every backend, on one of two paths (``foundry_attn.paths``): **flat** (one row of real
+tokens, unpadded once, the documents passed to every attention call as an argument) where it is proven
+against stock, **rows** (the stock backend, one document per row, a 2-D mask) where it is not.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ from llmfoundry.models.hf import ComposerHFCausalLM
 from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
 
-from foundry_attn.adapters import attach, backend_of
+from foundry_attn.adapters import DocumentsDropped, backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
-from foundry_attn.forward import finish_documents, has_layout, prepare_documents, repad_logits
-from foundry_attn.isolation import isolation_check
+from foundry_attn.forward import ROWS, finish_documents, has_layout, path_state, prepare_documents, repad_logits
 from foundry_attn.loading import decide
+from foundry_attn.paths import AUTO as AUTO_PATH
+from foundry_attn.paths import PROOF_INTERVAL, PathState, attach, check_path
 from foundry_attn.policy import (
     AUTO,
     DEFAULT_FALLBACK,
@@ -51,6 +55,7 @@ from foundry_attn.policy import (
     SDPA,
     AttentionUnavailableError,
     Decision,
+    strict_error,
     summarize,
     validate_names,
 )
@@ -87,6 +92,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         events_dir: str | None = None,
         fa2_reference_kernel: bool = False,
         attn_isolation_check: bool = True,
+        attn_path: str = AUTO_PATH,
+        attn_proof_interval: int = PROOF_INTERVAL,
         attn_rank_overrides: dict | None = None,
         use_flash_attention_2: bool = False,
         **kwargs: Any,
@@ -101,6 +108,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         if use_flash_attention_2 and requested == AUTO:
             requested = FA2
         requested, fallback = validate_names(requested, list(attn_fallback))
+        check_path(attn_path)
+        self._path_request = (attn_path, attn_strict, int(attn_proof_interval))
         cap = probe()
         launch = [uuid.uuid4().hex[:12]]  # one id for every rank of this launch: rank 0's
         dist.broadcast_object_list(launch, src=0)
@@ -154,7 +163,15 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 )
             except (ValueError, ImportError, RuntimeError) as exc:
                 others = [c for c in decision.candidates if c.available and c.name != decision.chosen]
-                if not others or decision.binding:
+                if decision.binding:  # the strict format, naming the check; transformers' text is the reason
+                    raise strict_error(
+                        decision.chosen,
+                        "load",
+                        f"transformers refused it at build: {exc}",
+                        "see the reason",
+                        decision.where,
+                    ) from exc
+                if not others:
                     raise
                 log.warning("attention: building with %s failed: %s", decision.chosen, exc)
                 decision = decision.with_rejection(decision.chosen, f"model build failed: {exc}")
@@ -162,22 +179,30 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             return decision
 
     def _attach(self, decision: Decision, reference: bool, isolation: bool) -> Decision:
-        """Point attention at our function for the choice, probe isolation; a failure moves down the chain."""
+        """Prove the flat path for the choice (``foundry_attn.paths``); rows where it does not hold. A backend
+        whose rows would be another backend (torch_varlen: sdpa) moves down the chain instead."""
+        path, strict, interval = self._path_request
         while True:
-            check = "documents"
-            try:
-                attach(self.model, decision.chosen, fa2_reference=reference)
-                failure, ms = (
-                    isolation_check(self.model) if isolation and self._probe_runs(decision, reference) else (None, None)
-                )
-                check = "isolation"
-            except ValueError as exc:
-                failure, ms = str(exc), None
-            if failure is None:
-                note = f"passed in {ms:.0f} ms" if ms is not None else "off" if not isolation else "skipped here"
-                return dataclasses.replace(decision, isolation=note)
-            log.warning("attention: %s rejected: %s", decision.chosen, failure)
-            decision = decision.with_rejection(decision.chosen, failure, check=check)
+            state = attach(
+                self.model,
+                decision.chosen,
+                path,
+                fa2_reference=reference,
+                strict=strict,
+                interval=interval,
+                prove_now=isolation and self._probe_runs(decision, reference),
+            )
+            if state.path == ROWS and backend_of(state.rows_name) != decision.chosen:
+                decision = decision.with_rejection(decision.chosen, state.reason, check="flat path")
+                continue
+            state.listeners.append(self._path_changed)
+            note = state.proofs[-1][1].describe() if state.proofs else "off" if not isolation else "first batch"
+            return dataclasses.replace(decision, isolation=note, path=state.path, path_reason=state.reason)
+
+    def _path_changed(self, state: PathState) -> None:
+        """A proof on a training batch (or a dropped argument) moved the run to rows: say so, record it."""
+        self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
+        self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
 
     def _probe_runs(self, decision: Decision, reference: bool) -> bool:
         """The probe runs where the weights are: not on meta, not real FA2 on a CPU-built model."""
@@ -227,7 +252,9 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self.attn_decision = self.attn_decision.with_rejection(  # strict: raises, naming check, device and fix
             FA2, reason, check="dtype", fix="train with precision: amp_bf16 (or amp_fp16)"
         )
-        attach(self.model, self.attn_decision.chosen)
+        state = attach(self.model, self.attn_decision.chosen, self._path_request[0], prove_now=False)
+        state.listeners.append(self._path_changed)
+        self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
         log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 
@@ -236,7 +263,19 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
         inputs, placed, no_targets = routed
-        return finish_documents(self.model(**inputs, use_cache=False), placed, no_targets)
+        try:
+            out = self.model(**inputs, use_cache=False)
+        except DocumentsDropped as exc:  # a layer drops our argument in training only (HF checkpointing)
+            self._dropped(exc)
+            return self.forward(batch)  # rows from now on
+        return finish_documents(out, placed, no_targets)
+
+    @torch.compiler.disable
+    def _dropped(self, exc: DocumentsDropped) -> None:
+        state = path_state(self.model)
+        if state is None:
+            raise exc
+        state.dropped(exc, self.model)
 
     @torch.compiler.disable
     def _route(self, batch: Mapping) -> tuple | None:

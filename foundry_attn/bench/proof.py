@@ -1,17 +1,19 @@
-"""What the isolation probe costs at build, next to one training step of the same model.
+"""What the flat-path proof costs (at attach, and on a training batch), next to one training step.
 
-    foundry-attn bench isolation --json            # CPU: tiny demo model and SmolLM2-135M (30 layers), ~1 min
-    foundry-attn bench isolation --json --device cuda   # GPU: bf16, FA2 when flash-attn imports
-    foundry-attn bench isolation --json --quick         # smoke run: the tiny model, 1 repeat
+    foundry-attn bench proof --json            # CPU: tiny demo model and SmolLM2-135M (30 layers), ~5 min
+    foundry-attn bench proof --json --device cuda   # GPU: bf16, FA2 when flash-attn imports
+    foundry-attn bench proof --json --quick         # smoke run: the tiny model, 1 repeat
 
 For each model and backend (CPU: sdpa, eager, flex_attention, FA2 on the reference kernel; CUDA: sdpa, eager,
-flex_attention, flash_attention_2 when flash-attn imports), ``isolation_check`` runs on a freshly attached model:
-``first_ms`` is the first probe (what a build pays: it runs once; flex builds its first block mask there),
-``warm_ms`` the median of the next ``repeats``. ``step_ms`` is one forward + backward of a packed row of
-documents (1395 real tokens: the padding benchmark's six) with the same backend, median of ``repeats``
-(``bench.timing.round_robin``: GC off inside a step); ``probe_vs_step`` = first_ms / step_ms. Models are random
-Llamas (``foundry_attn.shapes``): the demo's tiny one (vocab 64) and SmolLM2-135M's full depth; fp32 on CPU, bf16
-on CUDA. Core module: torch and transformers only.
+flex_attention, flash_attention_2 when flash-attn imports): ``attach_ms`` is the proof :func:`foundry_attn.paths.attach`
+runs (two synthetic documents; flex builds its first block mask there); ``batch_proof_ms`` the proof on a training
+batch (``PathState.before_batch``: the packed row of the padding benchmark's six documents, 1395 real tokens,
+and two of them alone through stock), median of ``repeats``; ``step_ms`` one forward + backward of that batch,
+median of ``repeats`` (``bench.timing.round_robin``: GC off inside a step). ``proof_vs_step`` = batch_proof_ms /
+step_ms, and ``cost_at_interval`` that over the default interval (``paths.PROOF_INTERVAL``): the share of
+training time the re-proof takes. ``fingerprint_us``: the identity check every batch pays. Models are random
+Llamas (``foundry_attn.shapes``): the demo's tiny one (vocab 64) and SmolLM2-135M's full depth; fp32 on CPU,
+bf16 on CUDA. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ from typing import Any, cast
 
 import torch
 
-from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, attach
+from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median, round_robin
 from foundry_attn.capability import flex_backward_error
 from foundry_attn.forward import forward_documents
-from foundry_attn.isolation import isolation_check
+from foundry_attn.layout import Layout
+from foundry_attn.paths import PROOF_INTERVAL, attach
+from foundry_attn.proof import batch_documents
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 
-COMMAND = "foundry-attn bench isolation --json"
+COMMAND = "foundry-attn bench proof --json"
 LENGTHS = (220, 217, 295, 183, 130, 350)
 MODELS = {"tiny": (64, TINY_SHAPE), "smollm2_135m": (SMOLLM2_VOCAB, SMOLLM2_135M_SHAPE)}
 
@@ -59,27 +63,39 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
 
     model = cast(torch.nn.Module, LlamaForCausalLM(config))  # to mypy, transformers' top-level classes are dummies
     model = model.to(device=device, dtype=dtype).train()
-    attach(model, backend, fa2_reference=reference)
-    failure, first = isolation_check(model)
-    warm = [isolation_check(model)[1] for _ in range(repeats)]
+    state = attach(model, backend, fa2_reference=reference)
+    attach_ms = state.proofs[-1][1].ms
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (1, sum(LENGTHS)), generator=gen).to(device)
     batch = {"input_ids": ids, "labels": ids.clone(), "doc_lens": [list(LENGTHS)]}
+    picked = batch_documents(ids, Layout.from_batch(batch))
+    assert picked is not None
+    docs, compare = picked
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         forward_documents(model, batch).loss.backward()
 
-    step()  # warm-up
-    step_ms = median(round_robin({"step": step}, repeats, device=device).seconds["step"]) * 1e3
+    def proof() -> None:
+        state.prove(model, docs, "bench", compare)
+
+    def fingerprint() -> None:
+        state.fingerprint()
+
+    step()  # warm-up (and the first-batch proof)
+    seconds = round_robin({"step": step, "proof": proof, "fingerprint": fingerprint}, repeats, device=device).seconds
+    step_ms, proof_ms = median(seconds["step"]) * 1e3, median(seconds["proof"]) * 1e3
     return {
         "model": model_name,
         "backend": backend + (" (reference kernel)" if reference else ""),
-        "passed": failure is None,
-        "first_ms": first,
-        "warm_ms": median(warm),
+        "passed": state.path == "flat" and all(v.ok for _, v in state.proofs),
+        "attach_ms": attach_ms,
+        "batch_proof_ms": proof_ms,
         "step_ms": step_ms,
-        "probe_vs_step": first / step_ms,
+        "proof_vs_step": proof_ms / step_ms,
+        "interval": PROOF_INTERVAL,
+        "cost_at_interval": proof_ms / step_ms / PROOF_INTERVAL,
+        "fingerprint_us": median(seconds["fingerprint"]) * 1e6,
     }
 
 

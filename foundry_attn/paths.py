@@ -1,0 +1,263 @@
+"""Flat where proven, one document per row where not: :func:`attach` and the path it keeps on the model.
+
+    from foundry_attn.paths import attach
+    state = attach(hf_model, "sdpa")                 # proves the flat path against stock at once
+    state.path, state.reason                         # "flat" | "rows", and why
+    out = forward_documents(hf_model, batch)         # proves again on the first training batch, and after
+
+    model:
+      name: foundry_attn_causal_lm
+      attn_path: auto              # auto | flat | rows; flat + attn_strict: true fails when flat is not proven
+      attn_proof_interval: 100     # re-prove every N training batches (0: first batch and changes only)
+
+**flat** (unpad once, the documents as an argument of every attention call) is used only while the proof
+(:mod:`foundry_attn.proof`) holds: at attach on two synthetic documents, on the first training batch at its
+real length, whenever the function behind the dispatch or a module's ``forward`` changes (an identity check
+per batch), and every ``interval`` batches. **rows** (the stock backend, one document per row, a 2-D mask)
+is used otherwise: a failed proof moves the run there with one warning (or, binding, raises with the reason
+and the batch). Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from foundry_attn.adapters import (
+    BACKENDS,
+    EAGER,
+    FA2,
+    FLEX,
+    REGISTERED,
+    SDPA,
+    TORCH_VARLEN,
+    DocumentsDropped,
+    backend_of,
+    point,
+)
+from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, unwrapped
+from foundry_attn.layout import Layout
+from foundry_attn.policy import AttentionUnavailableError
+from foundry_attn.proof import Verdict, batch_documents, proof_lengths, prove_flat, synthetic_documents
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+PATHS = (AUTO, FLAT, ROWS)
+PROOF_INTERVAL = 100
+#: the stock backend each of ours is proven against (torch_varlen: sdpa's window convention; flex: the exact
+#: eager math, as stock flex cannot run everywhere) and the stock name its rows path runs
+TRUTH = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: EAGER}
+ROWS_NAME = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: FLEX}
+
+
+class FlatPathError(AttentionUnavailableError):
+    """``attn_path: flat`` with ``attn_strict: true`` on a model whose flat path is not proven."""
+
+
+def check_path(path: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"attn_path: unknown value {path!r}; valid values: {', '.join(PATHS)}")
+    return path
+
+
+@dataclasses.dataclass
+class PathState:
+    """The path a model runs and why, kept on the HF model (``model.foundry_path``) by :func:`attach`."""
+
+    backend: str
+    path: str
+    reason: str
+    flat_name: str  # ours, in config._attn_implementation while flat
+    rows_name: str  # stock, in config._attn_implementation while rows
+    reference: bool = False  # FA2 on the pure-PyTorch reference kernel
+    binding: bool = False  # attn_path: flat + strict: a failed proof raises
+    interval: int = PROOF_INTERVAL
+    proofs: list[tuple[str, Verdict]] = dataclasses.field(default_factory=list)
+    batches: int = 0
+    proven_on_batch: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
+    listeners: list[Callable[[PathState], None]] = dataclasses.field(default_factory=list)
+    _fingerprint: tuple = ()
+    _modules: tuple = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        last = self.proofs[-1] if self.proofs else None
+        return {
+            "path": self.path,
+            "path_reason": self.reason,
+            "proof": f"{last[0]}: {last[1].describe()}" if last else "not yet",
+            "proofs": len(self.proofs),
+        }
+
+    # ---- the proof --------------------------------------------------------------------------------------
+    def prove(self, model: Any, docs: list[torch.Tensor], at: str, compare: tuple[int, ...] | None = None) -> Verdict:
+        """Prove the flat path on ``docs``; a failure moves to rows (or raises, binding)."""
+        hf = unwrapped(model)
+        hf.config._attn_implementation = self.flat_name
+        verdict = prove_flat(hf, docs, TRUTH[self.backend], compare, self.reference)
+        self.proofs.append((at, verdict))
+        self._modules = tuple(hf.modules())
+        self._fingerprint = self.fingerprint()
+        if not verdict.ok:
+            self.refuse(hf, f"proof at {at} {verdict.describe()}", check="proof")
+        elif self.path == FLAT:
+            self.reason = f"proven at {at}: {verdict.describe()}"
+        return verdict
+
+    def fingerprint(self) -> tuple:
+        """What the flat path's exactness rests on, by identity: the dispatch entries of our name and the stock
+        one, torch's SDPA, and every module's ``forward`` (class and instance). Costs a few microseconds."""
+        from transformers.modeling_utils import AttentionInterface
+
+        table = AttentionInterface._global_mapping
+        return (
+            table.get(self.flat_name),
+            table.get(self.rows_name),
+            torch.nn.functional.scaled_dot_product_attention,
+            *((type(m).forward, m.__dict__.get("forward")) for m in self._modules),
+        )
+
+    def before_batch(self, model: Any, batch: Mapping, layout: Layout) -> None:
+        """Called by ``forward_documents`` for every batch: proves the flat path when due (training batches)."""
+        hf = unwrapped(model)
+        if self.path != FLAT or not (hf.training and torch.is_grad_enabled()):
+            return
+        self.batches += 1
+        due = None
+        if not self.proven_on_batch:
+            due = "the first training batch"
+        elif self.fingerprint() != self._fingerprint:
+            due = "a change of the attention code"
+        elif self.interval and self.batches % self.interval == 0:
+            due = f"the {self.interval}-batch interval"
+        if due is None:
+            return
+        picked = batch_documents(batch["input_ids"], layout, _window(hf.config))
+        if picked is None:
+            return
+        docs, compare = picked
+        self.proven_on_batch = True
+        self.prove(model, docs, f"batch {self.batches} ({due})", compare)
+
+    # ---- moving to rows ---------------------------------------------------------------------------------
+    def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:
+        """Flat is refused for this model: rows from now on, one warning; binding: the error."""
+        if self.binding:
+            raise FlatPathError(
+                f"attn_path: flat cannot run {type(hf).__name__} with {self.backend}: check '{check}' failed: "
+                f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
+            )
+        self.path, self.reason = ROWS, reason
+        hf.config._attn_implementation = self.rows_name
+        log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
+        for listener in self.listeners:
+            listener(self)
+
+    def dropped(self, exc: DocumentsDropped, model: Any) -> None:
+        """A layer dropped our argument during training (the proof runs without checkpointing): rows."""
+        hf = unwrapped(model)
+        advice = (
+            "; HF gradient checkpointing calls the layers without **kwargs: use Composer's activation_checkpointing "
+            "(checkpoint_wrapper) to keep the flat path"
+            if getattr(hf, "is_gradient_checkpointing", False)
+            else ""
+        )
+        self.refuse(hf, f"{exc}{advice}", check="documents")
+
+
+def _window(config: Any) -> int | None:
+    windows = [
+        int(w)
+        for n in ("sliding_window", "attention_chunk_size")
+        if isinstance(w := getattr(config, n, None), int) and w > 0
+    ]
+    return min(windows, default=None)
+
+
+def _bypassed(backend: str) -> str | None:
+    """A function a user registered under the stock name that our dispatch bypasses, named."""
+    from transformers.modeling_utils import AttentionInterface
+
+    stock = {
+        SDPA: ("transformers.integrations.sdpa_attention", "sdpa_attention_forward"),
+        FA2: ("transformers.integrations.flash_attention", "flash_attention_forward"),
+        FLEX: ("transformers.integrations.flex_attention", "flex_attention_forward"),
+    }.get(backend)
+    registered = AttentionInterface._global_mapping.get(backend)
+    if stock is None or registered is None:
+        return None
+    import importlib
+
+    original = getattr(importlib.import_module(stock[0]), stock[1], None)
+    if registered is original:
+        return None
+    name = getattr(registered, "__qualname__", repr(registered))
+    module = getattr(registered, "__module__", "?")
+    return (
+        f"{module}.{name} is registered as '{backend}'; the flat path runs foundry_{backend} instead and bypasses "
+        "it (attn_path: rows runs it)"
+    )
+
+
+def attach(
+    model: Any,
+    backend: str | None = None,
+    path: str = AUTO,
+    *,
+    fa2_reference: bool = False,
+    strict: bool = False,
+    interval: int = PROOF_INTERVAL,
+    prove_now: bool = True,
+) -> PathState:
+    """Point ``model``'s attention at our function for ``backend`` (default: its current one) and prove the flat
+    path against stock on two synthetic documents; a model it does not hold for runs rows, with the reason.
+
+    ``path``: ``auto`` (flat where proven), ``flat`` (binding with ``strict``: a failed proof raises
+    :class:`FlatPathError`), ``rows``. ``prove_now=False`` leaves the proof to the first training batch (weights
+    not materialised yet, or a kernel this device cannot run). Returns the :class:`PathState`.
+    """
+    check_path(path)
+    hf = unwrapped(model)
+    before = getattr(hf, PATH_ATTR, None)
+    built = before.rows_name if before is not None else hf.config._attn_implementation
+    backend = backend or backend_of(built) or EAGER
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    rows_name = built if backend_of(built) == backend and built not in REGISTERED else ROWS_NAME[backend]
+    if backend == FA2 and fa2_reference:  # the reference kernel's rows run through our function's mask branch
+        rows_name = point(hf, backend, fa2_reference=True)
+    state = PathState(
+        backend,
+        FLAT,
+        "proven flat",
+        point(hf, backend, fa2_reference),
+        rows_name,
+        reference=fa2_reference,
+        binding=strict and path == FLAT,
+        interval=interval,
+    )
+    setattr(hf, PATH_ATTR, state)
+    bypassed = _bypassed(backend)
+    if bypassed:
+        state.notes.append(bypassed)
+        log.warning("foundry_attn: %s", bypassed)
+    if path == ROWS:
+        state.path, state.reason = ROWS, "attn_path: rows"
+        hf.config._attn_implementation = rows_name
+    elif prove_now:
+        device = next(hf.parameters()).device
+        docs = synthetic_documents(hf.config, proof_lengths(hf.config), device)
+        state.prove(hf, docs, "attach")
+    else:
+        state.reason = "flat, proven on the first training batch"
+    return state
+
+
+def path_of(model: Any) -> PathState | None:
+    """The :class:`PathState` of ``model`` (or of the HF model inside a wrapper), or None if never attached."""
+    return getattr(unwrapped(model), PATH_ATTR, None)
