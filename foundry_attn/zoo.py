@@ -48,8 +48,9 @@ def _names(*names: str, value: Any) -> dict[str, Any]:
 # attribute name -> tiny value, applied where the config class takes the attribute
 _SCALARS: dict[str, Any] = {
     **_names("hidden_size", "d_model", "n_embd", "embedding_dim", "emb_dim", "lru_width", value=HIDDEN),
-    **_names("attention_hidden_size", "word_embed_proj_dim", "backbone_hidden_size", value=HIDDEN),
+    **_names("word_embed_proj_dim", "backbone_hidden_size", "hidden_size_global", value=HIDDEN),
     **_names("embedding_size", "input_embedding_size", "output_embedding_size", value=HIDDEN),
+    **_names("adapter_in_dim", "adapter_input_size", "adapter_out_dim", "out_hidden_size", value=HIDDEN),
     **_names(*_LAYER_COUNTS, "encoder_layers", "num_decoder_layers", "num_encoder_layers", value=LAYERS),
     **_names("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads", value=HEADS),
     **_names("decoder_attention_heads", "encoder_attention_heads", "swa_num_attention_heads", value=HEADS),
@@ -69,6 +70,7 @@ _SCALARS: dict[str, Any] = {
     **_names("moe_shared_expert_intermediate_size", "shared_experts_intermediate_size", value=EXPERT_FFN),
     **_names("shared_intermediate_size", "ple_embed_dim", "hidden_size_per_layer_input", value=EXPERT_FFN),
     **_names("vocab_size", "decoder_vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input", value=VOCAB),
+    **_names("encoder_hash_byte_group_vocab", value=VOCAB),
     **_names("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions", value=POSITIONS),
     **_names("context_length", "model_max_length", "max_source_positions", value=POSITIONS),
     **_names("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", value=EXPERTS),
@@ -101,7 +103,9 @@ _SCALARS: dict[str, Any] = {
 }
 
 # set even where the default is None (None there means "derive it" or "no window": we want one)
-_EVEN_IF_NONE = frozenset({"head_dim", "sliding_window"})
+_EVEN_IF_NONE = frozenset(
+    {"head_dim", "sliding_window", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok"}
+)
 
 _DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "dropatt", "drop_rate", "dropout_p")
 _TOKEN_SUFFIXES = ("token_id", "token_ids", "token_index", "_index", "_idx")
@@ -129,11 +133,28 @@ _FAMILY: dict[str, dict[str, Any]] = {
         indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=WINDOW, indexer_compress_ratio=2
     ),
     "dots3_note_text": {"num_key_value_heads": HEADS},  # MLA: "num_key_value_heads must match num_attention_heads"
+    "dbrx": {"attn_config": {"rope_theta": 10000.0}},  # DbrxAttention reads attn_config.rope_theta, not a field
+    # KV sharing across layers (the last num_kv_shared_layers reuse the last unshared layer of their kind)
+    "gemma3n_text": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+    ),
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "xmod": {"default_language": "en_XX"},
     "musicgen": {"num_codebooks": 1},
     "musicgen_melody": {"num_codebooks": 1},
-    "reformer": {"axial_pos_shape": [8, 16], "axial_pos_embds_dim": [32, 32]},  # product = positions, sum = hidden
+    # axial position embeddings train only on rows of exactly prod(axial_pos_shape) tokens: learned ones instead
+    "reformer": {"axial_pos_embds": False},
+}
+
+# types that cannot train alone, whatever the config
+_UNBUILDABLE = {
+    "gemma4_assistant": "a speculative-decoding draft head: forward needs the target model's inputs_embeds and "
+    "shared_kv_states (every layer reuses the target's KV), so it cannot train alone",
+    "gemma4_unified_assistant": "a speculative-decoding draft head: forward needs the target model's inputs_embeds "
+    "and shared_kv_states (every layer reuses the target's KV), so it cannot train alone",
 }
 
 # optional packages a type cannot be built without
@@ -238,10 +259,10 @@ def _layer_value(name: str, value: Any, found: dict[str, Any], kwargs: dict[str,
     return tiny
 
 
-def _per_layer_config(found: dict[str, Any], kwargs: dict[str, Any]) -> dict[int, dict[str, Any]]:
+def _per_layer_config(found: dict[str, Any], kwargs: dict[str, Any], new_types: Any) -> dict[int, dict[str, Any]]:
     """``per_layer_config`` for the tiny layers: each takes the overrides of the default's first layer of its kind."""
     default = {int(k): v for k, v in found["per_layer_config"].items()}
-    old_types, new_types = found.get("layer_types"), kwargs.get("layer_types")
+    old_types = found.get("layer_types")
     out: dict[int, dict[str, Any]] = {}
     for i in range(kwargs.get("num_hidden_layers", LAYERS)):
         if isinstance(old_types, list) and isinstance(new_types, list) and new_types[i] in old_types:
@@ -302,7 +323,10 @@ def _overrides(config: PretrainedConfig, model_type: str) -> dict[str, Any]:
             for count in _LAYER_COUNTS:
                 if count in out:
                     out[count] = max(LAYERS, len(kinds))
-    out.update(_FAMILY.get(model_type, {}))
+    if found.get("kv_lora_rank") and "num_key_value_heads" in out:
+        out["num_key_value_heads"] = HEADS  # MLA expands keys to every head: no GQA
+    for name, value in _FAMILY.get(model_type, {}).items():
+        out[name] = {**out[name], **value} if isinstance(value, dict) and isinstance(out.get(name), dict) else value
     return out
 
 
@@ -333,22 +357,22 @@ def _tiny_kwargs(default: PretrainedConfig, model_type: str) -> dict[str, Any]:
     config_class = type(default)
     kwargs = _overrides(default, model_type)
     found = default.to_dict()
-    if found.get("per_layer_config"):
-        kwargs["per_layer_config"] = _per_layer_config(found, kwargs)
-    for attempt in range(3):
+    for attempt in range(4):
         try:
             built: PretrainedConfig | None = config_class(**kwargs)
         except Exception as exc:
             built = None
-            if attempt == 2 or not _fix_kinds(found, None, kwargs):
+            if attempt == 3 or not _fix_kinds(found, None, kwargs):
                 msg = f"{config_class.__name__}(**tiny): {type(exc).__name__}: {_first_line(exc)}"
                 raise _ConfigError(msg) from exc
         fixes = _fix_kinds(found, built, kwargs)
+        if found.get("per_layer_config") and built is not None and "per_layer_config" not in kwargs:
+            fixes["per_layer_config"] = _per_layer_config(found, kwargs, _attr(built, "layer_types"))
         if not fixes:
             break
         kwargs.update(fixes)
-        if found.get("per_layer_config"):
-            kwargs["per_layer_config"] = _per_layer_config(found, kwargs)
+        if found.get("per_layer_config") and "layer_types" in fixes:
+            kwargs["per_layer_config"] = _per_layer_config(found, kwargs, kwargs["layer_types"])
     return kwargs
 
 
@@ -380,6 +404,8 @@ def _matching(config: PretrainedConfig, model_class: type[PreTrainedModel]) -> P
 def _tiny_cached(model_type: str) -> tuple[PretrainedConfig, type[PreTrainedModel]]:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise Unbuildable(f"{model_type!r} is not in this transformers' causal-LM mapping")
+    if model_type in _UNBUILDABLE:
+        raise Unbuildable(_UNBUILDABLE[model_type])
     for package in _REQUIRES.get(model_type, ()):
         if importlib.util.find_spec(package) is None:
             raise Unbuildable(f"needs the optional package {package!r}, not installed")

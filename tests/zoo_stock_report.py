@@ -77,6 +77,8 @@ def _special_ids(config: Any, vocab: int) -> set[int]:
 
 def _vocab(model: Any) -> int:
     emb = model.get_input_embeddings()
+    if isinstance(emb, (list, tuple)) or hasattr(emb, "__getitem__"):  # Musicgen: one embedding per codebook
+        emb = emb[0]
     n = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return int(min(n, getattr(text, "vocab_size", n) or n))
@@ -92,6 +94,8 @@ def _documents(vocab: int, avoid: set[int], seed: int = 0) -> list[Any]:
 
 def _logits(out: Any) -> Any:
     logits = out.logits if hasattr(out, "logits") else out[0]
+    if logits.dim() == 4:  # Musicgen: [batch, codebooks (1), seq, vocab]
+        logits = logits.flatten(0, 1)
     return logits.float()
 
 
@@ -109,6 +113,46 @@ def _build(config: Any, model_class: Any, backend: str) -> Any:
     if getattr(model.config, "_attn_implementation", backend) != backend:
         raise RuntimeError(f"asked {backend}, built {model.config._attn_implementation}")
     return model.float().train()
+
+
+_WINDOWS = ("sliding_window", "attention_chunk_size", "attention_window_size", "window_size", "local_attention")
+_WINDOWS += ("local_attention_window_len", "sliding_window_size", "keep_window_size", "index_topk", "indexer_budget")
+
+
+def _widened(config: Any) -> tuple[Any, list[str]]:
+    """A copy of config with every window/chunk/top-k that equals zoo.WINDOW widened to 4096 (and sub-configs)."""
+    from foundry_attn.zoo import WINDOW
+
+    config = copy.deepcopy(config)
+    names: list[str] = []
+    todo = [config]
+    while todo:
+        c = todo.pop()
+        for name in list(vars(c)):
+            value = getattr(c, name, None)
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                todo.append(value)
+            elif name in _WINDOWS and value == WINDOW:
+                setattr(c, name, 4096)
+                names.append(name)
+    return config, names
+
+
+def _window_bites(config: Any, model_class: Any, backend: str, model: Any, ids: Any) -> str:
+    """'yes' if widening the windows changes the logits of a 12-token row, 'NO' if not, '-' without windows."""
+    import torch
+
+    wide, names = _widened(model.config)
+    if not names:
+        return "-"
+    other = _build(wide, model_class, backend)
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = _logits(model(input_ids=ids))
+        torch.manual_seed(0)
+        b = _logits(other(input_ids=ids))
+    return ("yes" if not torch.allclose(a, b, atol=1e-6) else "NO") + f" ({','.join(sorted(set(names)))})"
 
 
 def _backend_supported(model_class: Any, backend: str) -> bool:
@@ -133,12 +177,17 @@ def _check(config: Any, model_class: Any, backend: str) -> dict[str, Any]:
         stage = "train"
         ids = _documents(vocab, avoid, seed=1)[1][:12]
         ids = torch.cat([ids, ids])[:12][None]
-        torch.manual_seed(0)
-        out = model(input_ids=ids, labels=ids)
-        loss = out.loss if getattr(out, "loss", None) is not None else out[0]
-        loss.backward()
-        rec["train_loss"] = float(loss)
+        try:
+            torch.manual_seed(0)
+            out = model(input_ids=ids, labels=ids)
+            loss = out.loss if getattr(out, "loss", None) is not None else out[0]
+            loss.backward()
+            rec["train_loss"] = float(loss)
+        except Exception as exc:  # the model's own labels path; the checks below use the logits
+            rec["labels_crash"] = f"{_first_line(exc)} @ {_where(exc)}"
         model.zero_grad(set_to_none=True)
+        stage = "bite"
+        rec["window_bites"] = _window_bites(config, model_class, backend, model, ids)
 
         docs = _documents(vocab, avoid)
         targets = sum(len(d) - 1 for d in docs)
@@ -275,6 +324,12 @@ def summary(records: list[dict[str, Any]], wall: float) -> str:
     lines.append("\nCrashes:")
     lines += [f"  {r['type']}: {r['crash']}" for r in crashed_types]
     lines += [f"  {r['type']}/{b['backend']}: {b['crash']}" for r, b in crash]
+    lines.append("\nLabels path crashed (checks 2-3 ran on the logits):")
+    lines += [f"  {r['type']}/{b['backend']}: {b['labels_crash']}" for r, b in pairs if "labels_crash" in b]
+    lines.append("\nWindows set to zoo.WINDOW that change nothing on a 12-token row:")
+    lines += [f"  {r['type']}/{b['backend']}: {b['window_bites']}" for r, b in pairs if b.get("window_bites", "").startswith("NO")]
+    bite = sorted({r["type"] for r, b in pairs if b.get("window_bites", "").startswith("yes")})
+    lines.append(f"\nWindows that bite ({len(bite)} types): {' '.join(bite)}")
     slow = sorted(records, key=lambda r: -r["seconds"])[:5]
     lines.append("\nSlowest: " + ", ".join(f"{r['type']} {r['seconds']:.1f}s" for r in slow))
     return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""MoE as it is really trained (``output_router_logits: true``): cross-entropy + coefficient x load-balancing loss equal
+stock's on the same documents one per row with a 2-D mask (stock drops padding from the router statistics through
+that mask), in ``pack`` and ``mask``, on whichever path the proof gives. The placeholder never reaches loss code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundry_attn import conformance, zoo
+from foundry_attn.forward import forward_documents
+from foundry_attn.paths import attach
+
+MOE = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "granitemoe",
+    "granitemoeshared",
+    "jamba",
+    "dbrx",
+    "phimoe",
+    "minimax",
+    "gpt_oss",
+    "qwen3_next",
+    "deepseek_v3",
+    "ernie4_5_moe",
+    "glm4_moe",
+    "hunyuan_v1_moe",
+    "flex_olmo",
+)
+
+
+def _moe_model(model_type: str) -> torch.nn.Module:
+    try:
+        config, model_class = zoo.tiny(model_type)
+    except (KeyError, zoo.Unbuildable) as exc:
+        pytest.skip(f"{model_type}: not on this stack ({exc})")
+    if not hasattr(config, "output_router_logits"):
+        pytest.skip(f"{model_type}: no router loss in this release")
+    config.output_router_logits = True
+    config.router_aux_loss_coef = 0.5
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return model_class(config).train()
+
+
+def _stock_rows(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float, float, torch.Tensor]:
+    """Stock: one document per row, right-padded, a 2-D mask, labels -100 on padding."""
+    width = max(d.numel() for d in docs)
+    ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for r, d in enumerate(docs):
+        ids[r, : d.numel()], mask[r, : d.numel()], labels[r, : d.numel()] = d, 1, d
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    out.loss.backward()
+    return out.loss.item(), float(out.aux_loss), conformance._grads(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MOE)
+def test_router_loss_equals_stock(model_type: str) -> None:
+    docs = conformance._documents()
+    stock = _moe_model(model_type)
+    want_loss, want_aux, want_grad = _stock_rows(stock, docs)
+    assert want_aux > 0
+    for mode in conformance.MODES:
+        model = _moe_model(model_type)
+        state = attach(model, "eager")
+        out = forward_documents(model, conformance._batch(docs, mode))
+        out.loss.backward()
+        grad = conformance._grads(model)
+        where = f"{model_type}/{mode} ({state.path}: {state.reason})"
+        assert abs(out.loss.item() - want_loss) <= conformance.LOSS_TOL, where
+        assert abs(float(out.aux_loss) - want_aux) <= conformance.LOSS_TOL, where
+        assert ((grad - want_grad).norm() / want_grad.norm()).item() <= conformance.GRAD_TOL, where

@@ -1,0 +1,200 @@
+"""Proven, not assumed: a leaking attention is caught before it trains a batch, wherever and whenever it appears.
+
+A leak is what third-party kernel patches do: plain causal attention over the whole packed row. It is put at four
+places (the dispatch entry of our flat function, the dispatch entry of the stock name, the attention class's
+``forward``, torch's SDPA), before ``attach``, after it, or mid-run, and it leaks always or only on rows longer
+than the build-time proof's. Every batch must train exactly as its documents alone through stock (the leak caught,
+the run moved to rows), or the leak must be harmless to that path (torch's SDPA is called per document).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foundry_attn import conformance
+from foundry_attn.adapters import DOCS_KEY, FUNCTIONS, register
+from foundry_attn.forward import forward_documents
+from foundry_attn.paths import FlatPathError, attach, path_of
+from foundry_attn.proof import proof_lengths
+
+LONG = 45  # "only on long rows": longer than attach's synthetic proof row (28 + 13 tokens), shorter than a batch row
+LENGTHS = ([13, 29, 18], [7, 22, 9, 20])  # two packed rows of 60 and 58 tokens
+
+
+def _batch(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(sum(r) for r in LENGTHS)
+    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for r, row in enumerate(LENGTHS):
+        n = sum(row)
+        ids[r, :n] = torch.randint(1, conformance.VOCAB, (n,), generator=gen)
+        labels[r, :n] = ids[r, :n]
+    return {"input_ids": ids, "labels": labels, "doc_lens": [list(r) for r in LENGTHS]}
+
+
+def _truth(stock: torch.nn.Module, batch: dict) -> float:
+    """Stock sdpa on each document alone: the mean loss over every target."""
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for r, row in enumerate(batch["doc_lens"]):
+            start = 0
+            for n in row:
+                doc = batch["input_ids"][r, start : start + n]
+                logits = stock(input_ids=doc[None]).logits[0, :-1]
+                total += F.cross_entropy(logits, doc[1:], reduction="sum").item()
+                targets += n - 1
+                start += n
+    return total / targets
+
+
+def _leaky_function(genuine):
+    def leaky(module, query, key, value, attention_mask, **kwargs):
+        docs = kwargs.pop(DOCS_KEY, None)
+        if docs is not None:
+            docs.calls += 1
+        if query.shape[2] <= leaky.threshold:
+            if docs is not None:
+                kwargs[DOCS_KEY] = docs
+            return genuine(module, query, key, value, attention_mask, **kwargs)
+        return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)  # no documents, no mask: causal row
+
+    leaky.threshold = 0
+    return leaky
+
+
+@contextlib.contextmanager
+def _leak(place: str, threshold: int) -> Iterator[None]:
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.models.llama import modeling_llama
+
+    register()
+    table = AttentionInterface._global_mapping
+    if place in ("dispatch_ours", "dispatch_stock"):
+        name = "foundry_sdpa" if place == "dispatch_ours" else "sdpa"
+        genuine = table[name]
+        leaky = _leaky_function(genuine)
+        leaky.threshold = threshold
+        table[name] = leaky
+        try:
+            yield
+        finally:
+            table[name] = genuine
+    elif place == "class_forward":
+        genuine_forward = modeling_llama.LlamaAttention.forward
+
+        def forward(self, *args, **kwargs):
+            if kwargs["hidden_states"].shape[1] > threshold:  # an Unsloth-style forward: its own mask, no documents
+                kwargs.pop(DOCS_KEY, None)
+                kwargs["attention_mask"] = None
+            return genuine_forward(self, *args, **kwargs)
+
+        modeling_llama.LlamaAttention.forward = forward
+        try:
+            yield
+        finally:
+            modeling_llama.LlamaAttention.forward = genuine_forward
+    else:  # torch's SDPA: ignores the mask, causal over whatever it is given
+        genuine_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+            if q.shape[-2] > threshold:
+                attn_mask, is_causal = None, True
+            return genuine_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        try:
+            yield
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = genuine_sdpa
+
+
+PLACES = ("dispatch_ours", "dispatch_stock", "class_forward", "torch_sdpa")
+WHEN = ("before_attach", "after_attach", "mid_run")
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("kind", ["always", "long_rows"])
+def test_a_leak_is_caught_before_it_trains_a_batch(place: str, when: str, kind: str) -> None:
+    assert sum(proof_lengths(conformance.build("llama", "sdpa").config)) < LONG < min(sum(r) for r in LENGTHS)
+    threshold = 1 if kind == "always" else LONG
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).eval()  # no optimizer step: the weights stay those of the truth
+    truths = [_truth(stock, _batch(seed)) for seed in range(4)]
+    leak_at = {"before_attach": -1, "after_attach": 0, "mid_run": 2}[when]
+    with contextlib.ExitStack() as stack:
+        if leak_at < 0:
+            stack.enter_context(_leak(place, threshold))
+        state = attach(model, "sdpa")
+        for step in range(4):
+            if step == leak_at:
+                stack.enter_context(_leak(place, threshold))
+            out = forward_documents(model, _batch(step))
+            out.loss.backward()
+            where = f"{place}/{when}/{kind} step {step}: {state.path} {state.reason}"
+            assert abs(out.loss.item() - truths[step]) <= conformance.LOSS_TOL, where
+    if place in ("torch_sdpa", "dispatch_stock"):  # our flat path calls neither with more than one document
+        assert state.path == "flat", where
+        if place == "dispatch_stock" and leak_at < 0:
+            assert "bypasses it" in " ".join(state.notes)
+        return
+    assert state.path == "rows", where
+    caught = "attach" if (leak_at < 0 and kind == "always") else f"batch {max(leak_at, 0) + 1}"
+    assert f"proof at {caught}" in state.reason, where
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_flat_insisted_on_fails_with_the_cause_and_the_batch() -> None:
+    model = conformance.build("llama", "sdpa")
+    attach(model, "sdpa", "flat", strict=True)
+    forward_documents(model, _batch(0))
+    with _leak("dispatch_ours", 1), pytest.raises(FlatPathError, match=r"proof at batch 2 \(a change of the attention"):
+        forward_documents(model, _batch(1))
+
+
+def test_the_interval_proves_again() -> None:
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa", interval=2)
+    for step in range(5):
+        forward_documents(model, _batch(step))
+    assert [at for at, _ in state.proofs] == [
+        "attach",
+        "batch 1 (the first training batch)",
+        "batch 2 (the 2-batch interval)",
+        "batch 4 (the 2-batch interval)",
+    ]
+    assert all(v.ok for _, v in state.proofs) and state.path == "flat"
+
+
+def test_eval_batches_are_not_proven_and_rows_is_asked_for() -> None:
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa", "rows")
+    assert state.path == "rows" and model.config._attn_implementation == "sdpa" and not state.proofs
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa")
+    model.eval()
+    with torch.no_grad():
+        forward_documents(model, _batch(0))
+    assert [at for at, _ in state.proofs] == ["attach"]
+
+
+def test_an_unknown_path_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="valid values: auto, flat, rows"):
+        attach(conformance.build("llama", "sdpa"), "sdpa", "flattish")
+
+
+def test_an_unattached_model_runs_rows_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    from foundry_attn.adapters import point
+
+    model = conformance.build("llama", "sdpa")
+    point(model, "sdpa")  # our name, never proven
+    out = forward_documents(model, _batch(0))
+    assert path_of(model) is None and out.logits.shape[0] == sum(len(r) for r in LENGTHS)  # one row per document
+    assert "never proven" in caplog.text and "rows path" in caplog.text
