@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from foundry_attn.patching import Patch, original, patch_attribute  # noqa: F401 - original is re-exported
+from foundry_attn.proof import proving
 
 FA_UTILS = "transformers.modeling_flash_attention_utils"
 UPAD, POSIDS, VARLEN, DENSE, PAD = "upad", "posids", "varlen", "dense", "pad"
@@ -278,6 +279,8 @@ class FlashCallTracer:
     def _wrap(self, role: str, inner: Callable) -> Callable:
         @functools.wraps(inner)
         def traced(*args: Any, **kwargs: Any) -> Any:
+            if proving():  # the flat-path proof's own forwards are not the step's
+                return inner(*args, **kwargs)
             self.counts[role] += 1
             if role not in self.order:
                 self.order.append(role)

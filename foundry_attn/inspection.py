@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from foundry_attn.adapters import backend_of, is_placeholder
+from foundry_attn.proof import proving
 
 __all__ = [
     "ATTENTION",
@@ -293,7 +294,8 @@ class ModelInspector:
             self.disarm()
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self._done = True
+        if not proving():  # the flat-path proof's forwards are not the batch's
+            self._done = True
 
     def _mask_info(self, mask: Any) -> dict[str, Any]:
         if mask is None:
@@ -313,7 +315,7 @@ class ModelInspector:
         return hit[2]
 
     def _pre(self, level: str, index: int, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._done:
+        if self._done or proving():
             return
         try:
             self.records.append(self._record(level, index, name, module, _arguments(module, args, kwargs)))

@@ -427,8 +427,17 @@ def summarize(decisions: Sequence[dict]) -> str:
     ]
     fell = sum(1 for d in decisions if d["fallback"])
     detail = "; ".join(f"{', '.join(f'rank {r}' for r in ranks)}: {why}" for why, ranks in reasons.items())
+    rows = sorted(d["rank"] for d in decisions if d.get("path") == "rows")
+    path = (
+        f"; path rows on {len(rows)}/{n} ({', '.join(f'rank {r}' for r in rows[:8])}: one document per row)"
+        if rows
+        else "; path flat"
+        if any(d.get("path") == "flat" for d in decisions)
+        else ""
+    )
     return (
         f"attention: {', '.join(parts)}"
         + (f"; {fell}/{n} fell back" if fell else "")
         + (f" ({detail})" if detail else "")
+        + path
     )

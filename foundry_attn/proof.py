@@ -13,6 +13,7 @@ no global RNG: it changes nothing the training run sees. Core module: torch and 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import time
@@ -28,6 +29,14 @@ from foundry_attn.layout import Layout
 #: logits tolerance: fp32 max |diff| <= ATOL * max(1, max |logit|); half precision: relative L2 norm
 ATOL_FP32 = 1e-4
 RTOL_HALF = 2e-2
+
+
+_PROVING = contextvars.ContextVar("foundry_attn_proving", default=False)
+
+
+def proving() -> bool:
+    """True inside a proof's forwards: the callbacks' hooks and tracers leave them out of what they report."""
+    return _PROVING.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +136,29 @@ def prove_flat(
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     lengths = tuple(int(d.numel()) for d in docs)
     compare = tuple(range(len(docs))) if compare is None else tuple(compare)
-    fp32 = next(hf.parameters()).dtype == torch.float32 and not torch.is_autocast_enabled(docs[0].device.type)
 
     def done(ok: bool, worst: float = 0.0, reason: str = "") -> Verdict:
         return Verdict(ok, worst, reason, (time.perf_counter() - start) * 1e3, lengths, compare)
 
     device = docs[0].device
+    token = _PROVING.set(True)
+    try:
+        return _prove(hf, docs, stock, compare, reference, device, lengths, done)
+    finally:
+        _PROVING.reset(token)
+
+
+def _prove(
+    hf: Any,
+    docs: Sequence[torch.Tensor],
+    stock: str,
+    compare: tuple[int, ...],
+    reference: bool,
+    device: torch.device,
+    lengths: tuple[int, ...],
+    done: Any,
+) -> Verdict:
+    fp32 = next(hf.parameters()).dtype == torch.float32 and not torch.is_autocast_enabled(device.type)
     with _evaluating(hf):
         with _implementation(hf, stock), kernel_context(stock, device, reference):
             try:

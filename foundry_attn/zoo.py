@@ -104,7 +104,7 @@ _SCALARS: dict[str, Any] = {
 
 # set even where the default is None (None there means "derive it" or "no window": we want one)
 _EVEN_IF_NONE = frozenset(
-    {"head_dim", "sliding_window", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok"}
+    {"head_dim", "sliding_window", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"}
 )
 
 _DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "dropatt", "drop_rate", "dropout_p")
@@ -119,6 +119,8 @@ _KINDS: dict[str, dict[str, list[str]]] = {
     "laguna": {"layer_types": ["sliding_attention", "full_attention"]},
     "mellum": {"layer_types": ["sliding_attention", "full_attention"]},
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"]},
+    "zaya": {"layer_types": ["hybrid", "hybrid_sliding"]},
+    "minimax_m3_vl_text": {"layer_types": ["minimax_m3_sparse", "full_attention"]},  # default: all full
 }
 
 # per-family overrides, only where the generic shrink is not enough
@@ -133,7 +135,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
         indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=WINDOW, indexer_compress_ratio=2
     ),
     "dots3_note_text": {"num_key_value_heads": HEADS},  # MLA: "num_key_value_heads must match num_attention_heads"
-    "dbrx": {"attn_config": {"rope_theta": 10000.0}},  # DbrxAttention reads attn_config.rope_theta, not a field
+    # DbrxAttention reads attn_config.rope_theta (not a field) and clamps q/k/v with clip_qkv (None fails)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     # KV sharing across layers (the last num_kv_shared_layers reuse the last unshared layer of their kind)
     "gemma3n_text": dict(
         num_hidden_layers=4,
@@ -143,10 +146,14 @@ _FAMILY: dict[str, dict[str, Any]] = {
     ),
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "xmod": {"default_language": "en_XX"},
-    "musicgen": {"num_codebooks": 1},
-    "musicgen_melody": {"num_codebooks": 1},
+    "musicgen_decoder": {"num_codebooks": 1},  # input_ids are [batch * codebooks, seq]: one codebook, one row
+    "musicgen_melody_decoder": {"num_codebooks": 1},
+    "modernbert-decoder": {"local_attention": 2 * WINDOW},  # a total width: sliding_window = local_attention // 2
     # axial position embeddings train only on rows of exactly prod(axial_pos_shape) tokens: learned ones instead
+    # (chunk lengths stay 64: in training a row longer than a chunk must be a multiple of it)
     "reformer": {"axial_pos_embds": False},
+    # block-sparse indexer: WINDOW tokens in blocks of 2
+    "minimax_m3_vl_text": {"index_block_size": 2, "index_topk_blocks": WINDOW // 2},
 }
 
 # types that cannot train alone, whatever the config
@@ -290,7 +297,9 @@ def _overrides(config: PretrainedConfig, model_type: str) -> dict[str, Any]:
         key = name if name in signature or name in _base_names() else alias.get(name)
         if key is None or key.startswith("_"):
             continue  # derived in __init__ from what we set
-        if value is None and key not in _EVEN_IF_NONE:
+        if key in _EVEN_IF_NONE and not value:
+            value = None  # None or 0: "derive it" / "no window"; we want one
+        elif value is None:
             value = signature.get(key)
             if value is None or value is inspect.Parameter.empty:
                 continue
@@ -323,8 +332,11 @@ def _overrides(config: PretrainedConfig, model_type: str) -> dict[str, Any]:
             for count in _LAYER_COUNTS:
                 if count in out:
                     out[count] = max(LAYERS, len(kinds))
-    if found.get("kv_lora_rank") and "num_key_value_heads" in out:
-        out["num_key_value_heads"] = HEADS  # MLA expands keys to every head: no GQA
+    if found.get("kv_lora_rank"):  # MLA expands keys to every head: no GQA; head_dim is the rope or the q/k part
+        if "num_key_value_heads" in out:
+            out["num_key_value_heads"] = HEADS
+        if "head_dim" in out and found.get("head_dim") == found.get("qk_rope_head_dim"):
+            out["head_dim"] = out.get("qk_rope_head_dim", HEAD_DIM // 2)
     for name, value in _FAMILY.get(model_type, {}).items():
         out[name] = {**out[name], **value} if isinstance(value, dict) and isinstance(out.get(name), dict) else value
     return out

@@ -28,6 +28,8 @@ def decision_hparams(model: Any) -> dict[str, Any]:
         "attn/fallback": decision.fallback,
         "attn/reason": decision.reason,
         "attn/compute_dtype": decision.compute_dtype,
+        "attn/path": decision.path,
+        "attn/path_reason": decision.path_reason,
         "attn/summary": ours.attn_summary,
     }
 
@@ -88,6 +90,13 @@ class AttnDecisionLogger(Callback):
         * - ``attn/compute_dtype``
           - The compute dtype the decision was made for (``bfloat16``, ``float32``, ...), this rank.
           - ``INIT``.
+        * - ``attn/path``
+          - ``flat`` (unpadded once, the documents an argument of every attention call; proven against stock) or
+            ``rows`` (the stock backend, one document per row, a 2-D mask), this rank.
+          - ``INIT``, and again at ``BATCH_END`` of a batch whose proof moved the run to ``rows``.
+        * - ``attn/path_reason``
+          - Why: the proof that holds (where, on which documents, the worst difference), or the one that failed.
+          - With ``attn/path``.
         * - ``attn/summary``
           - One line over all ranks, e.g. ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back
             (rank 3, rank 7: ...)`` (the same on every rank).
@@ -97,8 +106,22 @@ class AttnDecisionLogger(Callback):
         (none): ``AttnDecisionLogger()`` takes no arguments (``attn_decision: {}`` in YAML).
     """
 
+    def __init__(self) -> None:
+        self._path: tuple[str, str] | None = None
+
     def init(self, state: State, logger: Logger) -> None:
         hparams = decision_hparams(state.model)
         if not hparams:
             return
         logger.log_hyperparameters(hparams)
+        self._path = (hparams["attn/path"], hparams["attn/path_reason"])
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        """The proof on a training batch may move the run to rows: log the path again when it changed."""
+        if self._path is None:
+            return
+        hparams = decision_hparams(state.model)
+        path = (hparams["attn/path"], hparams["attn/path_reason"])
+        if path != self._path:
+            logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith("attn/path")})
+            self._path = path

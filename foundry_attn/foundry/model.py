@@ -214,13 +214,15 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         level = logging.WARNING if decision.fallback or self._fa2_reference else logging.INFO
         log.log(
             level,
-            "attention rank %d on %s (%s): requested %s, chose %s (%s)",
+            "attention rank %d on %s (%s): requested %s, chose %s (%s); path %s (%s)",
             rank,
             cap.device_name,
             cap.sm,
             decision.requested,
             decision.chosen,
             decision.reason,
+            decision.path,
+            decision.path_reason,
         )
         if self._fa2_reference:
             log.warning(

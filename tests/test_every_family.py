@@ -1,0 +1,85 @@
+"""The registered model builds and trains, exactly, every family stock ``hf_causal_lm`` trains: flat where the proof
+holds, one document per row where it does not (layers that drop ``**kwargs``, attention that rejects our argument,
+MoE router losses, state outside attention)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from foundry_attn import conformance, zoo
+from foundry_attn.paths import FlatPathError
+
+pytestmark = pytest.mark.foundry
+
+
+def _model_dir(tmp_path: Path, model_type: str, **overrides: object) -> str:
+    config, _ = zoo.tiny(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    folder = tmp_path / model_type
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def _build(path: str, tmp_path: Path, **kwargs: object):
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    return FoundryAttnCausalLM(
+        tokenizer=None, pretrained_model_name_or_path=path, pretrained=False, events_dir=str(tmp_path / "ev"), **kwargs
+    )
+
+
+def _stock_rows_loss(hf: torch.nn.Module, rows_name: str, docs: list[torch.Tensor]) -> float:
+    """Stock, one document per row, right-padded, a 2-D mask: the truth (router statistics over real tokens)."""
+    stock = copy.deepcopy(hf)
+    del stock.foundry_path
+    stock.config._attn_implementation = rows_name
+    width = max(d.numel() for d in docs)
+    ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for r, d in enumerate(docs):
+        ids[r, : d.numel()], mask[r, : d.numel()], labels[r, : d.numel()] = d, 1, d
+    with torch.no_grad():
+        return stock(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "path"),
+    [
+        ("llama", {}, "flat"),
+        ("qwen3_moe", {"output_router_logits": True}, "rows"),  # its layers call attention without **kwargs
+        ("bamba", {}, "rows"),  # the same, and a Mamba mixer carries state along the row
+        ("bloom", {}, "rows"),  # eager-only, rejects an unknown keyword
+        ("mixtral", {"output_router_logits": True}, "flat"),  # the router loss reads a [batch, seq] mask
+        ("olmoe", {"output_router_logits": True}, None),
+    ],
+)
+def test_auto_trains_what_stock_trains(tmp_path: Path, model_type: str, overrides: dict, path: str | None) -> None:
+    model = _build(_model_dir(tmp_path, model_type, **overrides), tmp_path)
+    decision = model.attn_decision
+    assert decision.path in ("flat", "rows") and decision.path_reason
+    if path is not None:
+        assert decision.path == path, decision.path_reason
+    docs = conformance._documents()
+    batch = conformance._batch(docs, "pack")
+    want = _stock_rows_loss(model.model, model.model.foundry_path.rows_name, docs)
+    loss = model.loss(model(batch), batch)
+    loss.backward()
+    assert abs(loss.item() - want) <= conformance.LOSS_TOL, (model_type, decision.path, decision.path_reason)
+    assert model.attn_decision.as_dict()["path"] == model.model.foundry_path.path
+
+
+@pytest.mark.slow
+def test_flat_insisted_on_names_the_layer_that_dropped_the_documents(tmp_path: Path) -> None:
+    with pytest.raises(FlatPathError, match=r"check 'proof' failed: .*did not reach Qwen3MoeAttention"):
+        _build(_model_dir(tmp_path, "qwen3_moe"), tmp_path, attn_path="flat", attn_strict=True)
+
+
+def test_an_unknown_path_lists_the_valid_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="attn_path: unknown value 'flatt'; valid values: auto, flat, rows"):
+        _build(_model_dir(tmp_path, "llama"), tmp_path, attn_path="flatt")
