@@ -389,9 +389,16 @@ def _eager(
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """transformers' eager attention with the model's own additive mask (no documents). -> [B, H, S, D]."""
+    """transformers' eager attention with the model's own additive mask (no documents). -> [B, H, S, D].
+
+    Causal (bottom-right) where the module is, also when the model's mask holds only padding (GPT-2's)."""
     k, v = _expand_kv(q, k, v)
     mask = additive[..., : k.shape[-2]] if additive is not None else None
+    if getattr(module, "is_causal", False) and q.shape[-2] > 1:
+        ql, kl = q.shape[-2], k.shape[-2]
+        future = torch.ones(ql, kl, dtype=torch.bool, device=q.device).triu_(kl - ql + 1)
+        causal = torch.zeros(ql, kl, dtype=q.dtype, device=q.device).masked_fill_(future, torch.finfo(q.dtype).min)
+        mask = causal if mask is None else torch.maximum(mask + causal, mask.new_tensor(torch.finfo(q.dtype).min))
     return eager_math(q, k, v, _scale(q, scaling), softcap, mask, dropout, module.training)
 
 
@@ -524,6 +531,16 @@ def flex_documents(
     return out.transpose(1, 2).contiguous(), None
 
 
+def padding_of(mask: Any) -> torch.Tensor | None:
+    """The ``[batch, keys]`` real-key mask inside a model's 4-D mask (a key no query may see is padding), for FA2's
+    stock unpad; None when every key is real (or there is no mask). Causal and window structure is FA2's own."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    real = visible.any(dim=-2)[:, 0]
+    return None if bool(real.all()) else real.to(torch.int32)
+
+
 def _fa2(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -538,9 +555,11 @@ def _fa2(
 ) -> tuple[torch.Tensor, None]:
     """transformers' own FA2 code path with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
     docs = _documents(kwargs, attention_mask, query, module)
-    if docs is None:  # a mask built by the model (generation): FA2 cannot take a 4-D mask; eager math can
-        out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
-        return out.transpose(1, 2).contiguous(), None
+    if docs is None:  # rows, eval, generation: stock FA2 on the padding the model's own mask holds
+        padding = padding_of(attention_mask)
+        return _flash_forward(
+            module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs, padding
+        ), None
     cu = docs.cu_seq_lens(query.device)
     # compiled: the row length bounds every document and is already a (dynamic) shape, so no guard on the layout
     longest = query.shape[2] if torch.compiler.is_compiling() else docs.max_length
@@ -560,9 +579,11 @@ def _flash_forward(
     sliding_window: int | None,
     softcap: float | None,
     kwargs: dict,
+    padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' ``_flash_attention_forward`` as its own ``flash_attention_forward`` calls it, but for the
-    stock FA2 kernel by name: 5.x resolves the kernel from ``config._attn_implementation``, which is ours here."""
+    stock FA2 kernel by name: 5.x resolves the kernel from ``config._attn_implementation``, which is ours here.
+    ``padding``: a 2-D mask of real keys (stock's per-layer unpad), for calls without our documents."""
     if _FA_NAMES_ITS_KERNEL:
         kwargs["attn_implementation"] = FA2
     kwargs.pop("is_causal", None)
@@ -577,7 +598,7 @@ def _flash_forward(
         q,
         k,
         v,
-        None,
+        padding,
         query_length=query.shape[2],
         is_causal=cast(bool, module.is_causal),
         dropout=dropout,

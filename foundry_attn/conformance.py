@@ -14,8 +14,10 @@ Core module: torch and transformers only.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN
-from foundry_attn.forward import forward_documents, kernel_context
+from foundry_attn.forward import forward_documents, kernel_context, repad_logits
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.paths import attach
 
@@ -116,13 +118,15 @@ class Cell:
     path: str = ""  # "flat" | "rows" (foundry_attn.paths), for a cell that ran
 
 
-def build(family: str, backend: str, seed: int = 0) -> torch.nn.Module:
-    """The tiny model of ``family``, stock, loaded for ``backend`` (flex/FA2 load as eager, then switch)."""
+def build(family: str, backend: str, seed: int = 0, switch: bool = True) -> torch.nn.Module:
+    """The tiny model of ``family``, stock, loaded for ``backend`` (flex/FA2 load as eager, then switch to it;
+    ``switch=False`` keeps the name it loaded with, as a model built for the FA2 reference kernel has)."""
     config, model_class = FAMILIES[family]()
     config._attn_implementation = backend if backend in (SDPA, EAGER) else EAGER
     torch.manual_seed(seed)
     model = model_class(config)
-    model.config._attn_implementation = backend
+    if switch:
+        model.config._attn_implementation = backend
     return model.train()
 
 
@@ -225,11 +229,13 @@ def cell(family: str, backend: str, mode: str = "pack", checkpointing: str = "pl
     why = refusal(family, backend)
     if why:
         return Cell(family, backend, mode, checkpointing, "refused", why)
-    model = build(family, backend)
-    state = attach(model, backend, fa2_reference=True)
-    enable_checkpointing(model, checkpointing)
-    out = forward_documents(model, _batch(_documents(), mode))  # proves on this batch; a dropped argument: rows
-    out.loss.backward()
+    model = build(family, backend, switch=backend != FA2)
+    # FA2 exists on this CPU only as the reference kernel: installed around the whole run, as for the truth
+    with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+        state = attach(model, backend, fa2_reference=True)
+        enable_checkpointing(model, checkpointing)
+        out = forward_documents(model, _batch(_documents(), mode))  # proves on this batch; a dropped argument: rows
+        out.loss.backward()
     want_loss, want_grad = _truth(family, backend)
     grad = _grads(model)
     loss_err = abs(out.loss.item() - want_loss)
@@ -268,3 +274,202 @@ def table(cells: list[Cell]) -> str:
 
 def run_all(families: tuple[str, ...] = tuple(FAMILIES)) -> list[Cell]:
     return [cell(f, b, m, k) for f in families for b in BACKENDS for m in MODES for k in CHECKPOINTING]
+
+
+# ---- the zoo: every causal-LM type transformers ships ---------------------------------------------------
+
+ZOO_BACKENDS = ("auto", SDPA, EAGER, FA2)  # FA2: transformers' FA2 code path on the CPU reference kernel
+ZOO_LENGTHS = (5, 11, 3, 9)  # windows of zoo.WINDOW (4) bite; rows of PACK_WIDTH hold two documents each
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooCell:
+    """One (model type, requested backend): ``exact`` (on ``path``), ``refused`` (why), ``WRONG``, ``crash``,
+    ``stock differs`` (rows equal stock's own padded rows, which differ from each document alone), or
+    ``unbuildable`` / ``stock fails`` (stock transformers itself cannot run it here: not ours to train)."""
+
+    model_type: str
+    requested: str
+    status: str
+    chosen: str = ""
+    path: str = ""
+    detail: str = ""
+    loss_err: float | None = None
+    grad_err: float | None = None
+
+
+def _zoo_model(config: Any, model_class: type, backend: str) -> Any:
+    """Built with ``backend`` (FA2: on the reference kernel, so families that pick a class per backend at
+    construction get their FA2 class), else built eager and switched."""
+    for load_as in dict.fromkeys((backend, EAGER)):
+        built = copy.deepcopy(config)
+        built._attn_implementation = load_as
+        torch.manual_seed(0)
+        try:
+            with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+                model = model_class(built)
+        except (ValueError, ImportError):
+            continue
+        model.config._attn_implementation = backend
+        return model.train()
+    raise ValueError(f"{model_class.__name__} cannot be built with {backend} or eager")
+
+
+def _doc_loss(logits: torch.Tensor, doc: torch.Tensor, targets: int) -> torch.Tensor:
+    """Next-token cross-entropy of one document, summed and divided by every target of the batch: the same
+    function of the logits on both sides, whatever loss convention the model's own ``labels`` path has."""
+    return F.cross_entropy(logits[:-1].float(), doc[1:], reduction="sum") / targets
+
+
+def _zoo_truth(config: Any, model_class: type, backend: str, docs: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+    """Stock, each document alone, this backend: the loss and its gradient."""
+    model = _zoo_model(config, model_class, backend)
+    targets = sum(d.numel() - 1 for d in docs)
+    with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+        # all-ones masks, as a padded batch gives (Moshi is not causal without one); one backward (recurrent state)
+        losses = [
+            _doc_loss(
+                model(input_ids=d[None], attention_mask=torch.ones_like(d[None]), use_cache=False).logits[0], d, targets
+            )
+            for d in docs
+        ]
+        total = torch.stack(losses).sum()
+        total.backward()
+    return total.item(), _grads(model)
+
+
+def _zoo_stock_rows(
+    config: Any, model_class: type, backend: str, docs: list[torch.Tensor]
+) -> tuple[float, torch.Tensor]:
+    """Stock, one document per row, right-padded (the model's pad id), a 2-D mask: what stock trains on."""
+    model = _zoo_model(config, model_class, backend)
+    pad = getattr(config, "pad_token_id", None)
+    width = max(d.numel() for d in docs)
+    ids = torch.full((len(docs), width), pad if isinstance(pad, int) and pad >= 0 else 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, d in enumerate(docs):
+        ids[r, : d.numel()], mask[r, : d.numel()] = d, 1
+    targets = sum(d.numel() - 1 for d in docs)
+    with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        loss = sum(_doc_loss(logits[r, : d.numel()], d, targets) for r, d in enumerate(docs))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+    return loss.item(), _grads(model)
+
+
+def _zoo_ours(model: Any, docs: list[torch.Tensor]) -> float:
+    """Ours on the packed batch (no labels: the loss is :func:`_doc_loss` on the re-padded logits)."""
+    batch = _batch(docs, "pack")
+    del batch["labels"]
+    logits = repad_logits(forward_documents(model, batch))
+    targets = sum(d.numel() - 1 for d in docs)
+    it = iter(docs)
+    loss = sum(
+        _doc_loss(logits[r, start : start + n], next(it), targets)
+        for r, row in enumerate(batch["doc_lens"])
+        for start, n in zip(itertools.accumulate(row, initial=0), row, strict=False)
+    )
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    return loss.item()
+
+
+def zoo_cell(model_type: str, requested: str) -> ZooCell:
+    """Run ``model_type``'s tiny config under ``requested`` (``auto``: the default chain; a backend: strict) through
+    ``attach`` + ``forward_documents`` on packed documents, against stock on each document alone."""
+    from foundry_attn import zoo
+    from foundry_attn.loading import decide
+    from foundry_attn.policy import DEFAULT_FALLBACK, AttentionUnavailableError
+    from foundry_attn.proof import synthetic_documents
+
+    def done(status: str, detail: str = "", **kw: Any) -> ZooCell:
+        return ZooCell(model_type, requested, status, detail=detail.splitlines()[0][:300] if detail else "", **kw)
+
+    try:
+        config, model_class = zoo.tiny(model_type)
+    except zoo.Unbuildable as exc:
+        return done("unbuildable", str(exc))
+    auto = requested == "auto"
+    try:
+        decision = decide(
+            None,
+            requested,
+            DEFAULT_FALLBACK if auto else (requested,),
+            strict=not auto,
+            compute_dtype="fp32",
+            fa2_reference=requested == FA2,
+            config=config,
+        )
+    except (AttentionUnavailableError, ValueError) as exc:
+        return done("refused", str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0])
+    backend = decision.chosen
+    try:
+        docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
+        want_loss, want_grad = _zoo_truth(config, model_class, backend, docs)
+    except Exception as exc:
+        return done("stock fails", f"{type(exc).__name__}: {exc}", chosen=backend)
+    try:
+        model = _zoo_model(config, model_class, backend)
+        # FA2 exists on this CPU only as the reference kernel: installed around the whole run, as for the truth
+        with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+            state = attach(model, backend, fa2_reference=backend == FA2)
+            loss = _zoo_ours(model, docs)
+    except Exception as exc:
+        return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
+    grad = _grads(model)
+    loss_err = abs(loss - want_loss)
+    grad_err = ((grad - want_grad).norm() / want_grad.norm().clamp_min(1e-12)).item()
+    ok = loss_err <= LOSS_TOL and grad_err <= GRAD_TOL
+    status = "exact" if ok else "WRONG"
+    if not ok and state.path == "rows":  # is it stock's own padded rows that differ from each document alone?
+        rows_loss, rows_grad = _zoo_stock_rows(config, model_class, backend, docs)
+        if abs(loss - rows_loss) <= LOSS_TOL and ((grad - rows_grad).norm() / rows_grad.norm()).item() <= GRAD_TOL:
+            status = "stock differs"
+    return done(
+        status,
+        state.reason,
+        chosen=backend,
+        path=state.path,
+        loss_err=loss_err,
+        grad_err=grad_err,
+    )
+
+
+def run_zoo(model_types: tuple[str, ...] | None = None, backends: tuple[str, ...] = ZOO_BACKENDS) -> list[ZooCell]:
+    from foundry_attn import zoo
+
+    return [zoo_cell(t, b) for t in (model_types or tuple(zoo.model_types())) for b in backends]
+
+
+def zoo_counts(cells: list[ZooCell]) -> dict[str, int]:
+    """Counts by outcome: ``exact flat``, ``exact rows``, ``refused``, ``WRONG``, ``crash``, ``unbuildable``, ..."""
+    counts: dict[str, int] = {}
+    for c in cells:
+        key = f"exact {c.path}" if c.status == "exact" else c.status
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def zoo_table(cells: list[ZooCell]) -> str:
+    """Markdown: one row per model type, one column per requested backend (``exact flat``, ``exact rows``, the
+    refusal, ...), then the reason each type runs rows."""
+    by = {(c.model_type, c.requested): c for c in cells}
+    types = list(dict.fromkeys(c.model_type for c in cells))
+    backends = list(dict.fromkeys(c.requested for c in cells))
+    lines = ["| model type | " + " | ".join(backends) + " | why rows |", "| --- |" + " --- |" * (len(backends) + 1)]
+    for t in types:
+        row, why = [], ""
+        for b in backends:
+            c = by.get((t, b))
+            if c is None:
+                row.append("")
+            elif c.status == "exact":
+                row.append(f"exact {c.path}" + (f" ({c.chosen})" if b == "auto" else ""))
+                why = why or (c.detail if c.path == "rows" else "")
+            elif c.status in ("refused", "unbuildable", "stock fails"):
+                row.append(f"{c.status}: {c.detail}".replace("|", "/")[:160])
+            else:
+                row.append(f"**{c.status}**: {c.detail}".replace("|", "/")[:160])
+        lines.append(f"| {t} | " + " | ".join(row) + f" | {why.replace('|', '/')[:200]} |")
+    return "\n".join(lines)

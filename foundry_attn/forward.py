@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents, DocumentsDropped
+from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.layout import Layout
 from foundry_attn.packing import IGNORE_INDEX
@@ -46,8 +46,6 @@ class PathGuard(Protocol):
     path: str
 
     def before_batch(self, model: Any, batch: Mapping, layout: Layout) -> None: ...
-
-    def dropped(self, exc: DocumentsDropped, model: Any) -> None: ...
 
 
 def path_state(model: Any) -> PathGuard | None:
@@ -76,15 +74,7 @@ def unwrapped(model: Any) -> Any:
 def forward_documents(model: Any, batch: Mapping) -> Any:
     """Run ``model`` (a HF causal LM, or a DDP / FSDP / compiled wrapper of one) so that no document sees another."""
     inputs, placed, no_targets = prepare_documents(model, batch)
-    state = path_state(model)
-    try:
-        out = model(**inputs, use_cache=False)
-    except DocumentsDropped as exc:  # a layer dropped our argument in training only (HF checkpointing)
-        if state is None:
-            raise
-        state.dropped(exc, model)  # rows from now on, or the binding error
-        return forward_documents(model, batch)
-    return finish_documents(out, placed, no_targets)
+    return finish_documents(model(**inputs, use_cache=False), placed, no_targets)
 
 
 @torch.compiler.disable

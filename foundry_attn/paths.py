@@ -31,11 +31,12 @@ from foundry_attn.adapters import (
     BACKENDS,
     EAGER,
     FA2,
+    FA2_REFERENCE,
     FLEX,
+    PREFIX,
     REGISTERED,
     SDPA,
     TORCH_VARLEN,
-    DocumentsDropped,
     backend_of,
     point,
 )
@@ -85,6 +86,13 @@ class PathState:
     _fingerprint: tuple = ()
     _modules: tuple = ()
 
+    def __deepcopy__(self, memo: dict) -> PathState:
+        """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch, and tells nobody
+        who listened to the original."""
+        return dataclasses.replace(
+            self, proofs=list(self.proofs), notes=list(self.notes), listeners=[], proven_on_batch=False, _modules=()
+        )
+
     def as_dict(self) -> dict[str, Any]:
         last = self.proofs[-1] if self.proofs else None
         return {
@@ -111,7 +119,8 @@ class PathState:
 
     def fingerprint(self) -> tuple:
         """What the flat path's exactness rests on, by identity: the dispatch entries of our name and the stock
-        one, torch's SDPA, and every module's ``forward`` (class and instance). Costs a few microseconds."""
+        one, torch's SDPA, every module's ``forward`` (class and instance) and HF checkpointing. Costs microseconds
+        (measured in ``bench proof``)."""
         from transformers.modeling_utils import AttentionInterface
 
         table = AttentionInterface._global_mapping
@@ -119,7 +128,11 @@ class PathState:
             table.get(self.flat_name),
             table.get(self.rows_name),
             torch.nn.functional.scaled_dot_product_attention,
-            *((type(m).forward, m.__dict__.get("forward")) for m in self._modules),
+            # a module's forward (class, instance) and HF gradient checkpointing switched on or off
+            *(
+                (type(m).forward, m.__dict__.get("forward"), m.__dict__.get("gradient_checkpointing"))
+                for m in self._modules
+            ),
         )
 
     def before_batch(self, model: Any, batch: Mapping, layout: Layout) -> None:
@@ -157,17 +170,6 @@ class PathState:
         log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
         for listener in self.listeners:
             listener(self)
-
-    def dropped(self, exc: DocumentsDropped, model: Any) -> None:
-        """A layer dropped our argument during training (the proof runs without checkpointing): rows."""
-        hf = unwrapped(model)
-        advice = (
-            "; HF gradient checkpointing calls the layers without **kwargs: use Composer's activation_checkpointing "
-            "(checkpoint_wrapper) to keep the flat path"
-            if getattr(hf, "is_gradient_checkpointing", False)
-            else ""
-        )
-        self.refuse(hf, f"{exc}{advice}", check="documents")
 
 
 def _window(config: Any) -> int | None:
@@ -229,8 +231,10 @@ def attach(
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     rows_name = built if backend_of(built) == backend and built not in REGISTERED else ROWS_NAME[backend]
-    if backend == FA2 and fa2_reference:  # the reference kernel's rows run through our function's mask branch
-        rows_name = point(hf, backend, fa2_reference=True)
+    if backend == FA2 and fa2_reference and built != FA2:  # our function's stock branch installs the reference
+        rows_name = PREFIX + FA2_REFERENCE
+    if backend == FLEX and next(hf.parameters()).device.type == "cpu":  # stock flex compiles: no CPU training
+        rows_name = EAGER
     state = PathState(
         backend,
         FLAT,

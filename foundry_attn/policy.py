@@ -3,7 +3,7 @@
     model:
       name: foundry_attn_causal_lm
       attn_implementation: auto          # or flash_attention_2 | flex_attention | sdpa | eager
-      attn_fallback: [flash_attention_2, sdpa, eager]
+      attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
       attn_strict: false                 # true: the request must run or the build fails
 
 Core module: torch, transformers-free, no Composer.

@@ -61,14 +61,16 @@ def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.devic
     """Seeded token ids (a local generator: the global RNG is untouched) that avoid the config's special ids."""
     gen = torch.Generator().manual_seed(0)
     vocab = int(getattr(config, "vocab_size", 0) or 1000)
-    special = {getattr(config, n, None) for n in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    special: set[int] = set()
+    for n in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, n, None)
+        special.update(v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, int))
     low, high = 1, max(2, min(vocab, 1000))
     docs = []
     for n in lengths:
         ids = torch.randint(low, high, (n,), generator=gen)
         for s in special:
-            if isinstance(s, int):
-                ids[ids == s] = (s + 1) % high or low
+            ids[ids == s] = (s + 1) % high or low
         docs.append(ids.to(device))
     return docs
 
@@ -162,7 +164,7 @@ def _prove(
     with _evaluating(hf):
         with _implementation(hf, stock), kernel_context(stock, device, reference):
             try:
-                alone = {i: hf(input_ids=docs[i][None], use_cache=False).logits[0] for i in compare}
+                alone = {i: _alone(hf, docs[i]) for i in compare}
             except Exception as exc:
                 return done(False, reason=f"stock {stock} cannot run one document alone here: {_short(exc)}")
         packed, why = _flat_logits(hf, docs)
@@ -182,7 +184,33 @@ def _prove(
             f"document(s) {leaks} of a packed row differ from stock {stock} on each alone by {worst:.2e}: the flat "
             "path does not compute what stock computes for this model",
         )
+    dropped = _dropped_in_training(hf, docs)
+    if dropped:
+        return done(False, worst, dropped)
     return done(True, worst)
+
+
+def _dropped_in_training(hf: Any, docs: Sequence[torch.Tensor]) -> str | None:
+    """Under HF gradient checkpointing some layers call attention without ``**kwargs`` (GPT-NeoX in 4.51), which
+    the eval-mode proof never sees: one flat forward in training mode, without grad (an exception inside a
+    non-reentrant checkpoint with grad would leave its hooks behind), the RNG restored after its dropout."""
+    if not getattr(hf, "is_gradient_checkpointing", False):
+        return None
+    device = docs[0].device
+    was_training = hf.training
+    hf.train()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _, why = _flat_logits(hf, docs)
+    finally:
+        hf.train(was_training)
+    return f"under HF gradient checkpointing: {why}" if why else None
+
+
+def _alone(hf: Any, doc: torch.Tensor) -> torch.Tensor:
+    """Stock on one document, with the all-ones mask a padded batch would give it (some families are not causal
+    without a mask: Moshi's eager attention)."""
+    return hf(input_ids=doc[None], attention_mask=torch.ones_like(doc[None]), use_cache=False).logits[0]
 
 
 def _flat_logits(hf: Any, docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, str]:
@@ -201,7 +229,13 @@ def _flat_logits(hf: Any, docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | 
         docs_arg = inputs["foundry_documents"]
         logits = hf(**inputs, use_cache=False).logits[0]
     except DocumentsDropped as exc:
-        return None, f"{exc}; stock keeps the documents apart only one per row"
+        checkpointing = (
+            "; HF gradient checkpointing calls the layers without **kwargs: use Composer's activation_checkpointing "
+            "(checkpoint_wrapper) to keep the flat path"
+            if getattr(hf, "is_gradient_checkpointing", False) and hf.training
+            else ""
+        )
+        return None, f"{exc}{checkpointing}"
     except FlatUnsupported as exc:
         return None, str(exc)
     except Exception as exc:

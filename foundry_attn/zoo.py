@@ -8,8 +8,10 @@ Each config starts from the config class's defaults and is shrunk generically (`
 bite on short documents: sliding windows and attention chunks of :data:`WINDOW` tokens, a windowed and a global
 layer, and one layer of every mixer kind a hybrid has (per-layer lists are cut to their distinct kinds, and
 ``_KINDS`` adds the kinds a family's default config leaves out). Dropouts are 0; sub-configs (text, vision, ...)
-are shrunk the same way. ``_FAMILY`` holds the few overrides where the generic shrink is not enough. A type that
-cannot train here raises :class:`Unbuildable` with the reason. ``config._attn_implementation`` is left to callers.
+are shrunk the same way; ``use_cache`` is off (training). ``_FAMILY`` holds the few overrides where the generic
+shrink is not enough, each with its reason. A type that cannot train here raises :class:`Unbuildable` with the
+reason; any other exception out of :func:`tiny` is a shrink this module gets wrong (a new family: extend the
+tables). ``config._attn_implementation`` is left to callers. Works on transformers 4.51 and 5.x.
 Core module: torch and transformers only.
 """
 
@@ -19,8 +21,10 @@ import copy
 import functools
 import importlib.util
 import inspect
+import itertools
 from typing import Any
 
+import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -34,6 +38,10 @@ _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "deco
 
 class Unbuildable(Exception):
     """This type cannot be built and trained here; ``str(exc)`` is the reason."""
+
+
+class _ConfigError(RuntimeError):
+    """The shrunk keyword arguments do not make a valid config (a family the tables do not cover yet)."""
 
 
 def model_types() -> list[str]:
@@ -70,7 +78,11 @@ _SCALARS: dict[str, Any] = {
     **_names("moe_shared_expert_intermediate_size", "shared_experts_intermediate_size", value=EXPERT_FFN),
     **_names("shared_intermediate_size", "ple_embed_dim", "hidden_size_per_layer_input", value=EXPERT_FFN),
     **_names("vocab_size", "decoder_vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input", value=VOCAB),
-    **_names("encoder_hash_byte_group_vocab", value=VOCAB),
+    **_names("encoder_hash_byte_group_vocab", "pronunciation_vocab_size", "shape_vocab_size", value=VOCAB),
+    # towers a causal LM builds but text never runs through (vision, audio): small, so that they build fast
+    **_names("pronunciation_embed_dim", "shape_embed_dim", "mm_embed_dim", "audio_embed_dim", value=HIDDEN),
+    **_names("output_proj_dims", "mlp_dim", "nemo_conv_channels", "ext_pw_out_channel", value=HIDDEN),
+    **_names("depthwise_separable_out_channel", value=HIDDEN),
     **_names("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions", value=POSITIONS),
     **_names("context_length", "model_max_length", "max_source_positions", value=POSITIONS),
     **_names("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", value=EXPERTS),
@@ -99,7 +111,8 @@ _SCALARS: dict[str, Any] = {
     **_names("mamba_d_ssm", value=2 * HIDDEN),
     **_names("chunk_size", "mamba_chunk_size", value=16),
     **_names("use_mamba_kernels", "use_mem_eff_path", value=False),
-    **_names("use_cache", "output_router_logits", "tie_word_embeddings", value=False),
+    # training: no KV cache (4.51 Llama4 builds a bf16 HybridChunkedCache from its config otherwise)
+    **_names("use_cache", "output_router_logits", value=False),
 }
 
 # set even where the default is None (None there means "derive it" or "no window": we want one)
@@ -121,18 +134,28 @@ _KINDS: dict[str, dict[str, list[str]]] = {
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"]},
     "zaya": {"layer_types": ["hybrid", "hybrid_sliding"]},
     "minimax_m3_vl_text": {"layer_types": ["minimax_m3_sparse", "full_attention"]},  # default: all full
+    # the hybrid layers share one transformer block: two of them, so that it is shared (5.x ties it)
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
 }
+
+_V4 = int(transformers.__version__.split(".")[0]) < 5
 
 # per-family overrides, only where the generic shrink is not enough
 _ROPE_PER_KIND = {"rope_type": "default", "rope_theta": 10000.0}
 _FAMILY: dict[str, dict[str, Any]] = {
     # rope parameters per layer kind; the default's flat dict has no entry for its own layer kinds
-    "cohere_compass_text": {"rope_parameters": {k: dict(_ROPE_PER_KIND) for k in _KINDS["cohere_compass_text"]["layer_types"]}},
+    "cohere_compass_text": {
+        "rope_parameters": {k: dict(_ROPE_PER_KIND) for k in ("sliding_attention", "full_attention")}
+    },
     "mamba2": {"num_heads": 2 * HIDDEN // HEAD_DIM, "head_dim": HEAD_DIM},  # heads * head_dim == expand * hidden
     "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
     # Qwen4-Exp's QSA indexer is off unless all five are set: on, selecting WINDOW tokens in blocks of 2
     "qwen4_exp_text": dict(
-        indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=WINDOW, indexer_compress_ratio=2
+        indexer_n_heads=HEADS,
+        indexer_kv_heads=1,
+        indexer_head_dim=HEAD_DIM,
+        indexer_budget=WINDOW,
+        indexer_compress_ratio=2,
     ),
     "dots3_note_text": {"num_key_value_heads": HEADS},  # MLA: "num_key_value_heads must match num_attention_heads"
     # DbrxAttention reads attn_config.rope_theta (not a field) and clamps q/k/v with clip_qkv (None fails)
@@ -145,13 +168,18 @@ _FAMILY: dict[str, dict[str, Any]] = {
         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
     ),
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "bamba": {"attn_layer_indices": [LAYERS - 1]},  # default None: every layer Mamba
     "xmod": {"default_language": "en_XX"},
+    "mllama_text_model": {"rope_scaling": {"rope_type": "default"}},  # 4.51: None by default, rotary reads it
     "musicgen_decoder": {"num_codebooks": 1},  # input_ids are [batch * codebooks, seq]: one codebook, one row
     "musicgen_melody_decoder": {"num_codebooks": 1},
     "modernbert-decoder": {"local_attention": 2 * WINDOW},  # a total width: sliding_window = local_attention // 2
     # axial position embeddings train only on rows of exactly prod(axial_pos_shape) tokens: learned ones instead
     # (chunk lengths stay 64: in training a row longer than a chunk must be a multiple of it)
     "reformer": {"axial_pos_embds": False},
+    # 4.51: without the cache the RG-LRU keeps its state from the previous forward (a second backward fails);
+    # with it, a row longer than attention_window_size attends to its last keys under the first keys' mask
+    **({"recurrent_gemma": {"use_cache": True, "attention_window_size": POSITIONS}} if _V4 else {}),
     # block-sparse indexer: WINDOW tokens in blocks of 2
     "minimax_m3_vl_text": {"index_block_size": 2, "index_topk_blocks": WINDOW // 2},
 }
@@ -162,10 +190,23 @@ _UNBUILDABLE = {
     "shared_kv_states (every layer reuses the target's KV), so it cannot train alone",
     "gemma4_unified_assistant": "a speculative-decoding draft head: forward needs the target model's inputs_embeds "
     "and shared_kv_states (every layer reuses the target's KV), so it cannot train alone",
+    "transfo-xl": "deprecated; its forward calls Tensor.type_as(dtype=...), which torch rejects: it fails for any "
+    "config",
+    "speech_to_text_2": "deprecated; its _init_weights reads Speech2Text2SinusoidalPositionalEmbedding.weight, "
+    "which does not exist: construction fails for any config, the default one included",
 }
 
-# optional packages a type cannot be built without
-_REQUIRES: dict[str, tuple[str, ...]] = {"gemma3n": ("timm",)}
+# optional packages a type cannot be built without (module names)
+_REQUIRES: dict[str, tuple[str, ...]] = {"gemma3n": ("timm",), "qdqbert": ("pytorch_quantization",)}
+
+# keyword arguments without which the config class has no (usable) default, 4.51
+_DEFAULT_KWARGS: dict[str, dict[str, Any]] = {
+    **{
+        name: {"text_encoder": {"model_type": "t5"}, "audio_encoder": {"model_type": "encodec"}, "decoder": {}}
+        for name in ("musicgen", "musicgen_melody")  # MusicgenConfig() raises
+    },
+    "phi4_multimodal": {"vision_config": {}, "audio_config": {}},  # default vision_config None; the model needs it
+}
 
 
 def _is_dropout(name: str) -> bool:
@@ -185,7 +226,7 @@ def _base_names() -> frozenset[str]:
 def _signature(config_class: type) -> dict[str, Any]:
     """The config class's keyword arguments and their defaults (``inspect.Parameter.empty`` if none)."""
     try:
-        params = inspect.signature(config_class.__init__).parameters
+        params = inspect.signature(config_class).parameters
     except (TypeError, ValueError):
         return {}
     return {k: p.default for k, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
@@ -220,7 +261,7 @@ def _padded(kinds: list[Any], layers: int) -> list[Any]:
 
 def _is_index_list(value: list[Any]) -> bool:
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    return ints and all(a < b for a, b in zip(value, value[1:], strict=False))
+    return ints and all(a < b for a, b in itertools.pairwise(value))
 
 
 def _shrink_list(name: str, value: list[Any], layers: int | None) -> list[Any] | None:
@@ -281,7 +322,7 @@ def _per_layer_config(found: dict[str, Any], kwargs: dict[str, Any], new_types: 
     return out
 
 
-def _overrides(config: PretrainedConfig, model_type: str) -> dict[str, Any]:
+def _overrides(config: PretrainedConfig, model_type: str, top: bool = True) -> dict[str, Any]:
     """Keyword arguments that turn the default ``config`` into a tiny one (sub-configs recursively)."""
     found = config.to_dict()
     signature = _signature(type(config))
@@ -289,13 +330,16 @@ def _overrides(config: PretrainedConfig, model_type: str) -> dict[str, Any]:
     layers = _layer_count(found)
     out: dict[str, Any] = {}
     remap: dict[int, int] = {}
+    need = LAYERS  # layers the per-layer lists need to hold each of their kinds
     for name, value in found.items():
         sub = _attr(config, name)
         if isinstance(sub, PretrainedConfig):
-            out[name] = {"model_type": sub.model_type, **_tiny_kwargs(sub, sub.model_type)}
+            out[name] = {"model_type": sub.model_type, **_tiny_kwargs(sub, sub.model_type, top=False)}
             continue
-        key = name if name in signature or name in _base_names() else alias.get(name)
-        if key is None or key.startswith("_"):
+        key = name if name in signature else alias.get(name)
+        if key is None and name in _base_names() and (top or name.endswith(_TOKEN_SUFFIXES) or _is_dropout(name)):
+            key = name  # 4.51: the base class's keyword arguments (token ids, dropouts)
+        if key is None or key.startswith("_") or name in out:
             continue  # derived in __init__ from what we set
         if key in _EVEN_IF_NONE and not value:
             value = None  # None or 0: "derive it" / "no window"; we want one
@@ -315,37 +359,35 @@ def _overrides(config: PretrainedConfig, model_type: str) -> dict[str, Any]:
             shrunk = _shrink_list(name, value, layers)
             if shrunk is not None:
                 out[key] = shrunk
-    per_layer_lists = [v for v in out.values() if isinstance(v, list) and len(v) > LAYERS and _layer_count(out)]
-    if per_layer_lists:
-        for name in _LAYER_COUNTS:
-            if name in out:
-                out[name] = max(len(v) for v in per_layer_lists)
+                need = max(need, len(shrunk))
     rope = found.get("rope_parameters") or found.get("rope_scaling")
     if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
         key = "rope_parameters" if "rope_parameters" in found else "rope_scaling"
         out[key] = {**rope, "mrope_section": [3, 3, 2]}  # sums to HEAD_DIM // 2
-    if "is_decoder" in found and not found.get("is_encoder_decoder"):
+    if top and "is_decoder" in found and not found.get("is_encoder_decoder"):
         out["is_decoder"] = True  # encoder families in the causal-LM mapping run causally only as decoders
     for name, kinds in _KINDS.get(model_type, {}).items():
         if name in signature:
             out[name] = kinds
-            for count in _LAYER_COUNTS:
-                if count in out:
-                    out[count] = max(LAYERS, len(kinds))
+            need = max(need, len(kinds))
+    for count in _LAYER_COUNTS:
+        if count in out:
+            out[count] = need
     if found.get("kv_lora_rank"):  # MLA expands keys to every head: no GQA; head_dim is the rope or the q/k part
         if "num_key_value_heads" in out:
             out["num_key_value_heads"] = HEADS
         if "head_dim" in out and found.get("head_dim") == found.get("qk_rope_head_dim"):
             out["head_dim"] = out.get("qk_rope_head_dim", HEAD_DIM // 2)
     for name, value in _FAMILY.get(model_type, {}).items():
-        out[name] = {**out[name], **value} if isinstance(value, dict) and isinstance(out.get(name), dict) else value
+        if name in signature or name in found:  # overrides for one stack's fields leave the other alone
+            out[name] = {**out[name], **value} if isinstance(value, dict) and isinstance(out.get(name), dict) else value
     return out
 
 
 def _fix_kinds(default: dict[str, Any], built: PretrainedConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Per-layer lists the tiny config derived without one of the default's kinds or of the wrong length
     (all of the default's per-layer lists when the tiny config could not be built without them)."""
-    layers, fixes = _layer_count(default), {}
+    layers, fixes = _layer_count(default), dict[str, Any]()
     now_layers = _layer_count(built.to_dict()) if built is not None else None
     for name, value in default.items():
         if not isinstance(value, list) or not value or layers is None or len(value) != layers:
@@ -364,14 +406,14 @@ def _fix_kinds(default: dict[str, Any], built: PretrainedConfig | None, kwargs: 
     return fixes
 
 
-def _tiny_kwargs(default: PretrainedConfig, model_type: str) -> dict[str, Any]:
+def _tiny_kwargs(default: PretrainedConfig, model_type: str, top: bool = True) -> dict[str, Any]:
     """The keyword arguments of the tiny config of ``default``'s class, checked by building it."""
     config_class = type(default)
-    kwargs = _overrides(default, model_type)
+    kwargs = {**_DEFAULT_KWARGS.get(model_type, {}), **_overrides(default, model_type, top)}
     found = default.to_dict()
     for attempt in range(4):
         try:
-            built: PretrainedConfig | None = config_class(**kwargs)
+            built: PretrainedConfig | None = config_class(**copy.deepcopy(kwargs))
         except Exception as exc:
             built = None
             if attempt == 3 or not _fix_kinds(found, None, kwargs):
@@ -388,16 +430,14 @@ def _tiny_kwargs(default: PretrainedConfig, model_type: str) -> dict[str, Any]:
     return kwargs
 
 
-class _ConfigError(Exception):
-    pass
-
-
 def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
     try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except (KeyError, ValueError, ImportError, AttributeError) as exc:
         raise Unbuildable(f"no causal-LM class importable: {type(exc).__name__}: {_first_line(exc)}") from exc
-    return cls  # type: ignore[no-any-return]
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise Unbuildable(f"the causal-LM mapping gives {cls!r}, not a model class")
+    return cls
 
 
 def _matching(config: PretrainedConfig, model_class: type[PreTrainedModel]) -> PretrainedConfig:
@@ -407,7 +447,7 @@ def _matching(config: PretrainedConfig, model_class: type[PreTrainedModel]) -> P
         return config
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = _attr(config, name)
-        if isinstance(sub, wanted):
+        if isinstance(sub, PretrainedConfig) and isinstance(sub, wanted):
             return sub
     return config
 
@@ -426,11 +466,11 @@ def _tiny_cached(model_type: str) -> tuple[PretrainedConfig, type[PreTrainedMode
     except (KeyError, ImportError, AttributeError) as exc:
         raise Unbuildable(f"no config class: {type(exc).__name__}: {_first_line(exc)}") from exc
     try:
-        default = config_class()
+        default = config_class(**copy.deepcopy(_DEFAULT_KWARGS.get(model_type, {})))
     except Exception as exc:
         raise Unbuildable(f"{config_class.__name__}() fails: {type(exc).__name__}: {_first_line(exc)}") from exc
     kwargs = _tiny_kwargs(default, model_type)
-    config = config_class(**kwargs)
+    config = config_class(**copy.deepcopy(kwargs))
     model_class = _model_class(config)
     return _matching(config, model_class), model_class
 

@@ -19,7 +19,11 @@ REFUSED = {
     ("gpt2", "flex_attention"): ("has no flex_attention support", "no backward"),
 }
 #: 4.51's GPT-2 passes no **kwargs to attention (5.x does): one document per row, exact
-ROWS = {("gpt2", b) for b in ("flash_attention_2", "sdpa", "eager")} if transformers.__version__.startswith("4.") else set()
+ROWS = (
+    {("gpt2", b) for b in ("flash_attention_2", "sdpa", "eager")}
+    if transformers.__version__.startswith("4.")
+    else set()
+)
 #: torch after 2.7 has no FlexAttention backward on the CPU: the policy refuses flex for training there
 NO_FLEX_BACKWARD = probe().flex_backward_error is not None
 #: GPT-NeoX's HF gradient checkpointing drops **kwargs in 4.51: rows from the first forward on (5.x: flat)

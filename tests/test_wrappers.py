@@ -51,7 +51,7 @@ def test_compiled_model_is_exact(
     torch._dynamo.reset()
     model = conformance.build(family, backend)
     calls: list[bool] = []
-    name = attach(model, backend, fa2_reference=True)
+    name = attach(model, backend, fa2_reference=True).flat_name
     monkeypatch.setitem(AttentionInterface._global_mapping, name, AttentionInterface._global_mapping[name])
     recorded(name, calls)  # undone by monkeypatch after the test
     conformance.enable_checkpointing(model, checkpointing)

@@ -49,7 +49,7 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
     rank, world = dist.get_rank(), dist.get_world_size()
     model = conformance.build(family, backend)
     calls: list[bool] = []
-    recorded(attach(model, backend, fa2_reference=True), calls)
+    recorded(attach(model, backend, fa2_reference=True).flat_name, calls)
     conformance.enable_checkpointing(model, checkpointing)
     if wrapper == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)

@@ -5,7 +5,7 @@
       pretrained_model_name_or_path: ./build/tiny/tiny-llama
       pretrained: false
       attn_implementation: auto            # auto | flash_attention_2 | flex_attention | sdpa | eager
-      attn_fallback: [flash_attention_2, sdpa, eager]
+      attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
       attn_strict: false                   # true: fail if the request cannot run, naming the check
       attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
       events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR, else ./<run_name>/attn_events
@@ -40,11 +40,11 @@ from llmfoundry.models.hf import ComposerHFCausalLM
 from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
 
-from foundry_attn.adapters import DocumentsDropped, backend_of
+from foundry_attn.adapters import backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
-from foundry_attn.forward import ROWS, finish_documents, has_layout, path_state, prepare_documents, repad_logits
+from foundry_attn.forward import ROWS, finish_documents, has_layout, prepare_documents, repad_logits
 from foundry_attn.loading import decide
 from foundry_attn.paths import AUTO as AUTO_PATH
 from foundry_attn.paths import PROOF_INTERVAL, PathState, attach, check_path
@@ -265,19 +265,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
         inputs, placed, no_targets = routed
-        try:
-            out = self.model(**inputs, use_cache=False)
-        except DocumentsDropped as exc:  # a layer drops our argument in training only (HF checkpointing)
-            self._dropped(exc)
-            return self.forward(batch)  # rows from now on
-        return finish_documents(out, placed, no_targets)
-
-    @torch.compiler.disable
-    def _dropped(self, exc: DocumentsDropped) -> None:
-        state = path_state(self.model)
-        if state is None:
-            raise exc
-        state.dropped(exc, self.model)
+        return finish_documents(self.model(**inputs, use_cache=False), placed, no_targets)
 
     @torch.compiler.disable
     def _route(self, batch: Mapping) -> tuple | None:

@@ -1,0 +1,28 @@
+"""Every causal-LM type transformers ships on this stack (``foundry-attn conformance --zoo``): under ``auto`` and
+under each backend with strict on, through ``attach`` + ``forward_documents`` on packed documents, exact against
+stock on each document alone (flat or rows), or refused with a reason; never wrong, never a raw crash, and ``auto``
+trains wherever stock trains."""
+
+from __future__ import annotations
+
+import pytest
+
+from foundry_attn import conformance, zoo
+
+#: outcomes that are not ours to train: stock cannot build or run the pair here, or stock's own padded rows differ
+#: from each document alone (rows then equals stock's padded training exactly; conformance checks that)
+NOT_OURS = ("unbuildable", "stock fails", "stock differs")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", zoo.model_types())
+def test_every_model_type_is_exact_or_refused(model_type: str) -> None:
+    for requested in conformance.ZOO_BACKENDS:
+        cell = conformance.zoo_cell(model_type, requested)
+        assert cell.status in ("exact", "refused", *NOT_OURS), cell
+        if requested == "auto":
+            assert cell.status != "refused", cell  # auto never fails to train what stock trains
+        if cell.status == "exact":
+            assert cell.path in ("flat", "rows") and cell.detail, cell
+        if cell.status == "refused":
+            assert cell.detail, cell
