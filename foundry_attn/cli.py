@@ -1,11 +1,11 @@
 """``foundry-attn``: doctor, tiny assets, benchmarks, conformance, the fleet view of event logs.
 
 foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
-[--attn-strict] [--model-config ./build/tiny/tiny-llama]
+[--attn-strict] [--model-config ./build/tiny/tiny-llama]   (with a config: each candidate's path, flat or rows)
 foundry-attn assets build/tiny
 foundry-attn bench padding|callbacks|compile|proof|events --json [--device cuda] [--quick]
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
-foundry-attn conformance [--markdown] [--family mistral]
+foundry-attn conformance [--markdown] [--family mistral] [--zoo]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
 foundry-attn report runs/ -o report/
 """
@@ -56,6 +56,8 @@ def doctor(args: argparse.Namespace) -> int:
         "preflight": [dataclasses.asdict(p) for p in preflight(cap)],
         "flash_symbols": {k: v for k, v in discover().as_dict().items() if k in ("found", "missing", "error")},
     }
+    if args.model_config:
+        candidate_paths(args.model_config, report["candidates"], cap)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -73,8 +75,29 @@ def doctor(args: argparse.Namespace) -> int:
     print(f"transformers' flash helpers (upad_tracer): {found or 'none'}")
     for c in report["candidates"]:
         print(f"  {'ok ' if c['available'] else 'no '} {c['name']:<18} {c['reason']}")
+        if c.get("path"):
+            print(f"       path {c['path']}: {c['path_reason']}")
     print(f"chosen: {decision.chosen}")
     return 0
+
+
+def candidate_paths(model_config: str, candidates: list[dict[str, Any]], cap: Capability) -> None:
+    """For each candidate that runs here: the path it would get (``paths.preview`` on a tiny config of the model's
+    type, on this device), written into the candidate's dict."""
+    from transformers import AutoConfig
+
+    from foundry_attn.paths import preview
+
+    model_type = AutoConfig.from_pretrained(model_config).model_type
+    device = "cuda" if cap.cuda else "cpu"
+    for c in candidates:
+        if not c["available"]:
+            continue
+        try:
+            state = preview(model_type, c["name"], device)
+            c["path"], c["path_reason"] = state.path, f"{state.reason} (a tiny {model_type}; the run proves again)"
+        except Exception as exc:  # a type the zoo cannot build here: say so, never guess
+            c["path"], c["path_reason"] = "unknown", f"no tiny {model_type} to prove on: {type(exc).__name__}: {exc}"
 
 
 def flash_kernel(cap: Capability) -> str:
@@ -122,7 +145,10 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def conformance(args: argparse.Namespace) -> int:
-    """Every (family, backend) cell, exact or refused; ``--markdown`` prints the README table."""
+    """Every (family, backend) cell, exact or refused; ``--markdown`` prints the README table. ``--zoo``: every
+    causal-LM type of this transformers, under ``auto`` and each backend (strict)."""
+    if args.zoo:
+        return zoo_conformance(args)
     from foundry_attn.conformance import FAMILIES, run_all, table
 
     cells = run_all(tuple(args.family or FAMILIES))
@@ -135,6 +161,22 @@ def conformance(args: argparse.Namespace) -> int:
                 f"{c.detail or f'loss {c.loss_err:.1e}, grad {c.grad_err:.1e} (relative)'}"
             )
     return 1 if any(c.status == "WRONG" for c in cells) else 0
+
+
+def zoo_conformance(args: argparse.Namespace) -> int:
+    from foundry_attn.conformance import run_zoo, zoo_counts, zoo_table
+
+    cells = run_zoo(tuple(args.family) if args.family else None)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(zoo_counts(cells).items()))
+    if args.markdown:
+        print(f"{len({c.model_type for c in cells})} model types, {len(cells)} cells: {counts}\n")
+        print(zoo_table(cells))
+    else:
+        for c in cells:
+            numbers = f" (loss {c.loss_err:.1e}, grad {c.grad_err:.1e})" if c.loss_err is not None else ""
+            print(f"{c.model_type:24} {c.requested:18} {c.status:12} {c.chosen:18} {c.path:5} {c.detail}{numbers}")
+        print(counts)
+    return 1 if any(c.status in ("WRONG", "crash") for c in cells) else 0
 
 
 def events(args: argparse.Namespace) -> int:
@@ -227,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=bench)
     p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")
     p.add_argument("--markdown", action="store_true")
-    p.add_argument("--family", action="append", help="only this family (repeatable)")
+    p.add_argument("--family", action="append", help="only this family (repeatable; with --zoo: a model type)")
+    p.add_argument("--zoo", action="store_true", help="every causal-LM type of this transformers (tiny configs)")
     p.set_defaults(func=conformance)
     p = sub.add_parser("events", help="events of a run or a tree of runs: --fell-back ranks, --summary by device")
     p.add_argument("path", help="a run's events folder, a file, or a tree of runs")

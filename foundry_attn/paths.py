@@ -265,3 +265,24 @@ def attach(
 def path_of(model: Any) -> PathState | None:
     """The :class:`PathState` of ``model`` (or of the HF model inside a wrapper), or None if never attached."""
     return getattr(unwrapped(model), PATH_ATTR, None)
+
+
+def preview(
+    model_type: str, backend: str, device: torch.device | str = "cpu", fa2_reference: bool = False
+) -> PathState:
+    """The path ``backend`` would get for ``model_type`` here: :func:`attach` on a tiny random config of that type
+    (``foundry_attn.zoo``: the family's windows, GQA, MoE; two layers), on ``device`` (half precision on CUDA).
+    What ``foundry-attn doctor --model-config`` prints; a real run proves again on its own weights and batches."""
+    from foundry_attn import zoo
+    from foundry_attn.forward import kernel_context
+
+    config, model_class = zoo.tiny(model_type)
+    device = torch.device(device)
+    config._attn_implementation = backend if backend in (SDPA, EAGER) else EAGER
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        model = model_class(config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = model.to(device=device, dtype=dtype).eval()
+    with kernel_context(backend, device, fa2_reference):
+        return attach(model, backend, fa2_reference=fa2_reference)

@@ -198,3 +198,20 @@ def test_an_unattached_model_runs_rows_and_says_so(caplog: pytest.LogCaptureFixt
     out = forward_documents(model, _batch(0))
     assert path_of(model) is None and out.logits.shape[0] == sum(len(r) for r in LENGTHS)  # one row per document
     assert "never proven" in caplog.text and "rows path" in caplog.text
+
+
+def test_doctor_says_which_path_each_candidate_gets(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from foundry_attn import zoo
+    from foundry_attn.cli import main
+
+    for model_type, path in (("llama", "flat"), ("gptj", "rows")):  # GPT-J: its layer passes no **kwargs on
+        config, _ = zoo.tiny(model_type)
+        config.save_pretrained(tmp_path / model_type)
+        assert main(["doctor", "--json", "--model-config", str(tmp_path / model_type)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        ran = [c for c in report["candidates"] if c["available"]]
+        assert ran and all(c["path"] == path and c["path_reason"] for c in ran), report["candidates"]
+    assert main(["doctor", "--model-config", str(tmp_path / "gptj")]) == 0
+    assert "path rows: proof at attach failed" in capsys.readouterr().out
