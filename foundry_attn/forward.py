@@ -211,7 +211,10 @@ def _rows(
     row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
     if row_labels is not None:
         row_labels[:, 0] = IGNORE_INDEX
-    inputs = dict(input_ids=scatter(ids, _pad_id(model)), attention_mask=scatter(torch.ones_like(ids), 0))
+    inputs: dict[str, torch.Tensor | None] = {
+        "input_ids": scatter(ids, _pad_id(model)),
+        "attention_mask": scatter(torch.ones_like(ids), 0),
+    }
     if positions is not None:
         inputs["position_ids"] = scatter(positions, 0)
     inputs["labels"] = row_labels

@@ -281,7 +281,7 @@ def preview(
     config._attn_implementation = backend if backend in (SDPA, EAGER) else EAGER
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        model = model_class(config)
+        model: Any = model_class(config)  # to mypy, transformers' classes are dummies
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype).eval()
     with kernel_context(backend, device, fa2_reference):

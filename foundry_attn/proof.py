@@ -62,8 +62,8 @@ def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.devic
     gen = torch.Generator().manual_seed(0)
     vocab = int(getattr(config, "vocab_size", 0) or 1000)
     special: set[int] = set()
-    for n in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = getattr(config, n, None)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
         special.update(v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, int))
     low, high = 1, max(2, min(vocab, 1000))
     docs = []
