@@ -254,17 +254,24 @@ def batch_documents(
     batch_ids: torch.Tensor, layout: Layout, window: int | None = None
 ) -> tuple[list[torch.Tensor], tuple[int, ...]] | None:
     """The documents of one row of a training batch to prove on, at its real length, and which two to run
-    alone: the row with the most documents; the last (the one most exposed to what precedes it) and the longest
-    other (longer than ``window`` when one is). A row of one document is cut in two. None: nothing to prove."""
-    if not layout.doc_lens:
+    alone: the row with the most documents (with one longer than ``window`` first); the last (the one most exposed to what precedes it) and the longest
+    other (longer than ``window`` when one is). A row of one document is cut in two (a one-token row is used twice):
+    always three forwards, so FSDP ranks proving the same batch index all-gather the same number of times.
+    None: a batch without real tokens."""
+    if not any(layout.doc_lens):
         return None
-    r = max(range(len(layout.doc_lens)), key=lambda i: (len(layout.doc_lens[i]), sum(layout.doc_lens[i])))
+
+    def rank(i: int) -> tuple[bool, int, int]:  # a document longer than the window first, then most documents
+        row = layout.doc_lens[i]
+        return (bool(window) and len(row) > 1 and max(row[:-1]) > (window or 0), len(row), sum(row))
+
+    r = max(range(len(layout.doc_lens)), key=rank)
     lens = list(layout.doc_lens[r])
     start = layout.starts[r] if layout.starts else 0
     row = batch_ids[r, start : start + sum(lens)]
+    if len(lens) == 1 and lens[0] < 2:
+        return [row, row], (0, 1)
     if len(lens) == 1:
-        if lens[0] < 2:
-            return None
         lens = [lens[0] // 2, lens[0] - lens[0] // 2]
     docs = list(torch.split(row, lens))
     last = len(docs) - 1

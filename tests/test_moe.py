@@ -11,25 +11,22 @@ from foundry_attn import conformance, zoo
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import attach
 
-MOE = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "granitemoe",
-    "granitemoeshared",
-    "jamba",
-    "dbrx",
-    "phimoe",
-    "minimax",
-    "gpt_oss",
-    "qwen3_next",
-    "deepseek_v3",
-    "ernie4_5_moe",
-    "glm4_moe",
-    "hunyuan_v1_moe",
-    "flex_olmo",
-)
+
+def _moe_types() -> list[str]:
+    """Every causal-LM type of this transformers whose config has a router loss switch."""
+    from transformers import CONFIG_MAPPING
+
+    found = []
+    for model_type in zoo.model_types():
+        try:
+            if hasattr(CONFIG_MAPPING[model_type](), "output_router_logits"):
+                found.append(model_type)
+        except Exception:  # a config that needs an optional package: zoo.tiny says why in the test
+            found.append(model_type)
+    return found
+
+
+MOE = _moe_types()
 
 
 def _moe_model(model_type: str) -> torch.nn.Module:
@@ -46,7 +43,7 @@ def _moe_model(model_type: str) -> torch.nn.Module:
     return model_class(config).train()
 
 
-def _stock_rows(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float, float, torch.Tensor]:
+def _stock_rows(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float, float | None, torch.Tensor]:
     """Stock: one document per row, right-padded, a 2-D mask, labels -100 on padding."""
     width = max(d.numel() for d in docs)
     ids = torch.zeros(len(docs), width, dtype=torch.long)
@@ -56,7 +53,8 @@ def _stock_rows(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float
         ids[r, : d.numel()], mask[r, : d.numel()], labels[r, : d.numel()] = d, 1, d
     out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
     out.loss.backward()
-    return out.loss.item(), float(out.aux_loss), conformance._grads(model)
+    aux = None if getattr(out, "aux_loss", None) is None else float(out.aux_loss)
+    return out.loss.item(), aux, conformance._grads(model)
 
 
 @pytest.mark.slow
@@ -64,7 +62,12 @@ def _stock_rows(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float
 def test_router_loss_equals_stock(model_type: str) -> None:
     docs = conformance._documents()
     stock = _moe_model(model_type)
-    want_loss, want_aux, want_grad = _stock_rows(stock, docs)
+    try:
+        want_loss, want_aux, want_grad = _stock_rows(stock, docs)
+    except Exception as exc:  # not ours to train: stock itself fails with output_router_logits on this config
+        pytest.skip(f"{model_type}: stock fails with output_router_logits: {type(exc).__name__}: {exc}")
+    if want_aux is None:
+        pytest.skip(f"{model_type}: its forward computes no load-balancing loss")
     assert want_aux > 0
     for mode in conformance.MODES:
         model = _moe_model(model_type)
