@@ -191,6 +191,30 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+def config_values(config: Any, name: str) -> list[Any]:
+    """``config.<name>``, or on a heterogeneous 5.x config (gemma4, dots3: per-layer attributes that raise when
+    read globally) the value of every layer; empty when absent."""
+    try:
+        value = getattr(config, name)
+    except AttributeError:
+        return []
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, without importing 5.x names
+        layers = getattr(config, "per_layer_config", None) or []
+        return [v for layer in layers if (v := getattr(layer, name, None)) is not None]
+    return [] if value is None else [value]
+
+
+def config_value(config: Any, name: str, default: Any = None, pick: Callable = max) -> Any:
+    """One value of ``config.<name>`` (``pick`` of the per-layer values on a heterogeneous config), or ``default``."""
+    values = config_values(config, name)
+    if not values:
+        return default
+    try:
+        return pick(values)
+    except TypeError:  # values that do not compare: the first layer's
+        return values[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelNeeds:
     """What a model's attention asks of a kernel beyond causal/window/GQA, read from its config."""
@@ -202,9 +226,10 @@ class ModelNeeds:
 
     @classmethod
     def of(cls, class_name: str, config: Any) -> ModelNeeds:
-        dropout = max(float(getattr(config, n, 0.0) or 0.0) for n in ("attention_dropout", "attn_pdrop"))
-        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        return cls(class_name, getattr(config, "attn_logit_softcapping", None) or None, dropout, window or None)
+        dropout = max(float(config_value(config, n, 0.0) or 0.0) for n in ("attention_dropout", "attn_pdrop"))
+        windowed = config_value(config, "use_sliding_window", True)
+        window = config_value(config, "sliding_window", None, min) if windowed else None
+        return cls(class_name, config_value(config, "attn_logit_softcapping") or None, dropout, window or None)
 
 
 def passes_kwargs(model: Any) -> bool:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents
+from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents, config_value
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.layout import Layout
 from foundry_attn.packing import IGNORE_INDEX
@@ -180,7 +180,7 @@ def _flat(
         # a MoE forward hands its mask to the router loss, which reads it as [batch, seq]: every token of the
         # flat row is real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)
         torch.ones(1, total, dtype=torch.long, device=ids.device)
-        if getattr(hf.config, "output_router_logits", False)
+        if config_value(hf.config, "output_router_logits", False)
         else torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
     )
     inputs[DOCS_KEY] = docs

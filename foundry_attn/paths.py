@@ -38,6 +38,7 @@ from foundry_attn.adapters import (
     SDPA,
     TORCH_VARLEN,
     backend_of,
+    config_value,
     point,
 )
 from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, unwrapped
@@ -176,7 +177,7 @@ def _window(config: Any) -> int | None:
     windows = [
         int(w)
         for n in ("sliding_window", "attention_chunk_size")
-        if isinstance(w := getattr(config, n, None), int) and w > 0
+        if isinstance(w := config_value(config, n, None, min), int) and w > 0
     ]
     return min(windows, default=None)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from packaging.version import Version
 
-from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, ModelNeeds, refusal
+from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, ModelNeeds, config_value, refusal
 from foundry_attn.capability import Capability
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_compat import preflight
@@ -73,10 +73,10 @@ class ModelTraits:
 
 
 def head_dim_of(config: object) -> int | None:
-    head_dim = getattr(config, "head_dim", None)
+    head_dim = config_value(config, "head_dim")  # the largest layer's on a heterogeneous config
     if head_dim:
         return int(head_dim)
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    hidden, heads = config_value(config, "hidden_size"), config_value(config, "num_attention_heads", pick=min)
     return hidden // heads if hidden and heads else None
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.adapters import DocumentsDropped, FlatUnsupported
+from foundry_attn.adapters import DocumentsDropped, FlatUnsupported, config_value
 from foundry_attn.forward import _flat, kernel_context, unwrapped
 from foundry_attn.layout import Layout
 
@@ -60,10 +60,11 @@ class Verdict:
 def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
     """Seeded token ids (a local generator: the global RNG is untouched) that avoid the config's special ids."""
     gen = torch.Generator().manual_seed(0)
-    vocab = int(getattr(config, "vocab_size", 0) or 1000)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its decoder's
+    vocab = int(config_value(config, "vocab_size", 0) or config_value(text, "vocab_size", 0) or 1000)
     special: set[int] = set()
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = getattr(config, name, None)
+        value = config_value(config, name)
         special.update(v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, int))
     low, high = 1, max(2, min(vocab, 1000))
     docs = []
@@ -80,7 +81,7 @@ def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
     windows = [
         int(w)
         for n in ("sliding_window", "attention_chunk_size", "local_window", "window_size")
-        if isinstance(w := getattr(config, n, None), int) and w > 0
+        if isinstance(w := config_value(config, n, None, min), int) and w > 0
     ]
     short = min(windows, default=longest)
     first = short + 5 if short + 5 <= 64 else longest
@@ -254,9 +255,10 @@ def batch_documents(
     batch_ids: torch.Tensor, layout: Layout, window: int | None = None
 ) -> tuple[list[torch.Tensor], tuple[int, ...]] | None:
     """The documents of one row of a training batch to prove on, at its real length, and which two to run
-    alone: the row with the most documents (with one longer than ``window`` first); the last (the one most exposed to what precedes it) and the longest
-    other (longer than ``window`` when one is). A row of one document is cut in two (a one-token row is used twice):
-    always three forwards, so FSDP ranks proving the same batch index all-gather the same number of times.
+    alone: the row with the most documents (with one longer than ``window`` first); the last (the one most exposed
+    to what precedes it) and the longest other (longer than ``window`` when one is). A row of one document is cut
+    in two (a one-token row is used twice): always three forwards, so FSDP ranks proving the same batch index
+    all-gather the same number of times.
     None: a batch without real tokens."""
     if not any(layout.doc_lens):
         return None
