@@ -14,7 +14,6 @@ Core module: torch and transformers only.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import itertools
@@ -299,20 +298,32 @@ class ZooCell:
 
 
 def _zoo_model(config: Any, model_class: type, backend: str) -> Any:
-    """Built with ``backend`` (FA2: on the reference kernel, so families that pick a class per backend at
-    construction get their FA2 class), else built eager and switched."""
-    for load_as in dict.fromkeys((backend, EAGER)):
-        built = copy.deepcopy(config)
-        built._attn_implementation = load_as
-        torch.manual_seed(0)
-        try:
-            with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
-                model = model_class(built)
-        except (ValueError, ImportError):
-            continue
-        model.config._attn_implementation = backend
-        return model.train()
-    raise ValueError(f"{model_class.__name__} cannot be built with {backend} or eager")
+    """Built for ``backend`` (``zoo.build``: the same model every time); FA2 on the reference kernel, so families
+    that pick an attention class per backend at construction get their FA2 class. Where transformers will not
+    build FA2 here (5.x checks for the package), a family that dispatches by name at call time (the same module
+    classes under eager and sdpa) is built eager and switched; any other cannot run FA2 here (ValueError)."""
+    from foundry_attn import zoo
+
+    load_as = backend if backend in (SDPA, EAGER, FA2) else EAGER
+    try:
+        with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+            model = zoo.build(config, model_class, load_as)
+    except ImportError as exc:
+        if not _dispatches_by_name(config, model_class):
+            raise ValueError(f"{model_class.__name__} picks its attention classes at construction: {exc}") from exc
+        model = zoo.build(config, model_class, EAGER)
+    model.config._attn_implementation = backend
+    return model
+
+
+def _dispatches_by_name(config: Any, model_class: type) -> bool:
+    from foundry_attn import zoo
+
+    try:
+        kinds = [{type(m) for m in zoo.build(config, model_class, name).modules()} for name in (EAGER, SDPA)]
+    except Exception:
+        return False
+    return kinds[0] == kinds[1]
 
 
 def _doc_loss(logits: torch.Tensor, doc: torch.Tensor, targets: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import inspect
 import itertools
 from typing import Any
 
+import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -143,6 +144,8 @@ _V4 = int(transformers.__version__.split(".")[0]) < 5
 # per-family overrides, only where the generic shrink is not enough
 _ROPE_PER_KIND = {"rope_type": "default", "rope_theta": 10000.0}
 _FAMILY: dict[str, dict[str, Any]] = {
+    # the router samples its experts at random in training: no two calls agree, so nothing can be compared
+    "phimoe": {"router_jitter_noise": 0.0},
     # rope parameters per layer kind; the default's flat dict has no entry for its own layer kinds
     "cohere_compass_text": {
         "rope_parameters": {k: dict(_ROPE_PER_KIND) for k in ("sliding_attention", "full_attention")}
@@ -482,3 +485,28 @@ def tiny(model_type: str) -> tuple[PretrainedConfig, type[PreTrainedModel]]:
 
 
 __all__ = ["WINDOW", "Unbuildable", "model_types", "tiny"]
+
+
+def build(config: PretrainedConfig, model_class: type[PreTrainedModel], attn_implementation: str) -> Any:
+    """``model_class(config)`` built for ``attn_implementation``, seeded, in training mode; parameters the init
+    leaves as ``torch.empty`` memory (4.51 Llama4's experts) are re-drawn, so two builds are the same model
+    (construction runs with deterministic algorithms, which fill such memory with NaN, to find them)."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        model: Any = model_class(config)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    model = model.float().train()
+    bad = [n for n, p in model.named_parameters() if not p.isfinite().all() or p.abs().max() > 1e4]
+    if bad:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in bad:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model._zoo_uninitialised = bad
+    return model

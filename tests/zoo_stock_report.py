@@ -158,29 +158,12 @@ def _grads(model: Any) -> dict[str, Any]:
 
 
 def _build(config: Any, model_class: Any, backend: str) -> Any:
-    """Stock construction for ``backend``; parameters the init leaves as torch.empty memory are re-drawn."""
-    import torch
+    """Stock construction for ``backend`` (``zoo.build``: uninitialised parameters re-drawn)."""
+    from foundry_attn.zoo import build
 
-    config = copy.deepcopy(config)
-    config._attn_implementation = backend
-    torch.manual_seed(0)
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)  # torch.empty fills with NaN: what the init leaves alone shows
-    try:
-        model = model_class(config)
-    finally:
-        torch.use_deterministic_algorithms(before)
+    model = build(config, model_class, backend)
     if getattr(model.config, "_attn_implementation", backend) != backend:
         raise RuntimeError(f"asked {backend}, built {model.config._attn_implementation}")
-    model = model.float().train()
-    bad = [n for n, p in model.named_parameters() if not p.isfinite().all() or p.abs().max() > 1e4]
-    if bad:  # 4.51 Llama4: expert weights made with torch.empty and left alone by _init_weights
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name in bad:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    model._zoo_uninitialised = bad
     return model
 
 
