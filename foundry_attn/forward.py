@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from foundry_attn.adapters import DOCS_KEY, REGISTERED, Documents, config_value
+from foundry_attn.adapters import DOCS_KEY, Documents, config_value
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.layout import Layout
 from foundry_attn.packing import IGNORE_INDEX
@@ -104,7 +104,7 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
     state = path_state(hf)
     if state is not None:
         state.before_batch(model, batch, layout)  # proves the flat path on this batch when it is due
-    elif hf.config._attn_implementation in REGISTERED:
+    else:
         _say_unproven(type(hf).__name__)
     if state is not None and state.path == FLAT:
         inputs, placed = _flat(model, ids, _flat_positions(batch, layout), labels, layout)
@@ -116,8 +116,9 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
 @functools.cache
 def _say_unproven(class_name: str) -> None:
     log.warning(
-        "foundry_attn: %s was pointed at our attention but never proven (foundry_attn.paths.attach): "
-        "forward_documents runs it one document per row (rows path). Call attach(model, backend) for the flat path.",
+        "foundry_attn: %s was never attached (foundry_attn.paths.attach), so its flat path is not proven: "
+        "forward_documents runs it one document per row (rows path; under FA2 that is transformers' per-layer "
+        "unpad). Call attach(model, backend) once for the flat path.",
         class_name,
     )
 

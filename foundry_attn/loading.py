@@ -98,8 +98,10 @@ def decide(
     trust_remote_code: bool = True,
     config_overrides: dict | None = None,
     config: PretrainedConfig | None = None,
+    model_class: type[PreTrainedModel] | None = None,
 ) -> Decision:
-    """Choose the attention implementation for the model at ``model_path`` (or ``config``) on this device."""
+    """Choose the attention implementation for the model at ``model_path`` (or ``config``) on this device;
+    ``model_class``: the class that will be built, where ``AutoModelForCausalLM`` cannot tell it from the config."""
     from foundry_attn.capability import probe
 
     cap = cap or probe()
@@ -107,7 +109,7 @@ def decide(
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         for key, value in (config_overrides or {}).items():
             setattr(config, key, value)
-    model_class = model_class_for(config)
+    model_class = model_class or model_class_for(config)
     traits = ModelTraits.from_model_class(model_class, config)
     dtype = resolve_compute_dtype(compute_dtype, cap)
     decision = choose(
