@@ -83,3 +83,35 @@ def test_flat_insisted_on_names_the_layer_that_dropped_the_documents(tmp_path: P
 def test_an_unknown_path_lists_the_valid_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="attn_path: unknown value 'flatt'; valid values: auto, flat, rows"):
         _build(_model_dir(tmp_path, "llama"), tmp_path, attn_path="flatt")
+
+
+def test_a_leak_after_the_build_moves_the_registered_model_to_rows(tmp_path: Path) -> None:
+    """A library that patches attention after the build (here: our dispatch entry) is caught by the proof on the
+    first training batch, before that batch trains: the decision, its event and the path say rows, and why."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from foundry_attn.adapters import FUNCTIONS
+    from foundry_attn.events import read_events
+
+    model = _build(_model_dir(tmp_path, "llama"), tmp_path, attn_implementation="sdpa")
+    assert model.attn_decision.path == "flat"
+
+    def leaky(module, query, key, value, attention_mask, **kwargs):  # plain causal attention over the whole row
+        kwargs.pop("foundry_documents").calls += 1
+        return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)
+
+    genuine = AttentionInterface._global_mapping["foundry_sdpa"]
+    AttentionInterface._global_mapping["foundry_sdpa"] = leaky
+    try:
+        docs = conformance._documents()
+        batch = conformance._batch(docs, "pack")
+        want = _stock_rows_loss(model.model, "sdpa", docs)
+        loss = model.loss(model(batch), batch)
+    finally:
+        AttentionInterface._global_mapping["foundry_sdpa"] = genuine
+    assert abs(loss.item() - want) <= conformance.LOSS_TOL
+    decision = model.attn_decision
+    assert decision.path == "rows" and "proof at batch 1 (the first training batch) failed" in decision.path_reason
+    model.attn_events.bind(str(tmp_path / "ev"))
+    events = read_events(tmp_path / "ev", "attn_impl")
+    assert events[-1]["at"] == "path" and events[-1]["path"] == "rows", events
