@@ -44,6 +44,7 @@ class PathGuard(Protocol):
     """What ``forward_documents`` asks of the path kept on a model (:class:`foundry_attn.paths.PathState`)."""
 
     path: str
+    flat_name: str
 
     def before_batch(self, model: Any, batch: Mapping, layout: Layout) -> None: ...
 
@@ -106,7 +107,7 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
         state.before_batch(model, batch, layout)  # proves the flat path on this batch when it is due
     else:
         _say_unproven(type(hf).__name__)
-    if state is not None and state.path == FLAT:
+    if state is not None and state.path == FLAT and hf.config._attn_implementation == state.flat_name:
         inputs, placed = _flat(model, ids, _flat_positions(batch, layout), labels, layout)
     else:
         inputs, placed = _rows(model, ids, _user_positions(batch), labels, layout)

@@ -141,6 +141,8 @@ class PathState:
         hf = unwrapped(model)
         if self.path != FLAT or not (hf.training and torch.is_grad_enabled()):
             return
+        if hf.config._attn_implementation != self.flat_name:  # switched away after attach: rows, unproven
+            return
         self.batches += 1
         due = None
         if not self.proven_on_batch:

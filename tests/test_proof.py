@@ -217,3 +217,14 @@ def test_doctor_says_which_path_each_candidate_gets(tmp_path, capsys: pytest.Cap
         assert ran and all(c["path"] == path and c["path_reason"] for c in ran), report["candidates"]
     assert main(["doctor", "--model-config", str(tmp_path / "gptj")]) == 0
     assert "path rows: proof at attach failed" in capsys.readouterr().out
+
+
+def test_a_config_switched_after_attach_runs_rows_unproven() -> None:
+    """Someone sets ``config._attn_implementation`` after ``attach``: the proof no longer covers what runs, so the
+    batch runs rows with that implementation (nothing is proven or re-pointed behind the user's back)."""
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa")
+    model.config._attn_implementation = "eager"
+    out = forward_documents(model, _batch(0))
+    assert out.logits.shape[0] == sum(len(r) for r in LENGTHS) and state.path == "flat"
+    assert [at for at, _ in state.proofs] == ["attach"] and model.config._attn_implementation == "eager"

@@ -67,7 +67,7 @@ from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, round_robin
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
-from foundry_attn.paths import attach
+from foundry_attn.paths import attach, path_of
 from foundry_attn.policy import FA2, SDPA
 
 if TYPE_CHECKING:
@@ -144,8 +144,11 @@ class Mode:
 
     def step(self, model: torch.nn.Module) -> torch.Tensor:
         """Forward + backward; returns the detached loss."""
-        if self.ours:  # our function for the backend, documents as call arguments
-            attach(model, self.impl)
+        if self.ours:  # our function for the backend, documents as call arguments; proven once per model
+            state = path_of(model)
+            if state is None or state.backend != self.impl:
+                state = attach(model, self.impl)
+            model.config._attn_implementation = state.flat_name if state.path == "flat" else state.rows_name
             out = forward_documents(model, self.batch)
         else:
             cast("PretrainedConfig", model.config)._attn_implementation = self.impl
