@@ -411,7 +411,7 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
             compute_dtype="fp32",
             fa2_reference=requested == FA2,
             config=config,
-            model_class=model_class,
+            model_class=model_class,  # type: ignore[arg-type]  # (mypy reads transformers' dummy class)
         )
     except (AttentionUnavailableError, ValueError) as exc:
         return done("refused", str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0])

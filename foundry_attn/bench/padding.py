@@ -148,7 +148,8 @@ class Mode:
             state = path_of(model)
             if state is None or state.backend != self.impl:
                 state = attach(model, self.impl)
-            model.config._attn_implementation = state.flat_name if state.path == "flat" else state.rows_name
+            config = cast("PretrainedConfig", model.config)
+            config._attn_implementation = state.flat_name if state.path == "flat" else state.rows_name
             out = forward_documents(model, self.batch)
         else:
             cast("PretrainedConfig", model.config)._attn_implementation = self.impl
