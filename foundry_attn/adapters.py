@@ -269,6 +269,7 @@ class DocumentsDropped(RuntimeError):
     """A layer called attention without our ``foundry_documents`` argument while the flat row was running."""
 
     def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
         self.attention_class = type(module).__name__
         super().__init__(
             f"foundry_attn: the documents did not reach {self.attention_class}: the layer that calls it passed "

@@ -230,13 +230,14 @@ def _flat_logits(hf: Any, docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | 
         docs_arg = inputs["foundry_documents"]
         logits = hf(**inputs, use_cache=False).logits[0]
     except DocumentsDropped as exc:
+        caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
         checkpointing = (
             "; HF gradient checkpointing calls the layers without **kwargs: use Composer's activation_checkpointing "
             "(checkpoint_wrapper) to keep the flat path"
             if getattr(hf, "is_gradient_checkpointing", False) and hf.training
             else ""
         )
-        return None, f"{exc}{checkpointing}"
+        return None, f"{exc}; the caller is {caller}{checkpointing}"
     except FlatUnsupported as exc:
         return None, str(exc)
     except Exception as exc:
