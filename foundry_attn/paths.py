@@ -94,15 +94,6 @@ class PathState:
             self, proofs=list(self.proofs), notes=list(self.notes), listeners=[], proven_on_batch=False, _modules=()
         )
 
-    def as_dict(self) -> dict[str, Any]:
-        last = self.proofs[-1] if self.proofs else None
-        return {
-            "path": self.path,
-            "path_reason": self.reason,
-            "proof": f"{last[0]}: {last[1].describe()}" if last else "not yet",
-            "proofs": len(self.proofs),
-        }
-
     # ---- the proof --------------------------------------------------------------------------------------
     def prove(self, model: Any, docs: list[torch.Tensor], at: str, compare: tuple[int, ...] | None = None) -> Verdict:
         """Prove the flat path on ``docs``; a failure moves to rows (or raises, binding)."""

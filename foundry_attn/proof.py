@@ -175,7 +175,7 @@ def _prove(
     worst, leaks = 0.0, []
     for i in compare:
         diff, bad = _differs(packed[bounds[i] : bounds[i + 1]], alone[i], fp32)
-        worst = max(worst, diff)
+        worst = diff if diff != diff or worst != worst else max(worst, diff)  # nan stays nan (max would drop it)
         if bad:
             leaks.append(i)
     if leaks:
