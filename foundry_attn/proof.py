@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -175,7 +176,7 @@ def _prove(
     worst, leaks = 0.0, []
     for i in compare:
         diff, bad = _differs(packed[bounds[i] : bounds[i + 1]], alone[i], fp32)
-        worst = diff if diff != diff or worst != worst else max(worst, diff)  # nan stays nan (max would drop it)
+        worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
         if bad:
             leaks.append(i)
     if leaks:
