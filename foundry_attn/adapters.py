@@ -417,10 +417,12 @@ def _eager(
 ) -> torch.Tensor:
     """transformers' eager attention with the model's own additive mask (no documents). -> [B, H, S, D].
 
-    Causal (bottom-right) where the module is, also when the model's mask holds only padding (GPT-2's)."""
+    Causal (bottom-right) where the module is and the model's mask is not: none, or padding only (GPT-2's
+    ``[B, 1, 1, K]``); a full ``[B, 1, Q, K]`` mask is the model's own causal one and is used as it is."""
     k, v = _expand_kv(q, k, v)
     mask = additive[..., : k.shape[-2]] if additive is not None else None
-    if getattr(module, "is_causal", False) and q.shape[-2] > 1:
+    padding_only = mask is None or mask.shape[-2] == 1
+    if padding_only and getattr(module, "is_causal", False) and q.shape[-2] > 1:
         ql, kl = q.shape[-2], k.shape[-2]
         future = torch.ones(ql, kl, dtype=torch.bool, device=q.device).triu_(kl - ql + 1)
         causal = torch.zeros(ql, kl, dtype=q.dtype, device=q.device).masked_fill_(future, torch.finfo(q.dtype).min)

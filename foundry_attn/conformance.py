@@ -14,6 +14,7 @@ Core module: torch and transformers only.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -24,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN
-from foundry_attn.forward import forward_documents, kernel_context, repad_logits
+from foundry_attn.forward import _pad_id, forward_documents, kernel_context, repad_logits
 from foundry_attn.packing import IGNORE_INDEX
-from foundry_attn.paths import attach
+from foundry_attn.paths import TRUTH, attach
 
 BACKENDS = (FA2, TORCH_VARLEN, SDPA, EAGER, FLEX)
 MODES = ("pack", "mask")
@@ -193,18 +194,36 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+def _grad_err(grad: torch.Tensor, want: torch.Tensor) -> float:
+    """The relative L2 error of a gradient."""
+    return ((grad - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def _doc_loss(logits: torch.Tensor, doc: torch.Tensor, targets: int) -> torch.Tensor:
+    """Next-token cross-entropy of one document, summed and divided by every target of the batch: the same
+    function of the logits on both sides, whatever loss convention the model's own ``labels`` path has."""
+    return F.cross_entropy(logits[:-1].float(), doc[1:], reduction="sum") / targets
+
+
+def rows_inputs(docs: list[torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Stock's batch for ``docs``: one document per row, right-padded with ``pad_id``, a 2-D mask, labels -100 on
+    padding."""
+    width = max(d.numel() for d in docs)
+    ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for r, d in enumerate(docs):
+        ids[r, : d.numel()], mask[r, : d.numel()], labels[r, : d.numel()] = d, 1, d
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 @functools.lru_cache(maxsize=64)
 def _truth(family: str, backend: str) -> tuple[float, torch.Tensor]:
-    """Stock transformers, each document alone, same backend: the mean loss over every target, its gradient.
-
-    Stock eager where stock transformers cannot run the backend itself (flex training on CPU; 5.x GPT-2 FA2 in
-    fp32 looks for an ``nn.Linear`` that GPT-2's ``Conv1D`` projections are not)."""
-    if backend in (EAGER, FLEX):
-        return _stock_alone(family, EAGER)
-    if backend == TORCH_VARLEN:  # not a transformers backend: its window convention is sdpa's
-        return _stock_alone(family, SDPA)
+    """Stock transformers, each document alone, the backend the flat path is proven against
+    (``paths.TRUTH``): the mean loss over every target, its gradient. Stock eager where stock transformers cannot
+    run FA2 itself (5.x GPT-2 FA2 in fp32 looks for an ``nn.Linear`` that GPT-2's ``Conv1D`` projections are not)."""
     try:
-        return _stock_alone(family, backend)
+        return _stock_alone(family, TRUTH[backend])
     except StopIteration:
         return _stock_alone(family, EAGER)
 
@@ -216,8 +235,7 @@ def _stock_alone(family: str, stock: str) -> tuple[float, torch.Tensor]:
     total = 0.0
     with kernel_context(stock, torch.device("cpu"), fa2_reference=True):
         for d in docs:
-            logits = model(input_ids=d[None]).logits[0, :-1]
-            loss = F.cross_entropy(logits.float(), d[1:], reduction="sum") / targets
+            loss = _doc_loss(model(input_ids=d[None]).logits[0], d, targets)
             loss.backward()
             total += loss.item()
     return total, _grads(model)
@@ -238,7 +256,7 @@ def cell(family: str, backend: str, mode: str = "pack", checkpointing: str = "pl
     want_loss, want_grad = _truth(family, backend)
     grad = _grads(model)
     loss_err = abs(out.loss.item() - want_loss)
-    grad_err = ((grad - want_grad).norm() / want_grad.norm()).item()
+    grad_err = _grad_err(grad, want_grad)
     ok = loss_err <= LOSS_TOL and grad_err <= GRAD_TOL
     status = "exact" if ok else "WRONG"
     return Cell(family, backend, mode, checkpointing, status, state.reason, loss_err, grad_err, state.path)
@@ -316,20 +334,21 @@ def _zoo_model(config: Any, model_class: type, backend: str) -> Any:
     return model
 
 
+_DISPATCHES_BY_NAME: dict[type, bool] = {}
+
+
 def _dispatches_by_name(config: Any, model_class: type) -> bool:
+    """Whether ``model_class`` builds the same modules under eager and sdpa (it reads the attention name at call
+    time); two builds, once per class."""
     from foundry_attn import zoo
 
-    try:
-        kinds = [{type(m) for m in zoo.build(config, model_class, name).modules()} for name in (EAGER, SDPA)]
-    except Exception:
-        return False
-    return kinds[0] == kinds[1]
-
-
-def _doc_loss(logits: torch.Tensor, doc: torch.Tensor, targets: int) -> torch.Tensor:
-    """Next-token cross-entropy of one document, summed and divided by every target of the batch: the same
-    function of the logits on both sides, whatever loss convention the model's own ``labels`` path has."""
-    return F.cross_entropy(logits[:-1].float(), doc[1:], reduction="sum") / targets
+    if model_class not in _DISPATCHES_BY_NAME:
+        try:
+            kinds = [{type(m) for m in zoo.build(config, model_class, name).modules()} for name in (EAGER, SDPA)]
+            _DISPATCHES_BY_NAME[model_class] = kinds[0] == kinds[1]
+        except Exception:
+            _DISPATCHES_BY_NAME[model_class] = False
+    return _DISPATCHES_BY_NAME[model_class]
 
 
 def _zoo_truth(config: Any, model_class: type, backend: str, docs: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -354,15 +373,10 @@ def _zoo_stock_rows(
 ) -> tuple[float, torch.Tensor]:
     """Stock, one document per row, right-padded (the model's pad id), a 2-D mask: what stock trains on."""
     model = _zoo_model(config, model_class, backend)
-    pad = getattr(config, "pad_token_id", None)
-    width = max(d.numel() for d in docs)
-    ids = torch.full((len(docs), width), pad if isinstance(pad, int) and pad >= 0 else 0, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, d in enumerate(docs):
-        ids[r, : d.numel()], mask[r, : d.numel()] = d, 1
     targets = sum(d.numel() - 1 for d in docs)
     with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        batch = rows_inputs(docs, _pad_id(model))
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         loss = sum(_doc_loss(logits[r, : d.numel()], d, targets) for r, d in enumerate(docs))
         assert isinstance(loss, torch.Tensor)
         loss.backward()
@@ -431,12 +445,12 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
         return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
     grad = _grads(model)
     loss_err = abs(loss - want_loss)
-    grad_err = ((grad - want_grad).norm() / want_grad.norm().clamp_min(1e-12)).item()
+    grad_err = _grad_err(grad, want_grad)
     ok = loss_err <= LOSS_TOL and grad_err <= GRAD_TOL
     status = "exact" if ok else "WRONG"
     if not ok and state.path == "rows":  # is it stock's own padded rows that differ from each document alone?
         rows_loss, rows_grad = _zoo_stock_rows(config, model_class, backend, docs)
-        if abs(loss - rows_loss) <= LOSS_TOL and ((grad - rows_grad).norm() / rows_grad.norm()).item() <= GRAD_TOL:
+        if abs(loss - rows_loss) <= LOSS_TOL and _grad_err(grad, rows_grad) <= GRAD_TOL:
             status = "stock differs"
     return done(
         status,
@@ -456,11 +470,7 @@ def run_zoo(model_types: tuple[str, ...] | None = None, backends: tuple[str, ...
 
 def zoo_counts(cells: list[ZooCell]) -> dict[str, int]:
     """Counts by outcome: ``exact flat``, ``exact rows``, ``refused``, ``WRONG``, ``crash``, ``unbuildable``, ..."""
-    counts: dict[str, int] = {}
-    for c in cells:
-        key = f"exact {c.path}" if c.status == "exact" else c.status
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return dict(collections.Counter(f"exact {c.path}" if c.status == "exact" else c.status for c in cells))
 
 
 def zoo_table(cells: list[ZooCell]) -> str:

@@ -21,9 +21,10 @@ and the batch). Core module: torch and transformers only.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,13 +39,19 @@ from foundry_attn.adapters import (
     SDPA,
     TORCH_VARLEN,
     backend_of,
-    config_value,
     point,
 )
-from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, unwrapped
+from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, path_state, unwrapped
 from foundry_attn.layout import Layout
 from foundry_attn.policy import AttentionUnavailableError
-from foundry_attn.proof import Verdict, batch_documents, proof_lengths, prove_flat, synthetic_documents
+from foundry_attn.proof import (
+    Verdict,
+    batch_documents,
+    proof_lengths,
+    prove_flat,
+    shortest_window,
+    synthetic_documents,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +151,7 @@ class PathState:
             due = f"the {self.interval}-batch interval"
         if due is None:
             return
-        picked = batch_documents(batch["input_ids"], layout, _window(hf.config))
+        picked = batch_documents(batch["input_ids"], layout, shortest_window(hf.config))
         if picked is None:
             return
         docs, compare = picked
@@ -166,15 +173,6 @@ class PathState:
             listener(self)
 
 
-def _window(config: Any) -> int | None:
-    windows = [
-        int(w)
-        for n in ("sliding_window", "attention_chunk_size")
-        if isinstance(w := config_value(config, n, None, min), int) and w > 0
-    ]
-    return min(windows, default=None)
-
-
 def _bypassed(backend: str) -> str | None:
     """A function a user registered under the stock name that our dispatch bypasses, named."""
     from transformers.modeling_utils import AttentionInterface
@@ -187,8 +185,6 @@ def _bypassed(backend: str) -> str | None:
     registered = AttentionInterface._global_mapping.get(backend)
     if stock is None or registered is None:
         return None
-    import importlib
-
     original = getattr(importlib.import_module(stock[0]), stock[1], None)
     if registered is original:
         return None
@@ -258,7 +254,7 @@ def attach(
 
 def path_of(model: Any) -> PathState | None:
     """The :class:`PathState` of ``model`` (or of the HF model inside a wrapper), or None if never attached."""
-    return getattr(unwrapped(model), PATH_ATTR, None)
+    return cast("PathState | None", path_state(model))
 
 
 def preview(

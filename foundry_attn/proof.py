@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.adapters import DocumentsDropped, FlatUnsupported, config_value
+from foundry_attn.adapters import DocumentsDropped, FlatUnsupported, config_value, passes_kwargs
 from foundry_attn.forward import _flat, kernel_context, unwrapped
 from foundry_attn.layout import Layout
 
@@ -77,14 +77,19 @@ def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.devic
     return docs
 
 
-def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
-    """Two documents for the build-time proof, the first longer than any short window or chunk of the config."""
+def shortest_window(config: Any) -> int | None:
+    """The shortest sliding window or attention chunk the config names (per layer on a heterogeneous one)."""
     windows = [
         int(w)
         for n in ("sliding_window", "attention_chunk_size", "local_window", "window_size")
         if isinstance(w := config_value(config, n, None, min), int) and w > 0
     ]
-    short = min(windows, default=longest)
+    return min(windows, default=None)
+
+
+def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
+    """Two documents for the build-time proof, the first longer than any short window or chunk of the config."""
+    short = shortest_window(config) or longest
     first = short + 5 if short + 5 <= 64 else longest
     return max(first, 9), 13
 
@@ -138,41 +143,32 @@ def prove_flat(
     """
     start = time.perf_counter()
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
-    lengths = tuple(int(d.numel()) for d in docs)
     compare = tuple(range(len(docs))) if compare is None else tuple(compare)
-
-    def done(ok: bool, worst: float = 0.0, reason: str = "") -> Verdict:
-        return Verdict(ok, worst, reason, (time.perf_counter() - start) * 1e3, lengths, compare)
-
-    device = docs[0].device
     token = _PROVING.set(True)
     try:
-        return _prove(hf, docs, stock, compare, reference, device, lengths, done)
+        worst, reason = _compare(hf, docs, stock, compare, reference)
     finally:
         _PROVING.reset(token)
+    lengths = tuple(int(d.numel()) for d in docs)
+    return Verdict(not reason, worst, reason, (time.perf_counter() - start) * 1e3, lengths, compare)
 
 
-def _prove(
-    hf: Any,
-    docs: Sequence[torch.Tensor],
-    stock: str,
-    compare: tuple[int, ...],
-    reference: bool,
-    device: torch.device,
-    lengths: tuple[int, ...],
-    done: Any,
-) -> Verdict:
+def _compare(
+    hf: Any, docs: Sequence[torch.Tensor], stock: str, compare: tuple[int, ...], reference: bool
+) -> tuple[float, str]:
+    """The worst difference, and why the flat path fails (empty when it holds)."""
+    device = docs[0].device
     fp32 = next(hf.parameters()).dtype == torch.float32 and not torch.is_autocast_enabled(device.type)
     with _evaluating(hf):
         with _implementation(hf, stock), kernel_context(stock, device, reference):
             try:
                 alone = {i: _alone(hf, docs[i]) for i in compare}
             except Exception as exc:
-                return done(False, reason=f"stock {stock} cannot run one document alone here: {_short(exc)}")
+                return 0.0, f"stock {stock} cannot run one document alone here: {_short(exc)}"
         packed, why = _flat_logits(hf, docs)
     if packed is None:
-        return done(False, reason=why)
-    bounds = list(itertools.accumulate(lengths, initial=0))
+        return 0.0, why
+    bounds = list(itertools.accumulate((int(d.numel()) for d in docs), initial=0))
     worst, leaks = 0.0, []
     for i in compare:
         diff, bad = _differs(packed[bounds[i] : bounds[i + 1]], alone[i], fp32)
@@ -180,16 +176,11 @@ def _prove(
         if bad:
             leaks.append(i)
     if leaks:
-        return done(
-            False,
-            worst,
+        return worst, (
             f"document(s) {leaks} of a packed row differ from stock {stock} on each alone by {worst:.2e}: the flat "
-            "path does not compute what stock computes for this model",
+            "path does not compute what stock computes for this model"
         )
-    dropped = _dropped_in_training(hf, docs)
-    if dropped:
-        return done(False, worst, dropped)
-    return done(True, worst)
+    return worst, _dropped_in_training(hf, docs) or ""
 
 
 def _dropped_in_training(hf: Any, docs: Sequence[torch.Tensor]) -> str | None:
@@ -217,8 +208,6 @@ def _alone(hf: Any, doc: torch.Tensor) -> torch.Tensor:
 
 def _flat_logits(hf: Any, docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, str]:
     """The flat path's logits of ``docs`` packed in one row, or None and why it cannot run."""
-    from foundry_attn.adapters import passes_kwargs
-
     if not passes_kwargs(hf):
         base = type(getattr(hf, "base_model", hf)).__name__
         return None, f"{base}.forward takes no **kwargs: the documents cannot reach attention"

@@ -129,3 +129,21 @@ def assert_restored(before: dict[str, dict[str, object]], *, traced: bool = Fals
         from foundry_attn import flash_symbols
 
         assert not list(flash_symbols.iter_traced())
+
+
+def leaky_attention(genuine=None, threshold: int = 0):
+    """What third-party kernel patches do: plain causal attention over the whole packed row (the documents taken
+    and ignored) for rows longer than ``threshold``; shorter ones go to ``genuine``."""
+    from foundry_attn.adapters import DOCS_KEY, FUNCTIONS
+
+    def leaky(module, query, key, value, attention_mask, **kwargs):
+        docs = kwargs.pop(DOCS_KEY, None)
+        if docs is not None:
+            docs.calls += 1
+        if query.shape[2] <= threshold:
+            if docs is not None:
+                kwargs[DOCS_KEY] = docs
+            return genuine(module, query, key, value, attention_mask, **kwargs)
+        return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)  # no documents, no mask: causal row
+
+    return leaky

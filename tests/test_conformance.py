@@ -7,9 +7,10 @@ import torch
 import transformers
 
 from foundry_attn import conformance
-from foundry_attn.adapters import FUNCTIONS
 from foundry_attn.capability import probe
 from foundry_attn.paths import attach
+
+from .conftest import leaky_attention
 
 #: (family, backend) -> a phrase the refusal must contain; every other cell must be exact
 REFUSED = {
@@ -60,10 +61,7 @@ def test_the_proof_catches_a_broken_adapter(monkeypatch: pytest.MonkeyPatch) -> 
     model = conformance.build("llama", "sdpa")
     assert attach(model, "sdpa").path == "flat"
 
-    def leaky(module, query, key, value, attention_mask, **kwargs):  # takes the documents, ignores them
-        kwargs.pop("foundry_documents").calls += 1
-        return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)
-
+    leaky = leaky_attention()  # takes the documents, ignores them: plain causal attention over the whole row
     monkeypatch.setitem(AttentionInterface._global_mapping, "foundry_sdpa", leaky)
     state = attach(model, "sdpa")
     assert state.path == "rows" and "differ from stock sdpa" in state.reason, state.reason

@@ -13,6 +13,8 @@ import torch
 from foundry_attn import conformance, zoo
 from foundry_attn.paths import FlatPathError
 
+from .conftest import leaky_attention
+
 pytestmark = pytest.mark.foundry
 
 
@@ -38,13 +40,8 @@ def _stock_rows_loss(hf: torch.nn.Module, rows_name: str, docs: list[torch.Tenso
     stock = copy.deepcopy(hf)
     del stock.foundry_path
     stock.config._attn_implementation = rows_name
-    width = max(d.numel() for d in docs)
-    ids = torch.zeros(len(docs), width, dtype=torch.long)
-    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-    for r, d in enumerate(docs):
-        ids[r, : d.numel()], mask[r, : d.numel()], labels[r, : d.numel()] = d, 1, d
     with torch.no_grad():
-        return stock(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.item()
+        return stock(**conformance.rows_inputs(docs), use_cache=False).loss.item()
 
 
 @pytest.mark.slow
@@ -91,16 +88,12 @@ def test_a_leak_after_the_build_moves_the_registered_model_to_rows(tmp_path: Pat
     first training batch, before that batch trains: the decision, its event and the path say rows, and why."""
     from transformers.modeling_utils import AttentionInterface
 
-    from foundry_attn.adapters import FUNCTIONS
     from foundry_attn.events import read_events
 
     model = _build(_model_dir(tmp_path, "llama"), tmp_path, attn_implementation="sdpa")
     assert model.attn_decision.path == "flat"
 
-    def leaky(module, query, key, value, attention_mask, **kwargs):  # plain causal attention over the whole row
-        kwargs.pop("foundry_documents").calls += 1
-        return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)
-
+    leaky = leaky_attention()  # takes the documents, ignores them: plain causal attention over the whole row
     genuine = AttentionInterface._global_mapping["foundry_sdpa"]
     AttentionInterface._global_mapping["foundry_sdpa"] = leaky
     try:

@@ -38,20 +38,12 @@ def _moe_model(model_type: str) -> torch.nn.Module:
         pytest.skip(f"{model_type}: no router loss in this release")
     config.output_router_logits = True
     config.router_aux_loss_coef = 0.5
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return model_class(config).train()
+    return zoo.build(config, model_class, "eager")
 
 
 def _stock_rows(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float, float | None, torch.Tensor]:
     """Stock: one document per row, right-padded, a 2-D mask, labels -100 on padding."""
-    width = max(d.numel() for d in docs)
-    ids = torch.zeros(len(docs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for r, d in enumerate(docs):
-        ids[r, : d.numel()], mask[r, : d.numel()], labels[r, : d.numel()] = d, 1, d
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    out = model(**conformance.rows_inputs(docs), use_cache=False)
     out.loss.backward()
     aux = None if getattr(out, "aux_loss", None) is None else float(out.aux_loss)
     return out.loss.item(), aux, conformance._grads(model)

@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn import conformance
-from foundry_attn.adapters import DOCS_KEY, FUNCTIONS, register
+from foundry_attn.adapters import DOCS_KEY, register
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import FlatPathError, attach, path_of
 from foundry_attn.proof import proof_lengths
+
+from .conftest import leaky_attention
 
 LONG = 45  # "only on long rows": longer than attach's synthetic proof row (28 + 13 tokens), shorter than a batch row
 LENGTHS = ([13, 29, 18], [7, 22, 9, 20])  # two packed rows of 60 and 58 tokens
@@ -54,21 +56,6 @@ def _truth(stock: torch.nn.Module, batch: dict) -> float:
     return total / targets
 
 
-def _leaky_function(genuine):
-    def leaky(module, query, key, value, attention_mask, **kwargs):
-        docs = kwargs.pop(DOCS_KEY, None)
-        if docs is not None:
-            docs.calls += 1
-        if query.shape[2] <= leaky.threshold:
-            if docs is not None:
-                kwargs[DOCS_KEY] = docs
-            return genuine(module, query, key, value, attention_mask, **kwargs)
-        return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)  # no documents, no mask: causal row
-
-    leaky.threshold = 0
-    return leaky
-
-
 @contextlib.contextmanager
 def _leak(place: str, threshold: int) -> Iterator[None]:
     from transformers.modeling_utils import AttentionInterface
@@ -79,9 +66,7 @@ def _leak(place: str, threshold: int) -> Iterator[None]:
     if place in ("dispatch_ours", "dispatch_stock"):
         name = "foundry_sdpa" if place == "dispatch_ours" else "sdpa"
         genuine = table[name]
-        leaky = _leaky_function(genuine)
-        leaky.threshold = threshold
-        table[name] = leaky
+        table[name] = leaky_attention(genuine, threshold)
         try:
             yield
         finally:

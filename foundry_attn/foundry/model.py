@@ -200,7 +200,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             return dataclasses.replace(decision, isolation=note, path=state.path, path_reason=state.reason)
 
     def _path_changed(self, state: PathState) -> None:
-        """A proof on a training batch (or a dropped argument) moved the run to rows: say so, record it."""
+        """A proof on a training batch moved the run to rows: record it in the decision and as an event."""
         self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
 
@@ -254,9 +254,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self.attn_decision = self.attn_decision.with_rejection(  # strict: raises, naming check, device and fix
             FA2, reason, check="dtype", fix="train with precision: amp_bf16 (or amp_fp16)"
         )
-        state = attach(self.model, self.attn_decision.chosen, self._path_request[0], prove_now=False)
-        state.listeners.append(self._path_changed)
-        self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
+        self.attn_decision = self._attach(self.attn_decision, reference=False, isolation=False)  # first batch proves
         log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 
