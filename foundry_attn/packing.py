@@ -12,6 +12,8 @@ Every batch (``mask`` and ``pack``) carries, besides ``input_ids``/``labels``/``
   each row, padding after them. The model derives ``cu_seq_lens``/``max_length`` (FA2), block masks
   (SDPA, eager, flex) from these on the host, per microbatch, without a device sync.
 - ``total_tokens`` / ``loss_generating_tokens``: per-row counts that LLM-Foundry's token counter reads.
+- ``sequence_id``: per token, the index of its document in the row (LLM-Foundry's packing key; the pad tail is
+  a segment of its own, as in ``position_ids``), so MPT with ``attn_uses_sequence_id: true`` keeps them apart.
 - ``attention_mask`` (``mask`` mode only), so a stock HF model also sees the padding.
 - ``examples``: per row, how many examples begin in it; they sum to the examples the batch was made from
   (Composer's sample clock counts these, not rows, so a resumed run restarts at the right example).
@@ -216,20 +218,22 @@ class PaddingCollator:
         pad_ids = torch.full((width,), self.pad_id, dtype=torch.long)
         pad_labels = torch.full((width,), IGNORE_INDEX, dtype=torch.long)
         positions = torch.arange(width)
-        id_parts, label_parts, position_parts = [], [], []
+        id_parts, label_parts, position_parts, sequence_parts = [], [], [], []
         doc_starts = []
         start = 0
         for row, lens, tail in zip(layout, doc_lens, [width - t for t in total], strict=True):
-            for i, size in zip(row, lens, strict=True):
+            for k, (i, size) in enumerate(zip(row, lens, strict=True)):
                 id_parts.append(docs[i][0])
                 label_parts.append(docs[i][1])
                 position_parts.append(positions[:size])
+                sequence_parts.append(torch.full((size,), k, dtype=torch.long))
                 doc_starts.append(start)
                 start += size
             if tail:
                 id_parts.append(pad_ids[:tail])
                 label_parts.append(pad_labels[:tail])
                 position_parts.append(positions[:tail])  # the pad tail is its own segment
+                sequence_parts.append(torch.full((tail,), len(row), dtype=torch.long))
                 start += tail
         input_ids = torch.cat(id_parts).view(n, width)
         labels = torch.cat(label_parts)
@@ -240,6 +244,7 @@ class PaddingCollator:
             "input_ids": input_ids,
             "labels": labels,
             "position_ids": position_ids,
+            "sequence_id": torch.cat(sequence_parts).view(n, width),
             "doc_lens": doc_lens,
             "total_tokens": total,
             "loss_generating_tokens": (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist(),

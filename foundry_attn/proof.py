@@ -40,6 +40,16 @@ def proving() -> bool:
     return _PROVING.get()
 
 
+@contextlib.contextmanager
+def hidden() -> Iterator[None]:
+    """Forwards in this block are a check's, not the batch's: :func:`proving` is True inside it."""
+    token = _PROVING.set(True)
+    try:
+        yield
+    finally:
+        _PROVING.reset(token)
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """One proof: ``ok`` with the worst difference, or the reason it failed (and which documents)."""
@@ -106,7 +116,7 @@ def _implementation(hf: Any, name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _evaluating(model: Any) -> Iterator[None]:
+def evaluating(model: Any) -> Iterator[None]:
     was_training = model.training
     model.eval()
     try:
@@ -116,7 +126,7 @@ def _evaluating(model: Any) -> Iterator[None]:
         model.train(was_training)
 
 
-def _differs(got: torch.Tensor, want: torch.Tensor, fp32: bool) -> tuple[float, bool]:
+def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool) -> tuple[float, bool]:
     """The difference and whether it is beyond tolerance (nan always is)."""
     if got.shape != want.shape:
         return float("inf"), True
@@ -144,11 +154,8 @@ def prove_flat(
     start = time.perf_counter()
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     compare = tuple(range(len(docs))) if compare is None else tuple(compare)
-    token = _PROVING.set(True)
-    try:
+    with hidden():
         worst, reason = _compare(hf, docs, stock, compare, reference)
-    finally:
-        _PROVING.reset(token)
     lengths = tuple(int(d.numel()) for d in docs)
     return Verdict(not reason, worst, reason, (time.perf_counter() - start) * 1e3, lengths, compare)
 
@@ -159,7 +166,7 @@ def _compare(
     """The worst difference, and why the flat path fails (empty when it holds)."""
     device = docs[0].device
     fp32 = next(hf.parameters()).dtype == torch.float32 and not torch.is_autocast_enabled(device.type)
-    with _evaluating(hf):
+    with evaluating(hf):
         with _implementation(hf, stock), kernel_context(stock, device, reference):
             try:
                 alone = {i: _alone(hf, docs[i]) for i in compare}
@@ -171,7 +178,7 @@ def _compare(
     bounds = list(itertools.accumulate((int(d.numel()) for d in docs), initial=0))
     worst, leaks = 0.0, []
     for i in compare:
-        diff, bad = _differs(packed[bounds[i] : bounds[i + 1]], alone[i], fp32)
+        diff, bad = differs(packed[bounds[i] : bounds[i + 1]], alone[i], fp32)
         worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
         if bad:
             leaks.append(i)

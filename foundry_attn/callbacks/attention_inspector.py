@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from composer.core import State, Time
+from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 from composer.utils import dist
 
@@ -31,6 +34,18 @@ from foundry_attn.inspection import (
     find_hf_model,
     format_table,
 )
+from foundry_attn.isolation import (
+    LEAKS,
+    NOT_PACKED,
+    UNKNOWN,
+    Features,
+    Isolation,
+    active_dropout,
+    fix_for,
+    measure,
+    structural,
+)
+from foundry_attn.packing import PaddingCollator
 
 __all__ = ["AttentionInspector", "summarize"]
 
@@ -70,6 +85,20 @@ def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> 
     return out
 
 
+def _packing_features(dataloader: Any) -> Features | None:
+    """What the train loader's batches will carry when its collator packs documents (ours in ``pack`` mode,
+    LLM-Foundry's ``BinPackCollator``), else None: nothing is drawn from the loader."""
+    collate = getattr(dataloader, "collate_fn", None)
+    collate = getattr(collate, "collate", collate)  # our finetuning loader wraps the collator
+    if isinstance(collate, PaddingCollator):
+        return Features(packed=True, sequence_id=True, position_ids=True) if collate.mode == "pack" else None
+    try:
+        from llmfoundry.data.packing import BinPackCollator
+    except ImportError:  # pragma: no cover - the callbacks run under LLM-Foundry
+        return None
+    return Features(packed=True, sequence_id=True, padding_mask=True) if isinstance(collate, BinPackCollator) else None
+
+
 class AttentionInspector(ReleasingCallback):
     """Inspects the attention masks, the fill and the packing that a sampled batch really reaches.
 
@@ -93,6 +122,7 @@ class AttentionInspector(ReleasingCallback):
             events_dir: null              # default: the model's events_dir, else default_events_dir(run_name)
             attention_selector: null      # regex on module name or class; default: attention-like classes
             print_table: true             # a compact table on the console, the first time (rank 0)
+            check_isolation: true         # do packed documents see each other? measured on the sampled batches
 
     Example, with Composer's Trainer:
 
@@ -152,10 +182,25 @@ class AttentionInspector(ReleasingCallback):
         * - ``attn/packed_position_ids``
           - 1.0 when the model's ``position_ids`` restart inside a row (packed documents), else 0.0.
           - Sampled batches whose model got 2-D ``position_ids``.
+        * - ``attn/documents_isolated``
+          - 1.0 when the packed documents of the batch do not see each other, 0.0 when they do. Measured: the
+            first documents of the row with the most documents run alone (eval mode, no grad, same backend and
+            precision) and their logits are compared with the training forward's. Where a second forward is
+            not possible (compiled, FSDP, active dropout) it is the structural reading, labelled so in the
+            ``attn_isolation`` event and the log line.
+          - Sampled batches with a row of two documents or more (``check_isolation``).
+        * - ``attn/isolation_worst_diff``
+          - The largest difference of those logits (fp32: max absolute; half precision: relative L2).
+          - Sampled batches where it was measured.
 
     It also appends an ``attn_inspect`` event (JSONL: the records of every module, the batch, the metrics) per
     sampled batch to the event log, and prints the table of :func:`foundry_attn.inspection.format_table` on
     the console the first time (rank 0).
+
+    Packed documents: each sampled batch gets a verdict, logged as a line (``documents isolated (measured:
+    ...)``, ``documents LEAK (...)``, ``not packed (...)``) and an ``attn_isolation`` event. The first leak is a
+    WARNING that says what to change; so is, at fit start, a train loader that packs for a model that cannot
+    keep documents apart (stock sdpa / eager on transformers 4.51, MPT without ``attn_uses_sequence_id``).
 
     Args:
         log_interval (int | str | Time, optional): Batches between inspected batches: an integer >= 1, a
@@ -168,6 +213,9 @@ class AttentionInspector(ReleasingCallback):
             name says attention (``LlamaAttention``, ``GPTNeoXAttention``, ...).
         print_table (bool, optional): Print the table on the console the first time (rank 0). Default:
             ``True``.
+        check_isolation (bool, optional): Judge whether packed documents see each other on every sampled
+            batch, and warn at fit start when the loader packs for a model that cannot keep them apart.
+            Default: ``True``.
     """
 
     def __init__(
@@ -176,6 +224,7 @@ class AttentionInspector(ReleasingCallback):
         events_dir: str | None = None,
         attention_selector: str | None = None,
         print_table: bool = True,
+        check_isolation: bool = True,
     ) -> None:
         self.log_interval = check_log_interval("attention_inspector", log_interval)
         if attention_selector is not None:
@@ -189,6 +238,9 @@ class AttentionInspector(ReleasingCallback):
         self.events_dir = events_dir
         self.attention_selector = attention_selector
         self.print_table = print_table
+        self.check_isolation = check_isolation
+        self.last_isolation: Isolation | None = None
+        self._measure = False
         self.events: EventLog | None = None
         self.last_records: list[dict[str, Any]] = []
         self.last_metrics: dict[str, float] = {}
@@ -244,11 +296,79 @@ class AttentionInspector(ReleasingCallback):
         if self._inspector is not None:
             self._inspector.disarm()
 
+    # -- isolation of packed documents
+    def _isolation(self, state: State) -> Isolation:
+        """The verdict on this microbatch: measured (:func:`foundry_attn.isolation.measure`) where a second
+        forward is possible, else the structural reading, labelled so; never a guess shown as a measurement."""
+        found = find_hf_model(state.model)
+        batch = state.batch
+        if found is None:
+            return Isolation(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
+        if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+            return Isolation(UNKNOWN, reason="the batch has no input_ids tensor")
+        hf = found[1]
+        features = Features.of(batch)
+        if not features.packed:
+            return Isolation(NOT_PACKED, reason="no row holds two documents")
+        blocked = (
+            "the model is compiled (a second forward would recompile it)"
+            if compiled(state.model)
+            else "FSDP shards the weights (a second forward on one rank would hang the others)"
+            if state.fsdp_enabled
+            else active_dropout(hf)
+        )
+        if blocked:
+            reading = structural(hf, features)
+            return Isolation(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
+        outputs = state.outputs
+        logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
+        if not isinstance(logits, torch.Tensor):
+            return Isolation(UNKNOWN, reason=f"the model's output ({type(outputs).__name__}) carries no logits")
+        try:
+            return measure(hf, batch, logits, context=get_precision_context(state.precision))
+        except Exception as exc:  # the check never breaks training
+            return Isolation(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
+
+    def _predict(self, state: State) -> None:
+        """At fit start: when the train loader packs documents and the model cannot keep them apart, say so."""
+        features = _packing_features(getattr(state, "train_dataloader", None))
+        found = find_hf_model(state.model)
+        if features is None or found is None:
+            return
+        reading = structural(found[1], features)
+        if reading.state == LEAKS:
+            self._warn_once(
+                "leak_predicted",
+                f"attention_inspector: the train loader packs documents and this model cannot keep them apart "
+                f"({reading.reason}); fix: {fix_for(found[1])}",
+            )
+
+    def _report(self, verdict: Isolation, state: State, logger: Logger) -> None:
+        metrics: dict[str, float] = {}
+        if verdict.isolated is not None:
+            metrics["attn/documents_isolated"] = float(verdict.isolated)
+        if verdict.worst is not None and verdict.worst == verdict.worst:
+            metrics["attn/isolation_worst_diff"] = float(verdict.worst)
+        if metrics:
+            logger.log_metrics(metrics)
+        if self.events is not None:
+            self.events.append("attn_isolation", step=self._step, **verdict.as_dict())
+        log.info("attention_inspector: batch %d: %s", self._step, verdict.line())
+        if verdict.state == LEAKS:
+            found = find_hf_model(state.model)
+            self._warn_once(
+                "leak",
+                f"attention_inspector: batch {self._step}: packed documents attend to each other: {verdict.line()}; "
+                f"fix: {fix_for(found[1] if found else None)}",
+            )
+
     # -- events
     def fit_start(self, state: State, logger: Logger) -> None:
         if self.events is None:
             self.events = open_event_log(state, self.events_dir)
         self._resolve(state)
+        if self.check_isolation:
+            self._predict(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._step = int(state.timestamp.batch)
@@ -259,6 +379,7 @@ class AttentionInspector(ReleasingCallback):
         if not self._sampled:
             return
         self._sampled = False  # the first microbatch only
+        self._measure = self.check_isolation
         inspector = self._resolve(state)
         if inspector is not None:
             self._batch = BatchInfo.from_batch(state.batch)
@@ -266,9 +387,16 @@ class AttentionInspector(ReleasingCallback):
 
     def after_forward(self, state: State, logger: Logger) -> None:
         self.release()
+        if self._measure:  # before the backward: the forwards of the documents alone see the weights trained on
+            self._measure = False
+            self.last_isolation = self._isolation(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self.release()
+        verdict, self.last_isolation = self.last_isolation, None
+        if verdict is not None:
+            self._report(verdict, state, logger)
+            self.last_isolation = verdict
         inspector = self._inspector
         if inspector is None or not inspector.records:
             return

@@ -1,0 +1,254 @@
+"""Do the packed documents of a batch see each other? Measured on the real model, else read from its structure.
+
+    rows = packed_rows(batch)                        # (row, start, document lengths) of rows with 2+ documents
+    verdict = measure(hf_model, batch, logits)       # the first documents of one row alone vs the packed slice
+    verdict = structural(hf_model, batch_features(batch))   # where a second forward is not possible
+    verdict.line()  # 'documents isolated (measured: ...)' | 'documents LEAK (...)' | 'not packed (...)'
+
+The measurement is the proof of :mod:`foundry_attn.proof` turned on a training batch: the model's own forward on
+each of the first documents of the row with the most documents, in eval mode without grad or global RNG, against
+the logits the training forward produced for those tokens. Those forwards are hidden from the tracers. The
+structural reading says what the model *would* do from what it is given; it is labelled so, never shown as a
+measurement. Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import itertools
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from foundry_attn.adapters import backend_of, config_value
+from foundry_attn.forward import path_state
+from foundry_attn.proof import differs, evaluating, hidden
+
+ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
+MEASURED, STRUCTURAL = "measured", "structural"
+#: documents of the chosen row run alone: the first ones (the second is the first that can see a neighbour)
+DOCUMENTS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """One verdict: ``state`` (isolated / leaks / not packed / unknown), ``how`` it was reached, and why."""
+
+    state: str
+    how: str = ""
+    reason: str = ""
+    worst: float | None = None
+    row: int | None = None
+    lengths: tuple[int, ...] = ()  # the row's first documents, compared
+    leaking: tuple[int, ...] = ()  # indices among them that differ from each alone
+    ms: float = 0.0
+
+    @property
+    def isolated(self) -> bool | None:
+        return {ISOLATED: True, LEAKS: False}.get(self.state)
+
+    def line(self) -> str:
+        if self.state == NOT_PACKED:
+            return f"not packed ({self.reason})"
+        if self.state == UNKNOWN:
+            return f"isolation unknown: {self.reason}"
+        head = "documents isolated" if self.state == ISOLATED else "documents LEAK"
+        if self.how == STRUCTURAL:
+            return f"{head} (structural reading, not measured: {self.reason})"
+        docs = f"documents {list(range(len(self.lengths)))} (lengths {list(self.lengths)}) of row {self.row}"
+        if self.state == ISOLATED:
+            return f"{head} (measured: {docs} alone vs packed, worst |diff| {self.worst:.1e}, {self.ms:.0f} ms)"
+        return (
+            f"{head} (measured: {docs} alone vs packed; document(s) {list(self.leaking)} differ by up to "
+            f"{self.worst:.2e}, {self.ms:.0f} ms)"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["worst"] = None if self.worst is None or math.isnan(self.worst) else self.worst
+        out["line"] = self.line()
+        return out
+
+
+# ---- where the documents of a batch are ----------------------------------------------------------------------
+
+
+def _runs(values: list[int]) -> list[int]:
+    return [len(list(group)) for _, group in itertools.groupby(values)]
+
+
+def packed_rows(batch: Mapping) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(row, start, document lengths)`` of every row holding two documents or more (one host sync).
+
+    Read from ``doc_lens`` (foundry_attn's collator), else ``sequence_id`` (LLM-Foundry's packing: -1 on padding),
+    else ``position_ids`` that restart inside a row (on real tokens when a 2-D ``attention_mask`` is given).
+    """
+    if batch.get("doc_lens") is not None:
+        rows = [(r, 0, tuple(int(n) for n in lens)) for r, lens in enumerate(batch["doc_lens"])]
+        return [row for row in rows if len(row[2]) > 1]
+    out = []
+    seq = batch.get("sequence_id")
+    if isinstance(seq, torch.Tensor) and seq.dim() == 2:
+        for r, ids in enumerate(seq.tolist()):
+            real = [i for i, v in enumerate(ids) if v >= 0]
+            if real:
+                out.append((r, real[0], tuple(_runs([ids[i] for i in real]))))
+        return [row for row in out if len(row[2]) > 1]
+    pos = batch.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2:
+        return []
+    mask = batch.get("attention_mask")
+    real_mask = mask.bool().tolist() if isinstance(mask, torch.Tensor) and mask.shape == pos.shape else None
+    for r, p in enumerate(pos.tolist()):
+        real = [i for i in range(len(p)) if real_mask is None or real_mask[r][i]]
+        if not real:
+            continue
+        starts = [k for k in range(len(real)) if k == 0 or p[real[k]] <= p[real[k - 1]]]
+        lengths = tuple(b - a for a, b in itertools.pairwise([*starts, len(real)]))
+        out.append((r, real[0], lengths))
+    return [row for row in out if len(row[2]) > 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What a batch tells the model about its documents, for the structural reading."""
+
+    packed: bool
+    sequence_id: bool = False
+    position_ids: bool = False
+    padding_mask: bool = False  # a 2-D attention_mask with zeros
+
+    @classmethod
+    def of(cls, batch: Mapping) -> Features:
+        mask = batch.get("attention_mask")
+        return cls(
+            packed=bool(packed_rows(batch)),
+            sequence_id=isinstance(batch.get("sequence_id"), torch.Tensor),
+            position_ids=isinstance(batch.get("position_ids"), torch.Tensor),
+            padding_mask=isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 0).any()),
+        )
+
+
+# ---- the structural reading ----------------------------------------------------------------------------------
+
+
+def _mpt_uses_sequence_id(hf: Any) -> bool | None:
+    """MPT's ``attn_uses_sequence_id``, or None for a model that is not MPT."""
+    attn_config = getattr(getattr(hf, "config", None), "attn_config", None)
+    if not isinstance(attn_config, Mapping) or "attn_impl" not in attn_config:
+        return None
+    return bool(attn_config.get("attn_uses_sequence_id", False))
+
+
+def _detects_packing() -> bool:
+    """transformers builds document masks from restarting ``position_ids`` (5.x ``masking_utils``)."""
+    if importlib.util.find_spec("transformers.masking_utils") is None:
+        return False
+    from transformers import masking_utils
+
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
+def structural(hf: Any, features: Features) -> Isolation:
+    """What the model does with packed documents, read from the model and the batch's keys (not measured)."""
+    if not features.packed:
+        return Isolation(NOT_PACKED, reason="no row holds two documents")
+    state = path_state(hf)
+    if state is not None:
+        return Isolation(ISOLATED, STRUCTURAL, f"foundry_attn's {state.path} path, proven against stock per document")
+    uses = _mpt_uses_sequence_id(hf)
+    if uses is not None:
+        if uses and features.sequence_id:
+            return Isolation(ISOLATED, STRUCTURAL, "MPT masks attention by sequence_id (attn_uses_sequence_id: true)")
+        why = "the batch has no sequence_id" if uses else "attn_uses_sequence_id is false"
+        return Isolation(LEAKS, STRUCTURAL, f"MPT attends across documents: {why}")
+    impl = backend_of(config_value(getattr(hf, "config", None), "_attn_implementation", None)) or "?"
+    if features.position_ids and not features.padding_mask and (impl == "flash_attention_2" or _detects_packing()):
+        return Isolation(ISOLATED, STRUCTURAL, f"stock {impl} splits rows where position_ids restart")
+    given = "a padding mask" if features.padding_mask else "no sequence boundaries it reads"
+    return Isolation(LEAKS, STRUCTURAL, f"stock {impl} gets {given}: each document attends to those before it")
+
+
+def fix_for(hf: Any) -> str:
+    """What a user changes so that packed documents stop seeing each other."""
+    if _mpt_uses_sequence_id(hf) is not None:
+        return (
+            "set model.attn_config.attn_uses_sequence_id: true (the foundry_attn loaders emit sequence_id), "
+            "or train with padding: mask"
+        )
+    return "use model name foundry_attn_causal_lm (it keeps packed documents apart on every backend), or padding: mask"
+
+
+# ---- the measurement -----------------------------------------------------------------------------------------
+
+
+def active_dropout(hf: Any) -> str | None:
+    """The dropout that makes a training forward's logits noisy, or None (eval mode, or p = 0 everywhere)."""
+    if not hf.training:
+        return None
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.training and module.p > 0:
+            return f"dropout p={module.p} at {name}"
+    config = getattr(hf, "config", None)
+    for key in ("attention_dropout", "attn_pdrop"):
+        value = config_value(config, key, 0.0)
+        if isinstance(value, int | float) and value > 0:
+            return f"{key}={value}"
+    return None
+
+
+def _packed_slice(logits: torch.Tensor, batch: Mapping, row: int, start: int, n: int) -> torch.Tensor | None:
+    """The logits of tokens ``start:start+n`` of ``row``: from ``[rows, width, V]`` output, or a flat
+    ``[1, real tokens, V]`` one (real tokens of each row first, as foundry_attn's flat path returns them)."""
+    ids = batch["input_ids"]
+    if logits.dim() != 3:
+        return None
+    if tuple(logits.shape[:2]) == tuple(ids.shape[:2]):
+        return logits[row, start : start + n]
+    totals = batch.get("total_tokens")
+    if logits.shape[0] == 1 and totals is not None and logits.shape[1] == sum(totals):
+        offset = sum(int(t) for t in totals[:row]) + start
+        return logits[0, offset : offset + n]
+    return None
+
+
+def measure(
+    hf: Any,
+    batch: Mapping,
+    logits: torch.Tensor,
+    documents: int = DOCUMENTS,
+    context: contextlib.AbstractContextManager | None = None,
+) -> Isolation:
+    """Run the first ``documents`` documents of the row with the most documents alone through ``hf`` (its own
+    backend, eval mode, no grad, hidden from the tracers; ``context``: the run's precision) and compare their
+    logits with ``logits``, the training forward's output for ``batch``. Training forwards with active dropout
+    cannot be compared: the caller reads the structure instead."""
+    rows = packed_rows(batch)
+    if not rows:
+        return Isolation(NOT_PACKED, reason="no row holds two documents")
+    row, start, lengths = max(rows, key=lambda r: len(r[2]))
+    lengths = lengths[: max(2, documents)]
+    packed = _packed_slice(logits, batch, row, start, sum(lengths))
+    if packed is None:
+        return Isolation(UNKNOWN, reason=f"output logits {list(logits.shape)} do not map onto the batch's rows")
+    began = time.perf_counter()
+    ids = batch["input_ids"][row, start : start + sum(lengths)]
+    fp32 = packed.dtype == torch.float32
+    bounds = list(itertools.accumulate(lengths, initial=0))
+    worst, leaking = 0.0, []
+    with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), context or contextlib.nullcontext():
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            doc = ids[a:b][None]
+            alone = hf(input_ids=doc, attention_mask=torch.ones_like(doc), use_cache=False).logits[0]
+            diff, bad = differs(packed[a:b].detach(), alone, fp32)
+            worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)
+            if bad:
+                leaking.append(i)
+    ms = (time.perf_counter() - began) * 1e3
+    state = LEAKS if leaking else ISOLATED
+    return Isolation(state, MEASURED, "", worst, row, tuple(lengths), tuple(leaking), ms)
