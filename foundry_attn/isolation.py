@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import transformers
 
 from foundry_attn.adapters import backend_of, config_value
 from foundry_attn.forward import path_state
@@ -170,8 +171,18 @@ def structural(hf: Any, features: Features) -> Isolation:
     impl = backend_of(config_value(getattr(hf, "config", None), "_attn_implementation", None)) or "?"
     if features.position_ids and not features.padding_mask and (impl == "flash_attention_2" or _detects_packing()):
         return Isolation(ISOLATED, STRUCTURAL, f"stock {impl} splits rows where position_ids restart")
-    given = "a padding mask" if features.padding_mask else "no sequence boundaries it reads"
-    return Isolation(LEAKS, STRUCTURAL, f"stock {impl} gets {given}: each document attends to those before it")
+    given = (
+        "reads only the padding mask"
+        if features.padding_mask
+        else "ignores restarting position_ids"
+        if features.position_ids
+        else "gets no document boundaries"
+    )
+    return Isolation(
+        LEAKS,
+        STRUCTURAL,
+        f"stock {impl} in transformers {transformers.__version__} {given}: each document attends to those before it",
+    )
 
 
 def fix_for(hf: Any) -> str:
