@@ -169,11 +169,15 @@ def structural(hf: Any, features: Features) -> Isolation:
         why = "the batch has no sequence_id" if uses else "attn_uses_sequence_id is false"
         return Isolation(LEAKS, STRUCTURAL, f"MPT attends across documents: {why}")
     impl = backend_of(config_value(getattr(hf, "config", None), "_attn_implementation", None)) or "?"
-    if features.position_ids and not features.padding_mask and (impl == "flash_attention_2" or _detects_packing()):
+    # 5.x masks split rows only without a cache (``past_key_values`` None): ``use_cache: false``, as LLM-Foundry sets
+    splits = impl == "flash_attention_2" or (_detects_packing() and not config_value(hf.config, "use_cache", True))
+    if features.position_ids and not features.padding_mask and splits:
         return Isolation(ISOLATED, STRUCTURAL, f"stock {impl} splits rows where position_ids restart")
     given = (
         "reads only the padding mask"
         if features.padding_mask
+        else "reads restarting position_ids only without a cache (use_cache is true)"
+        if features.position_ids and _detects_packing()
         else "ignores restarting position_ids"
         if features.position_ids
         else "gets no document boundaries"
