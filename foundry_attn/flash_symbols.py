@@ -23,6 +23,10 @@ role          4.51                                   later releases (4.54 ... 5.
 ``pad``       ``pad_input`` (global)                 ``_pad_input`` / next-to-last kernel of the lazy import
 ============  =====================================  ==============================================
 
+LLM-Foundry MPT (``attn_impl: flash``) bypasses these utilities and calls flash-attn itself:
+:func:`discover_mpt` finds what it looks up at call time (``flash_attn.flash_attn_interface.flash_attn_varlen_func``
+/ ``flash_attn_func``, ``flash_attn.bert_padding.pad_input``), which the same tracer wraps.
+
 The tracer's wrappers are layers (``foundry_attn.patching``) that sit above the FA2 reference kernel's
 replacements, so two tracers and the reference context nest in any order.
 Core module: torch, transformers and the standard library only.
@@ -73,26 +77,33 @@ class FlashSymbols:
     """What the installed transformers calls, by role. ``found[role]`` is a module attribute name, or
     ``lazy_import_flash_attention()[i]`` for kernels handed out by the lazy importer."""
 
-    transformers_version: str
+    transformers_version: str  # the version of ``library`` (historic name)
     module: str
     found: dict[str, str]
     missing: dict[str, tuple[str, ...]]
     lazy_import: str | None = None
     error: str | None = None
+    #: what calls these symbols: ``transformers`` (its FA utilities) or ``flash-attn`` (MPT's direct calls)
+    library: str = "transformers"
+    #: role -> the module its symbol lives in, where not ``module``
+    modules: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def module_of(self, role: str) -> str:
+        return self.modules.get(role, self.module)
 
     def describe_missing(self) -> list[str]:
-        """One line per role this transformers does not expose (empty when all are traceable)."""
+        """One line per role the library does not expose (empty when all are traceable)."""
         if self.error:
-            return [f"transformers {self.transformers_version}: cannot inspect {self.module}: {self.error}"]
+            return [f"{self.library} {self.transformers_version}: cannot inspect {self.module}: {self.error}"]
         return [
-            f"transformers {self.transformers_version} has none of {', '.join(names)} in {self.module}: "
+            f"{self.library} {self.transformers_version} has none of {', '.join(names)} in {self.module}: "
             f"{role} calls are not counted"
             for role, names in self.missing.items()
         ]
 
     def describe(self) -> str:
         found = ", ".join(f"{role}={name}" for role, name in self.found.items()) or "nothing"
-        lines = [f"transformers {self.transformers_version} ({self.module}): {found}", *self.describe_missing()]
+        lines = [f"{self.library} {self.transformers_version} ({self.module}): {found}", *self.describe_missing()]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -138,6 +149,48 @@ def discover(module: ModuleType | None = None) -> FlashSymbols:
         else:
             found[role] = name
     return FlashSymbols(version, getattr(mod, "__name__", FA_UTILS), found, missing, lazy)
+
+
+#: where LLM-Foundry MPT (``attn_impl: flash``) looks up flash-attn at call time:
+#: ``from flash_attn import bert_padding, flash_attn_interface`` inside ``flash_attn_fn``, then
+#: ``flash_attn_interface.flash_attn_varlen_func(...)`` and ``bert_padding.pad_input(...)`` per layer
+MPT_INTERFACE, MPT_PADDING = "flash_attn.flash_attn_interface", "flash_attn.bert_padding"
+MPT_CANDIDATES: dict[str, tuple[str, str]] = {
+    VARLEN: (MPT_INTERFACE, "flash_attn_varlen_func"),
+    DENSE: (MPT_INTERFACE, "flash_attn_func"),
+    PAD: (MPT_PADDING, "pad_input"),
+}
+
+
+def discover_mpt() -> FlashSymbols:
+    """What LLM-Foundry MPT's flash path calls, found on flash-attn's own modules; never raises.
+
+    MPT unpads once per forward (``bert_padding.unpad_input`` before its blocks) and calls flash-attn's kernels
+    directly, so the ``upad`` / ``posids`` roles (transformers' per-layer helpers) are neither found nor missing.
+    """
+    try:
+        import flash_attn
+
+        version = str(getattr(flash_attn, "__version__", "unknown"))
+    except Exception as exc:
+        names: dict[str, tuple[str, ...]] = {role: (name,) for role, (_, name) in MPT_CANDIDATES.items()}
+        error = f"{type(exc).__name__}: {exc}"
+        return FlashSymbols("none", MPT_INTERFACE, {}, names, error=error, library="flash-attn")
+    found: dict[str, str] = {}
+    missing: dict[str, tuple[str, ...]] = {}
+    modules: dict[str, str] = {}
+    for role, (module_name, name) in MPT_CANDIDATES.items():
+        try:
+            mod = importlib.import_module(module_name)
+        except Exception:
+            mod = None
+        if mod is not None and callable(mod.__dict__.get(name)):
+            found[role] = name
+            if module_name != MPT_INTERFACE:
+                modules[role] = module_name
+        else:
+            missing[role] = (name,)
+    return FlashSymbols(version, MPT_INTERFACE, found, missing, library="flash-attn", modules=modules)
 
 
 # ---- tracing -----------------------------------------------------------------------------------------------
@@ -189,7 +242,7 @@ def _describe_call(role: str, args: tuple, kwargs: dict, out: Any) -> dict[str, 
             "cu_seqlens_k": _as_list(arg("cu_seqlens_k", 4)),
             "max_seqlen_q": _as_int(arg("max_seqlen_q", 5)),
             "max_seqlen_k": _as_int(arg("max_seqlen_k", 6)),
-            "q_shape": list(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None,
+            "q_shape": list(q.shape) if isinstance(q := arg("q", 0), torch.Tensor) else None,
         }
     if role == DENSE:
         q = args[0] if args else kwargs.get("q")
@@ -241,7 +294,10 @@ class FlashCallTracer:
                     if name.startswith(LAZY_IMPORT):
                         lazy_roles.append(role)
                     else:
-                        self._patches.append(patch_attribute(mod, name, wrap=functools.partial(self._wrap, role)))
+                        home = mod
+                        if self._module is None and self.symbols.module_of(role) != self.symbols.module:
+                            home = importlib.import_module(self.symbols.module_of(role))
+                        self._patches.append(patch_attribute(home, name, wrap=functools.partial(self._wrap, role)))
                 if lazy_roles and self.symbols.lazy_import:
                     factory = functools.partial(self._wrap_lazy, tuple(lazy_roles))
                     self._patches.append(patch_attribute(mod, self.symbols.lazy_import, wrap=factory))

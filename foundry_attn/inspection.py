@@ -3,9 +3,12 @@
 :class:`ModelInspector` hooks a model (forward pre-hooks with kwargs, through DDP / FSDP / checkpoint /
 compile wrapper names), every decoder layer and every attention module found by :func:`discover_modules`,
 and records, per module, for one forward: the mask (None, 2-D, 4-D, a flex ``BlockMask``), its dtype and
-shape, whether it masks anything (2-D: padding; 4-D: a causally visible key), real tokens, fill ratio
-(real / positions), whether ``position_ids`` restart inside a row (packed), and the config's
-``_attn_implementation``. :func:`format_table` prints those records as a compact console table::
+shape, what it hides beyond causality, read with the model's own alignment (``has_zeros``: padding, other
+documents or other keys; ``window``: the model's sliding window; ``mask_hides``: both in words, see
+:func:`_describe_mask`), real tokens, fill ratio (real / positions), whether ``position_ids`` restart inside a
+row (packed), and the attention implementation that runs (:func:`attn_implementation`: HF's
+``_attn_implementation``, MPT's ``attn_impl``, ...). :func:`format_table` prints those records as a compact
+console table::
 
     with ModelInspector(hf_model).capture(BatchInfo.from_batch(batch)) as records:
         hf_model(input_ids=ids, attention_mask=mask)
@@ -43,6 +46,7 @@ __all__ = [
     "discover_modules",
     "find_hf_model",
     "format_table",
+    "mpt_attn_impl",
 ]
 
 _WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -75,10 +79,30 @@ def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def mpt_attn_impl(module: nn.Module | None) -> str | None:
+    """LLM-Foundry MPT's ``attn_config['attn_impl']`` (``torch``, ``flash``, ``flex``) of ``module``, or None.
+
+    MPT's config is a ``PretrainedConfig`` whose ``_attn_implementation`` stays ``eager`` whatever runs: its
+    attention is chosen by ``attn_config``, which is read first.
+    """
+    attn_config = getattr(getattr(module, "config", None), "attn_config", None)
+    impl = attn_config.get("attn_impl") if isinstance(attn_config, Mapping) else None
+    return impl if isinstance(impl, str) else None
+
+
 def attn_implementation(module: nn.Module | None) -> str | None:
-    """The attention backend of a Hugging Face model (``sdpa`` for our ``foundry_sdpa``), or None."""
-    config = getattr(module, "config", None)
-    return backend_of(getattr(config, "_attn_implementation", None))
+    """The attention implementation that really runs in ``module``; None without a module.
+
+    MPT's ``attn_impl`` (:func:`mpt_attn_impl`), else the config's ``_attn_implementation`` (``sdpa`` for our
+    registered ``foundry_sdpa``), else ``unknown (class X)``.
+    """
+    if module is None:
+        return None
+    mpt = mpt_attn_impl(module)
+    if mpt is not None:
+        return mpt
+    impl = backend_of(getattr(getattr(module, "config", None), "_attn_implementation", None))
+    return impl if impl else f"unknown (class {type(module).__name__})"
 
 
 # ---- model discovery ----------------------------------------------------------------------------------------
@@ -171,33 +195,99 @@ def _first_tensor(arguments: Mapping[str, Any]) -> torch.Tensor | None:
     return next((v for v in arguments.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
 
 
-def _describe_mask(mask: Any) -> dict[str, Any]:
-    """Kind, dtype, shape and whether the mask masks anything (reads device values: sampled batches only)."""
+def _query_positions(
+    q: int, k: int, cache_position: Any, cached: bool, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Where a 4-D mask's queries sit among its key columns, and how many columns are keys really used.
+
+    The model's own alignment: ``cache_position`` when the call carries it (4.51 passes it; its causal masks are
+    ``target_length`` wide, e.g. ``q + 1`` for eager with no 2-D mask, columns past the last query no key);
+    else, with a cache of earlier keys, the queries are the last ``q`` of ``k`` keys (5.x sizes masks to the
+    keys); else (training, no cache) query ``i`` is key ``i`` and columns beyond ``q`` are no keys.
+    """
+    if isinstance(cache_position, torch.Tensor) and cache_position.dim() == 1 and cache_position.numel() == q:
+        positions = cache_position.to(device=device, dtype=torch.long)
+        return positions, min(k, int(positions.max()) + 1)
+    if cached and k > q:
+        return torch.arange(k - q, k, device=device), k
+    return torch.arange(q, device=device), min(k, q)
+
+
+def _read_4d(mask: torch.Tensor, cache_position: Any, cached: bool, window_hint: int | None = None) -> dict[str, Any]:
+    """What a 4-D mask hides beyond causality, aligned as the model aligns it (see :func:`_query_positions`).
+
+    Keys hidden exactly beyond a fixed distance ``w`` from each query are the model's sliding *window* ``w`` (each
+    query sees its last ``w`` positions): ``window_hint`` (the config's ``sliding_window``) is checked first, else
+    ``w`` is inferred once padding is set aside. A key hidden from every query that causally sees it (within the
+    window) is *padding*; the rest is *documents* when each query sees one contiguous run of keys ending at itself
+    (packed documents kept apart), else *other keys*. A key hidden in any head counts as hidden; rows that allow
+    every column (4.51 sdpa unmasks fully masked rows) are left out. A mask that keeps documents apart inside a
+    window the config does not name is read as documents.
+    """
+    allowed = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.bool()
+    allowed = allowed.all(dim=1) if allowed.shape[1] > 1 else allowed[:, 0]  # [batch, q, k]
+    q, k = allowed.shape[-2:]
+    qpos, used = _query_positions(q, k, cache_position, cached, mask.device)
+    allowed = allowed[..., :used]
+    distance = qpos[:, None] - torch.arange(used, device=mask.device)[None, :]  # [q, used]
+    counted = (distance >= 0) & ~allowed.all(dim=-1, keepdim=True)  # [batch, q, used]
+    window = None
+    if window_hint:
+        beyond = counted & (distance >= window_hint)
+        if bool(beyond.any()) and not bool((beyond & allowed).any()):
+            window, counted = window_hint, counted & (distance < window_hint)
+    padding = (counted & allowed).sum(dim=1).eq(0) & counted.any(dim=1)  # [batch, used]: seen by no query
+    real = counted & ~padding[:, None, :]
+    rest = real & ~allowed
+    if window is None and bool(rest.any()):
+        w = int(distance.expand_as(rest)[rest].min())
+        if bool(torch.equal(rest, real & (distance >= w))):
+            window, rest = w, torch.zeros_like(rest)
+    hides: list[str] = ["padding"] if bool(padding.any()) else []
+    if bool(rest.any()):
+        seen = real & allowed
+        start = torch.where(seen.any(-1), seen.to(torch.uint8).argmax(-1), qpos.expand(seen.shape[:-1]))
+        runs = real & (torch.arange(used, device=mask.device) >= start[..., None])
+        hides.append("documents" if bool(torch.equal(seen, runs)) else "other keys")
+    return {
+        "has_zeros": bool(hides),
+        "window": window,
+        "mask_hides": ", ".join(hides + ([f"window {window}"] if window else [])) or "nothing",
+    }
+
+
+def _describe_mask(
+    mask: Any, cache_position: Any = None, cached: bool = False, window_hint: int | None = None
+) -> dict[str, Any]:
+    """Kind, dtype, shape and what the mask hides (reads device values: sampled batches only).
+
+    ``has_zeros``: the mask hides keys the model's causality and own sliding window would show: a 2-D mask with a
+    zero (padding), a 4-D mask hiding padding keys, other documents' keys or other keys (a sliding window alone
+    is not counted: it hides keys on purpose). ``window``: the sliding window a 4-D mask applies, else None.
+    ``mask_hides``: ``nothing``, ``padding``, ``documents``, ``other keys``, ``window <w>``, comma-joined; None
+    when the mask is not read (none, a ``BlockMask``). ``cache_position`` / ``cached`` (a cache of earlier keys
+    came with the call) place a 4-D mask's queries as the model does; ``window_hint`` is the model's configured
+    sliding window, checked against the mask (a one-query decoding step cannot tell a window from padding alone).
+    """
+    unread = {"has_zeros": None, "window": None, "mask_hides": None}
     if mask is None or is_placeholder(mask):  # the documents travel as arguments, not in a mask
-        return {"mask": "none", "mask_dtype": None, "mask_shape": None, "has_zeros": None}
+        return {"mask": "none", "mask_dtype": None, "mask_shape": None, **unread}
     if not isinstance(mask, torch.Tensor):
         shape = getattr(mask, "shape", None)
-        return {
-            "mask": type(mask).__name__,
-            "mask_dtype": None,
-            "mask_shape": list(shape) if shape else None,
-            "has_zeros": None,
-        }
+        return {"mask": type(mask).__name__, "mask_dtype": None, "mask_shape": list(shape) if shape else None, **unread}
     out: dict[str, Any] = {
         "mask": f"{mask.dim()}-D",
         "mask_dtype": str(mask.dtype).replace("torch.", ""),
         "mask_shape": list(mask.shape),
-        "has_zeros": None,
+        **unread,
     }
     with torch.no_grad():
         if mask.dim() == 2:
-            out["has_zeros"] = bool((mask == 0).any())
+            zeros = bool((mask == 0).any())
+            out.update(has_zeros=zeros, mask_hides="padding" if zeros else "nothing")
             out["mask_real"] = int(mask.bool().sum())
-        elif mask.dim() == 4:
-            allowed = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.bool()
-            q, k = mask.shape[-2:]
-            causal = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril_(k - q)
-            out["has_zeros"] = bool((causal & ~allowed).any())  # masks a key that causality would show
+        elif mask.dim() == 4 and mask.numel():
+            out.update(_read_4d(mask, cache_position, cached, window_hint))
     return out
 
 
@@ -252,11 +342,13 @@ class ModelInspector:
     def __init__(self, model: nn.Module, attention_selector: str | None = None, modules: ModuleMap | None = None):
         self.model = model
         self.modules = modules if modules is not None else discover_modules(model, attention_selector)
+        window = getattr(getattr(model, "config", None), "sliding_window", None)
+        self._window_hint = window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
         self.records: list[dict[str, Any]] = []
         self._handles: list[Any] = []
         self._done = False
         self._batch = BatchInfo()
-        self._masks: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._masks: dict[tuple[int, int, bool], tuple[Any, Any, dict[str, Any]]] = {}
         self._positions: dict[tuple[int, int], tuple[Any, Any, int | None]] = {}
 
     @property
@@ -297,13 +389,17 @@ class ModelInspector:
         if not proving():  # the flat-path proof's forwards are not the batch's
             self._done = True
 
-    def _mask_info(self, mask: Any) -> dict[str, Any]:
+    def _mask_info(self, mask: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:
         if mask is None:
             return _describe_mask(None)
-        hit = self._masks.get(id(mask))
-        if hit is None or hit[0] is not mask:
-            hit = self._masks[id(mask)] = (mask, _describe_mask(mask))
-        return hit[1]
+        cache_position = arguments.get("cache_position")
+        cached = any(arguments.get(key) is not None for key in ("past_key_value", "past_key_values"))
+        key = (id(mask), id(cache_position), cached)
+        hit = self._masks.get(key)
+        if hit is None or hit[0] is not mask or hit[1] is not cache_position:
+            info = _describe_mask(mask, cache_position, cached, self._window_hint)
+            hit = self._masks[key] = (mask, cache_position, info)
+        return hit[2]
 
     def _restarts(self, position_ids: Any, mask: Any) -> int | None:
         if not isinstance(position_ids, torch.Tensor):
@@ -333,7 +429,7 @@ class ModelInspector:
     def _record(self, level: str, index: int, name: str, module: nn.Module, arguments: dict) -> dict[str, Any]:
         mask = arguments.get("attention_mask")
         rec: dict[str, Any] = {"level": level, "index": index, "name": name, "cls": type(module).__name__}
-        rec.update(self._mask_info(mask))
+        rec.update(self._mask_info(mask, arguments))
         mask_real = rec.pop("mask_real", None)
         x = _first_tensor(arguments)
         rows_width = tuple(x.shape[:2]) if x is not None else None
@@ -366,7 +462,7 @@ class ModelInspector:
 # ---- the console table --------------------------------------------------------------------------------------
 
 
-_COLUMNS = ("level", "modules", "mask", "dtype", "shape", "masks", "real", "fill", "packed", "impl")
+_COLUMNS = ("level", "modules", "mask", "dtype", "shape", "hides", "real", "fill", "packed", "impl")
 
 
 def _row(group: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -385,7 +481,7 @@ def _row(group: list[dict[str, Any]]) -> tuple[str, ...]:
         r["mask"],
         r["mask_dtype"] or "-",
         "x".join(map(str, r["mask_shape"])) if r["mask_shape"] else "-",
-        yes_no[r["has_zeros"]],
+        r.get("mask_hides") or yes_no[r.get("has_zeros")],
         "-" if r["real_tokens"] is None else f"{r['real_tokens']}/{r['positions']}",
         "-" if r["fill_ratio"] is None else f"{r['fill_ratio']:.3f}",
         yes_no[r["packed_positions"]],
@@ -401,6 +497,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
         "mask_dtype",
         "mask_shape",
         "has_zeros",
+        "window",
+        "mask_hides",
         "real_tokens",
         "positions",
         "packed_positions",
@@ -423,7 +521,8 @@ def format_table(records: list[dict[str, Any]], title: str = "attention_inspecto
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(_COLUMNS))]
     lines = [title] + ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(
-        "masks: 2-D has padding / 4-D hides a causally visible key; real: real tokens/positions "
-        "at that level; packed: position_ids restart inside a row"
+        "hides: what the mask hides beyond causality (padding, documents, other keys; window N: the model's "
+        "sliding window, on purpose); real: real tokens/positions at that level; packed: position_ids restart "
+        "inside a row"
     )
     return "\n".join(lines)

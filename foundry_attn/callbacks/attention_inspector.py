@@ -166,8 +166,9 @@ class AttentionInspector(ReleasingCallback):
           - Attention modules given a flex ``BlockMask`` (stock ``flex_attention``).
           - Every sampled batch.
         * - ``attn/mask_with_zeros_layers``
-          - Attention modules whose tensor mask masks something: a padding zero in a 2-D mask, a key that
-            causality would show hidden by a 4-D one (a ``BlockMask`` is not read).
+          - Attention modules whose tensor mask hides a key that causality would show: a padding zero in a 2-D
+            mask; padding, another document or another key in a 4-D one, read with the model's own alignment
+            (``cache_position``; a sliding window alone does not count). A ``BlockMask`` is not read.
           - Every sampled batch.
         * - ``attn/fill_ratio``
           - Real tokens / positions of the collated batch (real tokens: ``total_tokens`` of our collator, else

@@ -11,8 +11,26 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from foundry_attn.callbacks.common import foundry_model
+from foundry_attn.inspection import attn_implementation, find_hf_model, mpt_attn_impl
 
-__all__ = ["AttnDecisionLogger", "decision_hparams"]
+__all__ = ["AttnDecisionLogger", "decision_hparams", "stock_hparams"]
+
+
+def stock_hparams(model: Any) -> dict[str, Any]:
+    """``attn/chosen`` and ``attn/reason`` of a model that made no decision of ours: the implementation that runs
+    (:func:`foundry_attn.inspection.attn_implementation`) and where it was read; empty without a model."""
+    found = find_hf_model(model)
+    hf = found[1] if found is not None else model
+    impl = attn_implementation(hf)
+    if impl is None:
+        return {}
+    if mpt_attn_impl(hf) is not None:
+        source = "MPT's attn_config['attn_impl']"
+    elif impl.startswith("unknown"):
+        source = "no attention setting found on the model"
+    else:
+        source = "the model's config._attn_implementation"
+    return {"attn/chosen": impl, "attn/reason": f"set by the model, not chosen by foundry_attn ({source})"}
 
 
 def decision_hparams(model: Any) -> dict[str, Any]:
@@ -40,8 +58,9 @@ class AttnDecisionLogger(Callback):
     At :attr:`.Event.INIT` this callback reads the decision the model made when it was built (which attention
     implementation was asked for, which one runs, and why), gathers every rank's choice and logs them with
     :meth:`.Logger.log_hyperparameters`, so that a fallback on some ranks is visible in MLflow, W&B or any
-    other Composer logger. Models other than ``foundry_attn_causal_lm`` (also inside DDP's ``.module``) are
-    left alone: nothing is logged.
+    other Composer logger. For other models (stock ``hf_causal_lm``, LLM-Foundry's ``mpt_causal_lm``, ...) it
+    logs only ``attn/chosen`` and ``attn/reason``: the implementation that really runs, read from the model
+    (HF's ``_attn_implementation``, MPT's ``attn_impl``, else ``unknown (class X)``).
 
     Example, in an LLM-Foundry YAML:
 
@@ -64,8 +83,8 @@ class AttnDecisionLogger(Callback):
             callbacks=[AttnDecisionLogger()],
         )
 
-    The hyperparameters are logged once, at :attr:`.Event.INIT`, when the model is a
-    ``foundry_attn_causal_lm`` (this callback logs no metrics):
+    The hyperparameters are logged once, at :attr:`.Event.INIT`: all of them when the model is a
+    ``foundry_attn_causal_lm``, those marked "every model" otherwise (this callback logs no metrics):
 
     .. list-table::
         :header-rows: 1
@@ -79,14 +98,15 @@ class AttnDecisionLogger(Callback):
             ``eager``), this rank.
           - ``INIT``.
         * - ``attn/chosen``
-          - The implementation that runs on this rank.
-          - ``INIT``.
+          - The implementation that runs on this rank (other models: read from the model, e.g. MPT's ``torch``).
+          - ``INIT``, every model.
         * - ``attn/fallback``
           - ``True`` when this rank does not run what was asked for (for ``auto``: not the chain's first).
           - ``INIT``.
         * - ``attn/reason``
-          - Why: the first rejected candidate and its failed check on a fallback, else why the chosen one runs.
-          - ``INIT``.
+          - Why: the first rejected candidate and its failed check on a fallback, else why the chosen one runs
+            (other models: that the model set it, and where it was read).
+          - ``INIT``, every model.
         * - ``attn/compute_dtype``
           - The compute dtype the decision was made for (``bfloat16``, ``float32``, ...), this rank.
           - ``INIT``.
@@ -112,6 +132,9 @@ class AttnDecisionLogger(Callback):
     def init(self, state: State, logger: Logger) -> None:
         hparams = decision_hparams(state.model)
         if not hparams:
+            stock = stock_hparams(state.model)
+            if stock:
+                logger.log_hyperparameters(stock)
             return
         logger.log_hyperparameters(hparams)
         self._path = (hparams["attn/path"], hparams["attn/path_reason"])

@@ -5,6 +5,8 @@ See :class:`UpadTracer`.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
 from composer.core import State, Time
@@ -12,6 +14,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
+from foundry_attn import fa2_reference
 from foundry_attn.callbacks.common import (
     COMPILED,
     ReleasingCallback,
@@ -25,6 +28,7 @@ from foundry_attn.events import EventLog
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_symbols import (
     DENSE,
+    LAZY_IMPORT,
     PAD,
     POSIDS,
     ROLES,
@@ -33,9 +37,10 @@ from foundry_attn.flash_symbols import (
     FlashCallTracer,
     FlashSymbols,
     discover,
+    discover_mpt,
     symbol_label,
 )
-from foundry_attn.inspection import attn_implementation, find_hf_model
+from foundry_attn.inspection import attn_implementation, find_hf_model, mpt_attn_impl
 
 __all__ = ["UpadTracer"]
 
@@ -59,6 +64,20 @@ def uses_reference_kernel(model: nn.Module) -> bool:
     return bool(getattr(foundry_model(model), "_fa2_reference", False))
 
 
+def is_reference(symbols: FlashSymbols) -> bool:
+    """The varlen kernel that ``symbols`` names is the pure-PyTorch reference (installed in flash-attn's place)."""
+    name = symbols.found.get(VARLEN)
+    if name is None or name.startswith(LAZY_IMPORT):
+        return False
+    try:
+        fn = vars(importlib.import_module(symbols.module_of(VARLEN))).get(name)
+    except Exception:  # the kernel's module went away: not the reference
+        return False
+    if not callable(fn):
+        return False
+    return getattr(inspect.unwrap(fn), "__module__", None) == fa2_reference.__name__
+
+
 class UpadTracer(ReleasingCallback):
     """Counts transformers' flash-attention unpad / varlen / dense calls per sampled step.
 
@@ -66,7 +85,12 @@ class UpadTracer(ReleasingCallback):
     ``_flash_attention_forward`` calls (transformers 4.51: ``_upad_input``, ``prepare_fa2_from_position_ids``,
     ``flash_attn_varlen_func``, ``flash_attn_func``, ``pad_input``; the later names are found by
     :func:`foundry_attn.flash_symbols.discover`), counts their calls in the step, and records cu_seqlens_q/k and
-    max_seqlen_q/k of the first call and which kernel entry ran first (``varlen`` or ``dense``).
+    max_seqlen_q/k of the first call and which kernel entry ran first (``varlen`` or ``dense``). For LLM-Foundry's
+    MPT (``attn_config.attn_impl: flash``), which calls flash-attn itself, it wraps what MPT looks up at call time
+    instead (``flash_attn.flash_attn_interface.flash_attn_varlen_func`` / ``flash_attn_func``,
+    ``flash_attn.bert_padding.pad_input``, see :func:`foundry_attn.flash_symbols.discover_mpt`); MPT unpads once
+    per forward, so its ``upad`` / ``posids`` counts stay 0. The implementation named is the one that runs
+    (:func:`foundry_attn.inspection.attn_implementation`: HF's ``_attn_implementation``, MPT's ``attn_impl``).
 
     The wrappers are installed when the model's forward starts and removed when it ends, even when it raises
     (an ``always_call`` forward hook), and again at :attr:`.Event.BATCH_END`, :attr:`.Event.FIT_END` and
@@ -102,8 +126,9 @@ class UpadTracer(ReleasingCallback):
 
     The metrics are logged by the :class:`.Logger` at :attr:`.Event.BATCH_END` of each sampled batch, when
     the model runs a flash-attention implementation (``flash_attention_2``, also on the pure-PyTorch reference
-    kernel) and at least one flash-attention symbol was found (this callback logs no hyperparameters). Counts
-    are calls in the traced forward of the step (every microbatch of it), summed over all layers:
+    kernel; MPT's ``flash``) and at least one flash-attention symbol was found (this callback logs no
+    hyperparameters). Counts are calls in the traced forward of the step (every microbatch of it), summed over all
+    layers:
 
     .. list-table::
         :header-rows: 1
@@ -114,20 +139,20 @@ class UpadTracer(ReleasingCallback):
           - When
         * - ``attn/upad_calls_per_step``
           - Calls of transformers' per-layer unpad helper (``_upad_input``): a 2-D padding mask reached the
-            flash path. 0 when our model unpadded once before the layers.
+            flash path. 0 when our model unpadded once before the layers, and for MPT (it unpads once per forward).
           - Every traced batch.
         * - ``attn/posids_calls_per_step``
           - Calls of the position-ids helper (``prepare_fa2_from_position_ids``): packed rows split by
             ``position_ids``.
           - Every traced batch.
         * - ``attn/varlen_calls_per_step``
-          - Calls of the variable-length kernel (``flash_attn_varlen_func``).
+          - Calls of the variable-length kernel (``flash_attn_varlen_func``; MPT's flash path: one per layer).
           - Every traced batch.
         * - ``attn/dense_calls_per_step``
           - Calls of the dense kernel (``flash_attn_func``): no unpadding, every position computed.
           - Every traced batch.
         * - ``attn/pad_calls_per_step``
-          - Calls of ``pad_input``: outputs padded back after an unpad.
+          - Calls of ``pad_input``: outputs padded back after an unpad (MPT: ``bert_padding.pad_input`` per layer).
           - Every traced batch.
         * - ``attn/max_seqlen``
           - ``max_seqlen_q`` of the first kernel call of the step (else of the first unpad / position-ids call).
@@ -181,19 +206,26 @@ class UpadTracer(ReleasingCallback):
         found = find_hf_model(state.model)
         self._hf = found[1] if found else None
         self.implementation = attn_implementation(self._hf)
+        mpt = mpt_attn_impl(self._hf)
         self._reference = uses_reference_kernel(state.model)
         if compiled(state.model):
             self.idle_reason = "the model runs under torch.compile"
             self._say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer"))
         elif self._hf is None:
             self.idle_reason = "no Hugging Face PreTrainedModel in state.model"
-        elif not is_flash(self.implementation):
+        elif mpt is not None and mpt != "flash":
+            self.idle_reason = (
+                f"the attention implementation is {mpt!r} (MPT's attn_config['attn_impl']), not 'flash': "
+                f"MPT calls no flash-attn kernel"
+            )
+        elif mpt is None and not is_flash(self.implementation):
             self.idle_reason = (
                 f"the attention implementation is {self.implementation!r}, not flash_attention_2: "
                 f"transformers' flash-attention utilities never run"
             )
         else:
-            self.symbols = discover()
+            self.symbols = discover_mpt() if mpt is not None else discover()
+            self._reference = self._reference or is_reference(self.symbols)
             missing = self.symbols.describe_missing()
             if missing:
                 self._say_once(
@@ -268,7 +300,9 @@ class UpadTracer(ReleasingCallback):
         if self.print_counts and dist.get_global_rank() == 0:
             assert self.symbols is not None
             label = {role: symbol_label(self.symbols, role) for role in ROLES}
-            counts = ", ".join(f"{label[r]} {tracer.counts[r]}" for r in (UPAD, POSIDS, VARLEN, DENSE, PAD))
+            found, missing = self.symbols.found, self.symbols.missing
+            shown = [r for r in (UPAD, POSIDS, VARLEN, DENSE, PAD) if r in found or r in missing]
+            counts = ", ".join(f"{label[r]} {tracer.counts[r]}" for r in shown)
             note = f" [kernel: {kernel}]" if "kernel_note" not in self._said else ""
             self._said.add("kernel_note")
             print(
