@@ -690,9 +690,8 @@ def torch_varlen_documents(
     _no_softcap(TORCH_VARLEN, softcap)
     if dropout:
         raise ValueError(f"foundry_attn: torch_varlen cannot apply attention dropout {dropout}")
-    if docs is None:  # a mask built by the model (generation): eager math takes it
-        out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
-        return out.transpose(1, 2).contiguous(), None
+    if docs is None:  # rows, eval, generation: stock sdpa on the model's own mask, what the rows path runs
+        return sdpa_documents(module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs)
     kernel = torch_varlen_kernel()
     if kernel is None:
         raise ValueError(f"foundry_attn: torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")

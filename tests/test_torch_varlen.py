@@ -130,3 +130,32 @@ def test_flex_block_masks_live_on_the_query_device_one_per_device() -> None:
         ]
         assert captured and all(str(t.device) == name for t in captured), name
         assert all(str(t.device) == name for t in (mask.kv_num_blocks, mask.kv_indices))
+
+
+def test_torch_varlen_without_documents_runs_stock_sdpa_on_the_models_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eval and generation (no documents in the call) run sdpa on the model's own mask, as the rows path does,
+    never eager math: the padded logits and a cached decoding step equal stock sdpa's."""
+    from tests.conftest import make_llama
+
+    adapters.register()
+    sdpa_calls: list[int] = []
+    stock_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: sdpa_calls.append(1) or stock_sdpa(*a, **k),
+    )
+    monkeypatch.setattr(adapters, "eager_math", lambda *a, **k: pytest.fail("eager math ran"))
+    ids = torch.randint(1, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    stock, ours = make_llama("sdpa"), make_llama("sdpa")
+    ours.config._attn_implementation = adapters.PREFIX + TORCH_VARLEN
+    with torch.no_grad():
+        want = stock(input_ids=ids, attention_mask=mask).logits
+        sdpa_calls.clear()
+        got = ours(input_ids=ids, attention_mask=mask).logits
+        assert sdpa_calls, "sdpa did not run"
+        torch.testing.assert_close(got * mask[..., None], want * mask[..., None], atol=1e-6, rtol=0)
+        gen = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids[:1], **gen), stock.generate(ids[:1], **gen))
