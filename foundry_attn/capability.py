@@ -9,6 +9,7 @@ Core module: torch, transformers and the standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -83,6 +84,13 @@ def _hub_kernel() -> str | None:
     return FLASH_ATTN_KERNEL_FALLBACK.get("flash_attention_2")
 
 
+def rng_untouched(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """A block that leaves the global RNG as it found it: the CPU's, and ``device``'s when it is CUDA (probes and
+    smoke calls draw their inputs inside, so a seeded model build starts from the weights stock gives)."""
+    device = torch.device(device)
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
 @functools.cache
 def flex_backward_error(device_type: str) -> str | None:
     """One tiny FlexAttention forward + backward on ``device_type``: None when it trains, else why not.
@@ -92,10 +100,11 @@ def flex_backward_error(device_type: str) -> str | None:
     try:
         from torch.nn.attention.flex_attention import flex_attention
 
-        q = torch.randn(1, 1, 8, 8, device=device_type, requires_grad=True)
-        out = flex_attention(q, q, q)
-        assert isinstance(out, torch.Tensor)
-        out.sum().backward()
+        with rng_untouched(device_type):
+            q = torch.randn(1, 1, 8, 8, device=device_type, requires_grad=True)
+            out = flex_attention(q, q, q)
+            assert isinstance(out, torch.Tensor)
+            out.sum().backward()
     except Exception as exc:  # the reason is reported, the policy rejects flex
         first = str(exc).split(". ")[0]
         return (

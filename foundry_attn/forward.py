@@ -79,12 +79,15 @@ def forward_documents(model: Any, batch: Mapping) -> Any:
 
 
 @torch.compiler.disable
-def finish_documents(out: Any, placed: tuple, no_targets: bool) -> Any:
-    """Record where the tokens went (for :func:`repad_logits`); a microbatch without targets adds zero loss
-    (HF's mean over no target is nan), still connected to every parameter the forward used."""
+def finish_documents(out: Any, placed: tuple, no_targets: bool, shaped: bool = False) -> Any:
+    """Record where the tokens went (for :func:`repad_logits`); ``shaped``: re-pad the logits to the batch's
+    ``[rows, width, vocab]`` now (the loss stays the one computed on the flat row). A microbatch without targets
+    adds zero loss (HF's mean over no target is nan), still connected to every parameter the forward used."""
     out.foundry_layout = placed
     if no_targets:
         out.loss = out.logits.sum() * 0.0
+    if shaped:
+        repad_logits(out)
     return out
 
 
@@ -231,15 +234,18 @@ def _pad_id(model: Any) -> int:
 
 
 def repad_logits(out: Any) -> torch.Tensor:
-    """``[rows, width, vocab]`` logits of the original batch (zeros at padding), scattered back once."""
+    """``[rows, width, vocab]`` logits of the original batch (zeros at padding), scattered back once; a view, no
+    copy, where neither the batch nor the model's layout has padding (a packed row, full rows)."""
     packed = getattr(out, "foundry_layout", None)
     if packed is None:
         return out.logits
-    src, dst, rows, width = packed
+    src, dst, rows, width = packed  # both ascending: where the real tokens are in the model's layout, the batch's
     logits = out.logits.reshape(-1, out.logits.shape[-1])
-    padded = logits.new_zeros(rows * width, logits.shape[-1])
-    padded[dst] = logits[src]
-    out.logits = padded.view(rows, width, -1)
+    if src.numel() != logits.shape[0]:  # the rows layout pads its own rows
+        logits = logits[src]
+    if dst.numel() != rows * width:  # the batch has padding: zeros there
+        logits = logits.new_zeros(rows * width, logits.shape[-1]).index_copy_(0, dst, logits)
+    out.logits = logits.view(rows, width, -1)
     out.foundry_layout = None
     return out.logits
 

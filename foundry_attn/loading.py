@@ -1,7 +1,8 @@
 """From a model path to an attention decision: traits of the model class, compute dtype, load checks.
 
 Core module: torch and transformers only. The Composer model (``foundry_attn.foundry.model``) calls
-``decide`` before it builds anything, so a bad name or a strict failure costs no model build.
+``decide`` before it builds anything, so a bad name or a strict failure costs no model build, and transformers'
+own attention check runs here, on the config: the model then builds once, with what it accepts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from foundry_attn.policy import (
     FA2,
     FLEX,
     SDPA,
+    TORCH_VARLEN,
     Decision,
     ModelTraits,
     choose,
@@ -54,6 +56,12 @@ def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
         return mapping[type(config)]
     auto_map = getattr(config, "auto_map", None) or {}
     raise ValueError(f"no causal-LM class for {type(config).__name__} (auto_map: {auto_map or 'none'})")
+
+
+def load_name(chosen: str, fa2_reference: bool = False) -> str:
+    """The implementation transformers builds the model with for ``chosen``: our backends that transformers
+    does not know (torch_varlen, FA2 on the reference kernel) load as sdpa; ``paths.attach`` points them after."""
+    return SDPA if chosen == TORCH_VARLEN or (chosen == FA2 and fa2_reference) else chosen
 
 
 def transformers_load_check(
@@ -125,7 +133,7 @@ def decide(
     for cand in decision.candidates:  # transformers' own checks, for what we are about to load
         if cand.name != decision.chosen or (cand.name == FA2 and fa2_reference):
             continue
-        error = transformers_load_check(model_class, config, cand.name, dtype)
+        error = transformers_load_check(model_class, config, load_name(cand.name), dtype)
         if error is None:
             break
         decision = decision.with_rejection(cand.name, error)

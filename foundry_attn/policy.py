@@ -18,7 +18,7 @@ import torch
 from packaging.version import Version
 
 from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, ModelNeeds, config_value, refusal
-from foundry_attn.capability import Capability
+from foundry_attn.capability import Capability, rng_untouched
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_compat import preflight
 
@@ -172,9 +172,10 @@ def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
     try:
         from foundry_attn.flash_compat import call
 
-        q = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)
-        call("flash_attn_func", q, q, q, causal=True)
-        torch.cuda.synchronize(device)
+        with rng_untouched(device):
+            q = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)
+            call("flash_attn_func", q, q, q, causal=True)
+            torch.cuda.synchronize(device)
     except Exception as exc:
         return f"a tiny flash_attn_func call failed on the device: {type(exc).__name__}: {exc}"
     return None
@@ -287,10 +288,11 @@ def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | N
     if kernel is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     try:
-        q = torch.randn(8, 2, 64, device=device, dtype=dtype, requires_grad=True)
-        cu = torch.tensor([0, 3, 8], device=device, dtype=torch.int32)
-        call_varlen(kernel, q, q, q, cu, cu, 5, 5).sum().backward()
-        torch.cuda.synchronize(device)
+        with rng_untouched(device):
+            q = torch.randn(8, 2, 64, device=device, dtype=dtype, requires_grad=True)
+            cu = torch.tensor([0, 3, 8], device=device, dtype=torch.int32)
+            call_varlen(kernel, q, q, q, cu, cu, 5, 5).sum().backward()
+            torch.cuda.synchronize(device)
     except Exception as exc:
         return f"a tiny varlen_attn call failed on the device: {type(exc).__name__}: {exc}"
     return None

@@ -19,6 +19,8 @@ Modes (one model, the same weights; SDPA unless named):
   ``padding='longest'``), ``model(input_ids=, attention_mask=, labels=)``: transformers builds the 4-D mask.
 - ``mask``: ``PaddingCollator(mode='mask')`` on LLM-Foundry's 2048-token rows, then ``forward_documents``.
 - ``pack``: ``PaddingCollator(mode='pack')`` on the same rows (one row of 1395), then ``forward_documents``.
+- ``mask_shaped``, ``pack_shaped``: ``mask`` and ``pack`` with the logits re-padded to the batch's shape, as the
+  registered model's forward returns them (``finish_documents(..., shaped=True)``): what restoring the shape costs.
 - ``padded_full_batch`` ("a batch with no padding at all"): the same 1395 tokens in one row as one
   document, plain causal attention and no mask (stock concatenated pretraining): dense SDPA's best case.
 - ``pack_fa2`` (CUDA with flash-attn only): ``pack`` under ``flash_attention_2`` (unpad once, varlen).
@@ -29,7 +31,8 @@ A step is forward + backward (no optimizer); grads are set to None between steps
 round-robin with the order rotated each round and Python's GC off inside a step (``bench.timing.round_robin``),
 so load from other processes falls on all modes alike (``pad_max``, nine times the work, is timed in fewer
 rounds, spread evenly).
-Ratios are throughput ratios from the same run: ``pack_vs_X`` = pack tokens/s / X tokens/s. Per mode the
+Ratios are throughput ratios from the same run: ``pack_vs_X`` = pack tokens/s / X tokens/s; ``X_shaped_vs_X``
+is the median over rounds of X's step time / X_shaped's (paired: both timed in the same round). Per mode the
 report also gives ``min_step_ms`` and ``parallelism`` (process CPU time / wall time): on a quiet machine it is
 close to the thread count; near 1 with 2 threads, other processes held the cores and the step times measure
 the scheduler rather than the work (rerun when quiet, or with ``--threads 1``, whose ratios stay meaningful).
@@ -64,8 +67,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from foundry_attn.bench import machine
-from foundry_attn.bench.timing import PeakMemory, median, round_robin
-from foundry_attn.forward import forward_documents
+from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
+from foundry_attn.forward import forward_documents, repad_logits
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.paths import attach, path_of
 from foundry_attn.policy import FA2, SDPA
@@ -84,7 +87,7 @@ TARGETS: dict[str, float] = {
     "pack_vs_padded_full_batch": 0.95,
     "collator_pack_vs_flattening": 1.0,
 }
-MODES = ("pad_max", "pad_longest", "mask", "pack", "padded_full_batch")
+MODES = ("pad_max", "pad_longest", "mask", "pack", "mask_shaped", "pack_shaped", "padded_full_batch")
 SLOW_MODE = "pad_max"
 
 
@@ -137,6 +140,7 @@ class Mode:
     impl: str
     batch: dict[str, Any]
     ours: bool
+    shaped: bool = False  # ours: logits re-padded to the batch's [rows, width, vocab], as the Composer forward does
 
     @property
     def positions(self) -> int:
@@ -151,6 +155,8 @@ class Mode:
             config = cast("PretrainedConfig", model.config)
             config._attn_implementation = state.flat_name if state.path == "flat" else state.rows_name
             out = forward_documents(model, self.batch)
+            if self.shaped:
+                repad_logits(out)
         else:
             cast("PretrainedConfig", model.config)._attn_implementation = self.impl
             out = model(**self.batch, use_cache=False)
@@ -234,6 +240,7 @@ def make_modes(docs: Sequence[torch.Tensor], device: torch.device, fa2: bool) ->
         "padded_full_batch": ("plain", {"input_ids": flat, "labels": flat.clone()}),
     }
     modes = [Mode(name, SDPA, _to(batch, device), kind == "ours") for name, (kind, batch) in batches.items()]
+    modes += [Mode(f"{m.name}_shaped", SDPA, m.batch, True, shaped=True) for m in modes if m.name in ("mask", "pack")]
     if fa2:
         modes.append(Mode("pack_fa2", FA2, _to(pack, device), True))
     return modes
@@ -373,6 +380,9 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
         "pack_vs_padded_full_batch": pack / modes["padded_full_batch"]["tokens_per_s"],
         "mask_vs_pad_max": modes["mask"]["tokens_per_s"] / modes["pad_max"]["tokens_per_s"],
         "mask_vs_pad_longest": modes["mask"]["tokens_per_s"] / modes["pad_longest"]["tokens_per_s"],
+        # a small difference: paired per round (the same load on both), not a ratio of medians
+        "mask_shaped_vs_mask": paired_ratio_median(modes["mask"]["samples_ms"], modes["mask_shaped"]["samples_ms"]),
+        "pack_shaped_vs_pack": paired_ratio_median(modes["pack"]["samples_ms"], modes["pack_shaped"]["samples_ms"]),
         "collator_pack_vs_flattening": collator["flattening_us"] / collator["pack_us"],
         "collator_mask_vs_flattening": collator["flattening_us"] / collator["mask_us"],
     }

@@ -22,7 +22,10 @@
 Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches (``doc_lens``)
 and 2-D masks under every backend, on one of two paths (``foundry_attn.paths``): **flat** (one row of real
 tokens, unpadded once, the documents passed to every attention call as an argument) where it is proven
-against stock, **rows** (the stock backend, one document per row, a 2-D mask) where it is not.
+against stock, **rows** (the stock backend, one document per row, a 2-D mask) where it is not. Either way the
+outputs come back in the batch's shape, as stock's do (``[rows, width, vocab]`` logits, zeros at padding), and
+the loss is the one computed on the layout. With ``pretrained: false`` and one seed the weights, and the RNG
+state after the build, are stock's; the weights load as often as stock loads them.
 """
 
 from __future__ import annotations
@@ -44,18 +47,16 @@ from foundry_attn.adapters import backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
-from foundry_attn.forward import ROWS, finish_documents, has_layout, prepare_documents, repad_logits
-from foundry_attn.loading import decide
+from foundry_attn.forward import ROWS, finish_documents, has_layout, prepare_documents
+from foundry_attn.loading import decide, load_name
 from foundry_attn.paths import AUTO as AUTO_PATH
 from foundry_attn.paths import PROOF_INTERVAL, PathState, attach, check_path
 from foundry_attn.policy import (
     AUTO,
     DEFAULT_FALLBACK,
     FA2,
-    SDPA,
     AttentionUnavailableError,
     Decision,
-    strict_error,
     summarize,
     validate_names,
 )
@@ -132,7 +133,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 fa2_reference=fa2_reference_kernel,
                 config=config,
             )
-            decision = self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
+            self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
             decision = self._attach(decision, fa2_reference_kernel, attn_isolation_check)
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
             self.attn_events.append(
@@ -153,30 +154,16 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self._dtype_checked = False
         self._record(decision, cap, rank)
 
-    def _build(self, tokenizer: Any, path: str, decision: Decision, reference: bool, kwargs: dict) -> Decision:
-        """Build with the chosen implementation; if transformers still refuses it, move down the chain."""
-        while True:
-            load_as = SDPA if (decision.chosen == FA2 and reference) else decision.chosen
-            try:
-                super().__init__(
-                    tokenizer=tokenizer, pretrained_model_name_or_path=path, attn_implementation=load_as, **kwargs
-                )
-            except (ValueError, ImportError, RuntimeError) as exc:
-                others = [c for c in decision.candidates if c.available and c.name != decision.chosen]
-                if decision.binding:  # the strict format, naming the check; transformers' text is the reason
-                    raise strict_error(
-                        decision.chosen,
-                        "load",
-                        f"transformers refused it at build: {exc}",
-                        "see the reason",
-                        decision.where,
-                    ) from exc
-                if not others:
-                    raise
-                log.warning("attention: building with %s failed: %s", decision.chosen, exc)
-                decision = decision.with_rejection(decision.chosen, f"model build failed: {exc}")
-                continue
-            return decision
+    def _build(self, tokenizer: Any, path: str, decision: Decision, reference: bool, kwargs: dict) -> None:
+        """Build once, as stock builds. transformers' own attention check already ran on the config in ``decide``
+        (no weights), so an error here is the build's own: it surfaces unchanged, with no retry and no second
+        load; a later fallback (the path proof, the first-forward dtype check) switches the loaded model."""
+        super().__init__(
+            tokenizer=tokenizer,
+            pretrained_model_name_or_path=path,
+            attn_implementation=load_name(decision.chosen, reference),
+            **kwargs,
+        )
 
     def _attach(self, decision: Decision, reference: bool, isolation: bool) -> Decision:
         """Prove the flat path for the choice (``foundry_attn.paths``); rows where it does not hold. A backend
@@ -262,8 +249,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         routed = self._route(batch)
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
-        inputs, placed, no_targets = routed
-        return finish_documents(self.model(**inputs, use_cache=False), placed, no_targets)
+        inputs, placed, no_targets = routed  # the batch's shape comes back: [rows, width, vocab] logits
+        return finish_documents(self.model(**inputs, use_cache=False), placed, no_targets, shaped=True)
 
     @torch.compiler.disable
     def _route(self, batch: Mapping) -> tuple | None:
@@ -274,11 +261,3 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             if not self.attn_events.bound:  # none of our callbacks named the run's folder
                 self.attn_events.bind(default_events_dir())
         return prepare_documents(self.model, batch) if has_layout(batch) else None
-
-    def eval_forward(self, batch: Mapping, outputs: Any | None = None) -> Any:
-        """Metrics need ``[batch, seq, vocab]`` logits: re-pad a flat FA2 output, once, only here."""
-        if outputs is None and has_layout(batch):
-            outputs = self.forward({k: v for k, v in batch.items() if k != "labels"})
-        if outputs is not None:
-            repad_logits(outputs)
-        return super().eval_forward(batch, outputs)
