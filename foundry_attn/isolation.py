@@ -32,8 +32,8 @@ from foundry_attn.proof import differs, evaluating, hidden
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
 MEASURED, STRUCTURAL = "measured", "structural"
-#: documents of the chosen row run alone: the first ones (the second is the first that can see a neighbour)
-DOCUMENTS = 3
+#: documents of the chosen row run alone: the first two (the second is the first that can see a neighbour)
+DOCUMENTS = 2
 
 
 @dataclasses.dataclass(frozen=True)

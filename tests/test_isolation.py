@@ -40,8 +40,8 @@ def test_measured_leak_names_the_documents_and_a_clean_model_is_isolated() -> No
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     rng = torch.get_rng_state()
     verdict = measure(model, batch, logits)
-    assert verdict.state == LEAKS and verdict.leaking == (1, 2) and verdict.lengths == (9, 6, 11), verdict
-    assert "documents LEAK (measured" in verdict.line() and "[1, 2]" in verdict.line()
+    assert verdict.state == LEAKS and verdict.leaking == (1,) and verdict.lengths == (9, 6), verdict
+    assert "documents LEAK (measured" in verdict.line() and "document(s) [1]" in verdict.line()
     assert model.training and torch.equal(torch.get_rng_state(), rng)  # back in training mode, RNG untouched
     # the truth for the same model: each document run alone gives the packed logits
     alone = torch.cat([model.eval()(input_ids=d[None]).logits[0] for d in batch["input_ids"][0].split([9, 6, 11, 4])])

@@ -142,7 +142,9 @@ def test_verdict_matches_the_leak_measured_independently(
     model = _model(kind, assets, tokenizer, tmp_path)
     collate = _collate(loader, tokenizer)
     docs = _docs(tokenizer, 24)
-    inspector = AttentionInspector(log_interval=1, print_table=False, events_dir=str(tmp_path / "ev"))
+    inspector = AttentionInspector(
+        log_interval=1, isolation_interval=1, print_table=False, events_dir=str(tmp_path / "ev")
+    )
     memory = InMemoryLogger()
     trainer = Trainer(
         model=model,

@@ -122,7 +122,8 @@ class AttentionInspector(ReleasingCallback):
             events_dir: null              # default: the model's events_dir, else default_events_dir(run_name)
             attention_selector: null      # regex on module name or class; default: attention-like classes
             print_table: true             # a compact table on the console, the first time (rank 0)
-            check_isolation: true         # do packed documents see each other? measured on the sampled batches
+            check_isolation: true         # do packed documents see each other? measured, not inferred
+            isolation_interval: 100       # batches between verdicts (the first batch always has one)
 
     Example, with Composer's Trainer:
 
@@ -189,7 +190,7 @@ class AttentionInspector(ReleasingCallback):
             precision) and their logits are compared with the training forward's. Where a second forward is
             not possible (compiled, FSDP, active dropout) it is the structural reading, labelled so in the
             ``attn_isolation`` event and the log line.
-          - Sampled batches with a row of two documents or more (``check_isolation``).
+          - The first batch and every ``isolation_interval``-th, when a row holds two documents or more.
         * - ``attn/isolation_worst_diff``
           - The largest difference of those logits (fp32: max absolute; half precision: relative L2).
           - Sampled batches where it was measured.
@@ -214,9 +215,12 @@ class AttentionInspector(ReleasingCallback):
             name says attention (``LlamaAttention``, ``GPTNeoXAttention``, ...).
         print_table (bool, optional): Print the table on the console the first time (rank 0). Default:
             ``True``.
-        check_isolation (bool, optional): Judge whether packed documents see each other on every sampled
-            batch, and warn at fit start when the loader packs for a model that cannot keep them apart.
-            Default: ``True``.
+        check_isolation (bool, optional): Judge whether packed documents see each other, and warn at fit start
+            when the loader packs for a model that cannot keep them apart. Default: ``True``.
+        isolation_interval (int | str | Time, optional): Batches between verdicts, as ``log_interval`` takes
+            them; the first batch always has one. A verdict runs two documents alone (a forward without grad),
+            about half a step of the tiny demo model, so it has its own interval: every batch would cost the
+            demo 60%, every 100th under 1% (``foundry-attn bench callbacks``). Default: ``100``.
     """
 
     def __init__(
@@ -226,8 +230,10 @@ class AttentionInspector(ReleasingCallback):
         attention_selector: str | None = None,
         print_table: bool = True,
         check_isolation: bool = True,
+        isolation_interval: int | str | Time = 100,
     ) -> None:
         self.log_interval = check_log_interval("attention_inspector", log_interval)
+        self.isolation_interval = check_log_interval("attention_inspector: isolation_interval", isolation_interval)
         if attention_selector is not None:
             try:
                 re.compile(attention_selector)
@@ -249,6 +255,7 @@ class AttentionInspector(ReleasingCallback):
         self._model_id: int | None = None
         self._hf_name: str | None = None
         self._sampled = False
+        self._judged = False
         self._step = 0
         self._batch = BatchInfo()
         self._printed = False
@@ -374,13 +381,14 @@ class AttentionInspector(ReleasingCallback):
     def batch_start(self, state: State, logger: Logger) -> None:
         self._step = int(state.timestamp.batch)
         self._sampled = self._step % self.log_interval == 0
+        self._judged = self.check_isolation and self._step % self.isolation_interval == 0
         self.release()
 
     def before_forward(self, state: State, logger: Logger) -> None:
+        self._measure, self._judged = self._judged, False  # the first microbatch only
         if not self._sampled:
             return
-        self._sampled = False  # the first microbatch only
-        self._measure = self.check_isolation
+        self._sampled = False
         inspector = self._resolve(state)
         if inspector is not None:
             self._batch = BatchInfo.from_batch(state.batch)
