@@ -10,7 +10,12 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE := disabled
 
-.PHONY: demo demo-fa2-reference blog-case test test-fast test-latest chromium lint doctor bench clean
+.PHONY: help demo demo-fa2-reference blog-case test test-fast test-latest chromium lint doctor bench clean
+
+## this list: every target and the first line of what it does
+help:
+	@awk '/^## /{if (!doc) doc = substr($$0, 4); next} /^[a-z][a-z0-9-]*:/{split($$1, t, ":"); \
+		if (doc) printf "  %-20s %s\n", t[1], doc; doc = ""; next} {doc = ""}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,56 +34,66 @@ $(ASSETS)/.done: $(STAMP)
 	$(BIN)/foundry-attn assets $(ASSETS)
 	touch $@
 
-## tiny Llama, tiny packed data, CPU, all callbacks: the attention choice and why, fill ratios, a falling loss;
+## the main job: a tiny Llama on tiny packed data, CPU, offline, every callback (about 2 minutes)
+## the attention choice and why, fill ratios, a falling loss;
 ## then a short second run through transformers' FA2 code path on the pure-PyTorch reference kernel (CPU),
 ## where the tracer shows zero _upad_input calls per step on our unpad-once path
+## (both runs' events under runs/demo/), and ends on what foundry_attn recorded: the fleet summary and a report
 demo: $(ASSETS)/.done
-	$(BIN)/composer train.py yamls/tiny_cpu.yaml
+	rm -rf runs/demo
+	$(BIN)/composer train.py yamls/tiny_cpu.yaml model.events_dir=./runs/demo/tiny-cpu
 	@echo "=== second run: FA2 code path on the pure-PyTorch REFERENCE kernel (not flash-attn) ==="
 	$(BIN)/composer train.py yamls/tiny_cpu.yaml model.attn_implementation=flash_attention_2 \
-		model.fa2_reference_kernel=true max_duration=10ba eval_interval=10ba run_name=tiny-cpu-fa2-reference
+		model.fa2_reference_kernel=true max_duration=10ba eval_interval=10ba run_name=tiny-cpu-fa2-reference \
+		model.events_dir=./runs/demo/tiny-cpu-fa2-reference
+	@echo "=== what foundry_attn recorded (runs/demo) ==="
+	$(BIN)/foundry-attn events runs/demo --summary
+	$(BIN)/foundry-attn report runs/demo -o runs/demo/report
 
 ## the same run through transformers' FA2 code path on the pure-PyTorch *reference* kernel (not flash-attn)
 demo-fa2-reference: $(ASSETS)/.done
 	$(BIN)/composer train.py yamls/tiny_cpu.yaml model.attn_implementation=flash_attention_2 \
 		model.fa2_reference_kernel=true run_name=tiny-cpu-fa2-reference
 
-## the public report, on CPU: 6 rows x 2048 (real 220,217,295,183,130,350) through the stock HF FA2 path
+## the public unpad report reproduced on CPU: 6 rows x 2048 (real 220,217,295,183,130,350) through the stock HF FA2 path
 ## (_upad_input in every layer) and our unpad-once path (none; the same cu_seqlens reach the varlen kernel)
 blog-case: $(STAMP)
 	$(BIN)/python tests/test_blog_case.py
 
-test: $(STAMP) chromium
+## the tests on the pinned stack (LLM-Foundry 0.22, Composer 0.32, torch 2.7, transformers 4.51) in .venv
+test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-## the developer loop: every test but those marked `slow` (subprocesses, torchrun, Trainer runs, benches) and
-## `gpu`; under 30 s on a 2-core CPU
+## the developer loop: every test but the slow and gpu ones, in about 30 s
+## (slow: subprocesses, torchrun, Trainer runs, benches)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
-## the core on today's stack (transformers 5.x, torch 2.13 CPU, no Composer / LLM-Foundry) in .venv-latest;
-## tests marked `foundry` skip there and say why
-test-latest: $(LATEST)/.installed chromium
+## the core's tests on today's stack (transformers 5.x, torch 2.13 CPU, no Composer) in .venv-latest
+## (tests marked `foundry` skip there and say why)
+test-latest: $(LATEST)/.installed
 	$(LATEST)/bin/python -m pytest -q
 
-## headless Chromium for the report test; never fails (without it, that one test skips and says why)
+## headless Chromium for the report test (apt-get; .ci/run calls it); never fails: without it, that test skips
 chromium:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		{ command -v apt-get >/dev/null && timeout 600 sh -c 'apt-get install -y -q chromium >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }' ; } || \
 		echo "chromium not installed: the report test will skip"
 
-## ruff check (pyflakes, pycodestyle, isort, pyupgrade, bugbear, RUF, docstring layout) and ruff format --check
-## on everything; mypy on the core
+## ruff check, ruff format --check and mypy
+## (ruff: pyflakes, pycodestyle, isort, pyupgrade, bugbear, RUF, docstring layout, on everything; mypy on the core)
 ## (foundry_attn/*.py and foundry_attn/bench; the files are listed under [tool.mypy] in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+## what attention can run on this machine, and why not
 doctor: $(STAMP)
 	$(BIN)/foundry-attn doctor
 
+## every CPU benchmark, each printing ratios measured side by side (about 15 minutes)
 bench: $(STAMP)
 	$(BIN)/foundry-attn bench padding --json
 	$(BIN)/foundry-attn bench callbacks --json
@@ -86,5 +101,6 @@ bench: $(STAMP)
 	$(BIN)/foundry-attn bench proof --json
 	$(BIN)/foundry-attn bench events --json
 
+## remove the tiny assets, the demo runs and pytest's cache
 clean:
 	rm -rf build runs .pytest_cache

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -28,6 +31,8 @@ ROWS.add(("gpt2", "flash_attention_2"))
 NO_FLEX_BACKWARD = probe().flex_backward_error is not None
 #: GPT-NeoX's HF gradient checkpointing drops **kwargs in 4.51: rows from the first forward on (5.x: flat)
 DROPS_KWARGS = {("gpt_neox", kind) for kind in ("hf_reentrant", "hf_non_reentrant")}
+#: every cell the test below computed, for the docs check after it
+CELLS: list[conformance.Cell] = []
 
 
 @pytest.mark.slow
@@ -37,6 +42,7 @@ def test_every_cell_is_exact_or_refused(family: str) -> None:
         for mode in conformance.MODES:
             for kind in conformance.CHECKPOINTING if mode == "pack" else ("plain",):
                 c = conformance.cell(family, backend, mode, kind)
+                CELLS.append(c)
                 where = f"{family}/{backend}/{mode}/{kind}: {c}"
                 if backend == "torch_varlen" and not torch.cuda.is_available():  # tests/test_torch_varlen.py
                     assert c.status == "refused" and ("CUDA" in c.detail or "varlen" in c.detail), where
@@ -52,6 +58,20 @@ def test_every_cell_is_exact_or_refused(family: str) -> None:
                 else:
                     assert c.status == "exact", where
                     assert c.path == ("rows" if (family, backend) in ROWS else "flat"), where
+
+
+@pytest.mark.slow
+def test_the_docs_table_is_the_one_the_code_computes() -> None:
+    """docs/conformance.md holds ``foundry-attn conformance --markdown`` for this stack (torch versions aside)."""
+    if {c.family for c in CELLS} != set(conformance.FAMILIES):
+        pytest.skip("runs after test_every_cell_is_exact_or_refused over every family")
+    table = conformance.table(CELLS)  # what `foundry-attn conformance --markdown` prints
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "conformance.md").read_text()
+
+    def same(text: str) -> str:
+        return re.sub(r"torch \d[\w.+]*", "torch <version>", text)
+
+    assert same(table) in same(docs), f"regenerate docs/conformance.md's table for this stack:\n{table}"
 
 
 def test_the_proof_catches_a_broken_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
