@@ -247,6 +247,7 @@ class AttentionInspector(ReleasingCallback):
         self.print_table = print_table
         self.check_isolation = check_isolation
         self.last_isolation: Isolation | None = None
+        self._pending: Isolation | None = None  # this batch's verdict, reported at BATCH_END
         self._measure = False
         self.events: EventLog | None = None
         self.last_records: list[dict[str, Any]] = []
@@ -398,14 +399,14 @@ class AttentionInspector(ReleasingCallback):
         self.release()
         if self._measure:  # before the backward: the forwards of the documents alone see the weights trained on
             self._measure = False
-            self.last_isolation = self._isolation(state)
+            self._pending = self._isolation(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self.release()
-        verdict, self.last_isolation = self.last_isolation, None
+        verdict, self._pending = self._pending, None
         if verdict is not None:
-            self._report(verdict, state, logger)
             self.last_isolation = verdict
+            self._report(verdict, state, logger)
         inspector = self._inspector
         if inspector is None or not inspector.records:
             return
@@ -440,5 +441,7 @@ class AttentionInspector(ReleasingCallback):
                 )
             )
             table = format_table(records, title)
+            if verdict is not None and verdict.state != NOT_PACKED:  # the first verdict, under the first table
+                table += f"\npacked documents: {verdict.line()}"
             log.info("\n%s", table)
             print(table, flush=True)
