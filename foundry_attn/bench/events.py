@@ -34,8 +34,8 @@ from foundry_attn.events import Skipped, event_files, iter_events
 
 COMMAND = "foundry-attn bench events --json"
 TARGET_S = 5.0
-H100 = {"device_name": "NVIDIA H100 80GB HBM3", "capability": "sm_90"}
-T4 = {"device_name": "Tesla T4", "capability": "sm_75"}
+H100 = {"device_name": "NVIDIA H100 80GB HBM3", "capability": "sm90"}
+T4 = {"device_name": "Tesla T4", "capability": "sm75"}
 VERSIONS = {"torch": "2.7.0", "transformers": "4.51.3", "flash_attn": "2.7.4", "transformer_engine": None}
 
 
@@ -81,8 +81,8 @@ def generate(root: Path, runs: int = 100, ranks: int = 10, per_rank: int = 1000,
                         "time": t,
                         "requested": "flash_attention_2",
                         "chosen": "sdpa" if slow else "flash_attention_2",
-                        "fallback": slow,
-                        "reason": "flash_attention_2 failed check 'compute capability': sm_75 < sm_80"
+                        "fell_back": slow,
+                        "reason": "flash_attention_2 failed check 'compute capability': sm75 < sm80"
                         if slow
                         else "requested",
                         "strict": False,
