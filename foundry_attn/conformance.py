@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN
+from foundry_attn.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN
 from foundry_attn.forward import _pad_id, forward_documents, kernel_context, repad_logits
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.paths import TRUTH, attach

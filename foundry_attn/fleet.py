@@ -79,14 +79,19 @@ def failed(decision: dict) -> bool:
     return bool(decision.get("failed")) or decision.get("chosen") is None
 
 
-def fell(decision: dict) -> bool:
-    """A rank that did not get what it asked for: a fallback, or a failure."""
-    return bool(decision.get("fallback")) or failed(decision)
+def _fell_back_flag(decision: dict) -> bool:
+    """The decision's ``fell_back`` (``fallback`` in logs written before the rename)."""
+    return bool(decision.get("fell_back", decision.get("fallback")))
+
+
+def unmet(decision: dict) -> bool:
+    """A rank that did not get what it asked for: it fell back, or its build failed."""
+    return _fell_back_flag(decision) or failed(decision)
 
 
 def fell_back(decided: Iterable[dict]) -> list[dict]:
     """Every rank that did not get what it asked for, as flat rows."""
-    rows = [{c: d.get(c) for c in FELL_BACK_COLUMNS} for d in decided if fell(d)]
+    rows = [{c: d.get(c) for c in FELL_BACK_COLUMNS} for d in decided if unmet(d)]
     return sorted(rows, key=lambda r: (str(r["run"]), str(r["launch"]), r["rank"] if r["rank"] is not None else -1))
 
 
@@ -97,7 +102,7 @@ def summary(decided: list[dict]) -> dict[str, Any]:
     for d in decided:
         device = f"{d.get('device_name')} ({d.get('capability')})"
         by_device[device][0] += 1
-        if fell(d):
+        if unmet(d):
             by_device[device][1] += 1
             reasons[str(d.get("reason"))] += 1
     return {
@@ -134,7 +139,7 @@ def one_line(event: dict) -> dict:
     """A listing row: when, run, launch, rank, kind, and a few words of what happened."""
     what = ""
     if event.get("kind") == "attn_impl":
-        what = f"{event.get('requested')} -> {event.get('chosen')}" + (" (fell back)" if event.get("fallback") else "")
+        what = f"{event.get('requested')} -> {event.get('chosen')}" + (" (fell back)" if _fell_back_flag(event) else "")
     elif "message" in event:
         what = str(event["message"])[:80]
     when = datetime.datetime.fromtimestamp(float(event.get("time") or 0), datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")

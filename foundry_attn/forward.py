@@ -28,11 +28,13 @@ from typing import Any, Protocol
 
 import torch
 
-from foundry_attn.adapters import DOCS_KEY, Documents, config_value
+from foundry_attn.backends import config_value
+from foundry_attn.documents import DOCS_KEY, Documents
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.layout import Layout
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.policy import FA2
+from foundry_attn.unwrap import unwrapped
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +65,6 @@ def kernel_context(impl: str, device: torch.device, fa2_reference: bool = False)
     if impl == FA2 and fa2_reference:
         return reference_flash_attn()
     return contextlib.nullcontext()
-
-
-def unwrapped(model: Any) -> Any:
-    """The HF model inside DDP / FSDP1 wrappers, which hide its ``config`` (``torch.compile`` and FSDP2 keep it)."""
-    while not hasattr(model, "config") and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:

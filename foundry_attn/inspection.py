@@ -1,4 +1,4 @@
-"""The attention probe, torch only: what a model's forward gives its decoder layers and attention modules.
+"""The attention probe: what a model's forward gives its decoder layers and attention modules.
 
 :class:`ModelInspector` hooks a model (forward pre-hooks with kwargs, through DDP / FSDP / checkpoint /
 compile wrapper names), every decoder layer and every attention module found by :func:`discover_modules`,
@@ -14,8 +14,8 @@ console table::
         hf_model(input_ids=ids, attention_mask=mask)
     print(format_table(records))
 
-Imports only torch, transformers and the core; the Composer callback built on it is
-:class:`foundry_attn.callbacks.attention_inspector.AttentionInspector`.
+Imports torch and the core (transformers only when it looks for a ``PreTrainedModel``: :func:`find_hf_model`); the
+Composer callback built on it is :class:`foundry_attn.callbacks.attention_inspector.AttentionInspector`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundry_attn.adapters import backend_of, is_placeholder
+from foundry_attn.backends import backend_of
+from foundry_attn.documents import is_placeholder
 from foundry_attn.proof import proving
+from foundry_attn.unwrap import find_inside
 
 __all__ = [
     "ATTENTION",
@@ -72,11 +74,10 @@ def _is_hf_model(module: nn.Module) -> bool:
 
 
 def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers)."""
-    for name, module in model.named_modules():
-        if _is_hf_model(module):
-            return clean_name(name), module
-    return None
+    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers), with its
+    name less the wrapper segments."""
+    found = find_inside(model, _is_hf_model)
+    return None if found is None else (clean_name(found[0]), found[1])
 
 
 def mpt_attn_impl(module: nn.Module | None) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import transformers
 
-from foundry_attn.adapters import backend_of, config_value
+from foundry_attn.backends import backend_of, config_value
 from foundry_attn.forward import path_state
 from foundry_attn.proof import differs, evaluating, hidden
 

@@ -2,9 +2,9 @@
 
 A batch from ``foundry_attn.packing`` carries ``doc_lens`` (per row, its documents' lengths, real
 tokens first and padding after); a user's 2-D ``attention_mask`` may pad on either side
-(``starts``). From that alone this module derives everything each attention
-backend needs: ``cu_seq_lens`` (int32) and ``max_length`` (a Python int) for FA2 varlen, the flat
-indices of real tokens for unpad-once, and per-position segment ids for block masks.
+(``starts``). From that alone this module derives what the forward needs: the document ``bounds`` in the flat
+row (:class:`foundry_attn.documents.Documents` carries them to attention), ``max_length``, the flat indices of
+real tokens for unpad-once, and position ids that restart per document.
 Core module: torch only.
 """
 
@@ -85,10 +85,6 @@ class Layout:
         """``[0, l0, l0+l1, ...]``: where each document starts and ends in the flat row of real tokens."""
         return [0, *itertools.accumulate(self.lengths)]
 
-    def cu_seq_lens(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``bounds()`` as int32, as flash-attn varlen wants it."""
-        return torch.tensor(self.bounds(), dtype=torch.int32).to(device, non_blocking=True)
-
     def real_indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Flat indices (into ``rows * width``) of the real tokens, in order."""
         idx = [
@@ -104,20 +100,3 @@ class Layout:
             sizes = [self.start(r), *row, self.width - self.start(r) - sum(row)]
             out[r] = torch.cat([torch.arange(n) for n in sizes])
         return out.to(device, non_blocking=True)
-
-    def segment_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[rows, width] int: document number per position (1, 2, ...); padding is -1.
-
-        Under a block-causal mask the pad tail is one more causal segment (as in ``position_ids``): it sees
-        only padding, no real token sees it, and no softmax row is empty.
-        """
-        out = torch.full((self.rows, self.width), -1, dtype=torch.long)
-        for r, row in enumerate(self.doc_lens):
-            if row:
-                out[r, self.start(r) : self.start(r) + sum(row)] = torch.repeat_interleave(
-                    torch.arange(1, len(row) + 1), torch.tensor(row, dtype=torch.long)
-                )
-        return out.to(device, non_blocking=True)
-
-    def signature(self) -> tuple:
-        return (self.doc_lens, self.width, self.starts)

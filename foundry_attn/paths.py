@@ -28,7 +28,8 @@ from typing import Any, cast
 
 import torch
 
-from foundry_attn.adapters import (
+from foundry_attn.adapters import point
+from foundry_attn.backends import (
     BACKENDS,
     EAGER,
     FA2,
@@ -39,9 +40,8 @@ from foundry_attn.adapters import (
     SDPA,
     TORCH_VARLEN,
     backend_of,
-    point,
 )
-from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, path_state, unwrapped
+from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, path_state
 from foundry_attn.layout import Layout
 from foundry_attn.policy import AttentionUnavailableError
 from foundry_attn.proof import (
@@ -52,6 +52,7 @@ from foundry_attn.proof import (
     shortest_window,
     synthetic_documents,
 )
+from foundry_attn.unwrap import unwrapped
 
 log = logging.getLogger(__name__)
 

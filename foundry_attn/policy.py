@@ -1,4 +1,4 @@
-"""Which attention implementation runs: FA2 -> SDPA -> eager, decided from checks, not from luck.
+"""Which attention implementation runs: FA2 -> torch_varlen -> SDPA -> eager, decided from checks, not from luck.
 
     model:
       name: foundry_attn_causal_lm
@@ -6,7 +6,7 @@
       attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
       attn_strict: false                 # true: the request must run or the build fails
 
-Core module: torch, transformers-free, no Composer.
+Core module: torch only (transformers-free: it reads the backend table, :mod:`foundry_attn.backends`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 import torch
 from packaging.version import Version
 
-from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, ModelNeeds, config_value, refusal
+from foundry_attn.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, ModelNeeds, config_value, refusal
 from foundry_attn.capability import Capability, rng_untouched
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_compat import preflight
+from foundry_attn.torch_varlen import call_varlen, torch_varlen_kernel
 
 IMPLEMENTATIONS: tuple[str, ...] = (FA2, TORCH_VARLEN, FLEX, SDPA, EAGER)
 AUTO = "auto"
@@ -107,7 +108,7 @@ class Decision:
         return self.strict and self.requested != AUTO
 
     @property
-    def fallback(self) -> bool:
+    def fell_back(self) -> bool:
         """True when the run does not use what was asked for (for ``auto``: not the chain's first)."""
         return self.chosen != self.candidates[0].name
 
@@ -115,7 +116,7 @@ class Decision:
     def reason(self) -> str:
         """Why the chosen implementation is not the first choice, or why it was chosen."""
         rejected = [c for c in self.candidates if not c.available]
-        if self.fallback and rejected:
+        if self.fell_back and rejected:
             return f"{rejected[0].name}: {rejected[0].reason}"
         return next(c.reason for c in self.candidates if c.name == self.chosen)
 
@@ -123,7 +124,7 @@ class Decision:
         return {
             "requested": self.requested,
             "chosen": self.chosen,
-            "fallback": self.fallback,
+            "fell_back": self.fell_back,
             "reason": self.reason,
             "strict": self.strict,
             "compute_dtype": self.compute_dtype,
@@ -200,11 +201,11 @@ TORCH_VARLEN_FIXES = {
 }
 
 
-def _flash_class(
+def _failed_flash_check(
     name: str, kernel: str, cap: Capability, dtype: torch.dtype, traits: ModelTraits, fixes: dict[str, str]
 ) -> Candidate | None:
-    """The checks every flash-class kernel shares (CUDA, sm80+, fp16/bf16, head dim <= 256): the first that
-    fails, or None."""
+    """The first failed check of those every flash-class kernel shares (CUDA, sm80+, fp16/bf16, head dim <= 256),
+    as a rejected candidate; None when all pass."""
     if not cap.cuda or cap.compute_capability is None:
         return _fail(name, "CUDA device", f"no CUDA device ({kernel} runs on NVIDIA GPUs only)", fixes["CUDA device"])
     if cap.compute_capability < (8, 0):
@@ -262,7 +263,7 @@ def check_fa2(
     for problem in preflight(cap):  # known-bad installs (TransformerEngine pins, transformers' minimum, ...)
         if problem.rejects == FA2:
             return _fail(FA2, problem.check, problem.reason, problem.fix)
-    unfit = _flash_class(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
+    unfit = _failed_flash_check(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
     if unfit:
         return unfit
     if smoke_test is not None:
@@ -282,8 +283,6 @@ def check_fa2(
 
 def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
     """One tiny ``varlen_attn`` call (forward and backward) on ``device``."""
-    from foundry_attn.adapters import call_varlen, torch_varlen_kernel
-
     kernel = torch_varlen_kernel()
     if kernel is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
@@ -301,8 +300,6 @@ def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | N
 def check_torch_varlen(
     cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None
 ) -> Candidate:
-    from foundry_attn.adapters import torch_varlen_kernel
-
     name = TORCH_VARLEN
     if name not in traits.supports:
         return _fail(
@@ -318,7 +315,7 @@ def check_torch_varlen(
             f"torch {cap.torch_version} has no torch.nn.attention.varlen (>= 2.10)",
             "pip install 'torch>=2.10', or use flash_attention_2 / sdpa",
         )
-    unfit = _flash_class(name, "varlen_attn", cap, dtype, traits, TORCH_VARLEN_FIXES)
+    unfit = _failed_flash_check(name, "varlen_attn", cap, dtype, traits, TORCH_VARLEN_FIXES)
     if unfit:
         return unfit
     inexact = refusal(name, traits.needs)
@@ -419,7 +416,7 @@ def summarize(decisions: Sequence[dict]) -> str:
     reasons: dict[str, list[int]] = {}
     for d in sorted(decisions, key=lambda d: d["rank"]):
         counts[d["chosen"]] = counts.get(d["chosen"], 0) + 1
-        if d["fallback"]:
+        if d["fell_back"]:
             reasons.setdefault(d["reason"].split(": ", 1)[-1], []).append(d["rank"])
         elif d["reason"].startswith(REFERENCE_NAME):  # never let the reference kernel pass for flash-attn
             reasons.setdefault(REFERENCE_NAME, []).append(d["rank"])
@@ -427,7 +424,7 @@ def summarize(decisions: Sequence[dict]) -> str:
         f"{c}/{n} {'ranks ' if i == 0 else ''}{impl}"
         for i, (impl, c) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))
     ]
-    fell = sum(1 for d in decisions if d["fallback"])
+    fell = sum(1 for d in decisions if d["fell_back"])
     detail = "; ".join(f"{', '.join(f'rank {r}' for r in ranks)}: {why}" for why, ranks in reasons.items())
     rows = sorted(d["rank"] for d in decisions if d.get("path") == "rows")
     path = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import itertools
 import math
 import time
@@ -23,9 +24,11 @@ from typing import Any
 
 import torch
 
-from foundry_attn.adapters import DocumentsDropped, FlatUnsupported, config_value, passes_kwargs
-from foundry_attn.forward import _flat, kernel_context, unwrapped
+from foundry_attn.backends import config_value
+from foundry_attn.documents import DocumentsDropped, FlatUnsupported
+from foundry_attn.forward import _flat, kernel_context
 from foundry_attn.layout import Layout
+from foundry_attn.unwrap import unwrapped
 
 #: logits tolerance: fp32 max |diff| <= ATOL * max(1, max |logit|); half precision: relative L2 norm
 ATOL_FP32 = 1e-4
@@ -211,6 +214,13 @@ def _alone(hf: Any, doc: torch.Tensor) -> torch.Tensor:
     """Stock on one document, with the all-ones mask a padded batch would give it (some families are not causal
     without a mask: Moshi's eager attention)."""
     return hf(input_ids=doc[None], attention_mask=torch.ones_like(doc[None]), use_cache=False).logits[0]
+
+
+def passes_kwargs(model: Any) -> bool:
+    """Whether the base model's ``forward`` takes ``**kwargs`` (GPT-2's does not: nothing reaches attention)."""
+    base = getattr(model, "base_model", model)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _flat_logits(hf: Any, docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, str]:

@@ -195,7 +195,7 @@ def launches(decided: list[dict]) -> list[dict[str, Any]]:
             for d in decided:
                 if d["run"] == run and d.get("launch") == launch:
                     failed = fleet.failed(d)
-                    outcome = "failed" if failed else "fell back" if fleet.fell(d) else "as requested"
+                    outcome = "failed" if failed else "fell back" if fleet.unmet(d) else "as requested"
                     ranks[int(d.get("rank") or 0)] = {
                         "chosen": "failed" + (" (strict)" if d.get("strict") else "") if failed else d.get("chosen"),
                         "outcome": outcome,

@@ -134,7 +134,8 @@ def assert_restored(before: dict[str, dict[str, object]], *, traced: bool = Fals
 def leaky_attention(genuine=None, threshold: int = 0):
     """What third-party kernel patches do: plain causal attention over the whole packed row (the documents taken
     and ignored) for rows longer than ``threshold``; shorter ones go to ``genuine``."""
-    from foundry_attn.adapters import DOCS_KEY, FUNCTIONS
+    from foundry_attn.adapters import FUNCTIONS
+    from foundry_attn.documents import DOCS_KEY
 
     def leaky(module, query, key, value, attention_mask, **kwargs):
         docs = kwargs.pop(DOCS_KEY, None)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from foundry_attn import reference_kernels
 from foundry_attn.bench import gpu
 from foundry_attn.cli import main
 from foundry_attn.fa2_reference import flash_attn_func, flash_attn_varlen_func, reference_flash_attn
@@ -163,21 +164,21 @@ def test_each_tier_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def varlen_212(
     query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
 ):
-    return gpu.reference_varlen_attn(
+    return reference_kernels.reference_varlen_attn(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa
     )
 
 
 def varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
     assert query.shape[1] == key.shape[1]  # no enable_gqa before 2.12: the wrapper repeats KV heads
-    return gpu.reference_varlen_attn(
+    return reference_kernels.reference_varlen_attn(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=(-1, 0 if is_causal else -1)
     )
 
 
 def varlen_no_scale(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     assert query.shape[1] == key.shape[1]
-    return gpu.reference_varlen_attn(
+    return reference_kernels.reference_varlen_attn(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0 if is_causal else -1)
     )
 
@@ -191,7 +192,7 @@ def test_flash_varlen_wrapper_matches_flash_attn_semantics(kernel, causal: bool)
     lengths = [5, 1, 9]
     cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
     q, k, v = torch.randn(15, 4, 8), torch.randn(15, 2, 8), torch.randn(15, 2, 8)
-    wrapped = gpu.flash_varlen_from_torch(kernel)
+    wrapped = reference_kernels.flash_varlen_from_torch(kernel)
     scale = 8**-0.5 if kernel is varlen_no_scale else 0.3  # without `scale`, only the default one
     got = wrapped(
         q,
@@ -227,10 +228,10 @@ def test_flash_varlen_wrapper_matches_flash_attn_semantics(kernel, causal: bool)
 def test_dense_flash_attn_func_via_sdpa(causal: bool) -> None:
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 7, 4, 8), torch.randn(2, 7, 1, 8), torch.randn(2, 7, 1, 8)
-    got = gpu.flash_attn_func_via_sdpa(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal)
+    got = reference_kernels.flash_attn_func_via_sdpa(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal)
     torch.testing.assert_close(got, flash_attn_func(q, k, v, causal=causal), atol=1e-5, rtol=1e-5)
     with pytest.raises(NotImplementedError):
-        gpu.flash_attn_func_via_sdpa(q[:, :3], k, v, causal=True)  # bottom-right vs top-left: refused
+        reference_kernels.flash_attn_func_via_sdpa(q[:, :3], k, v, causal=True)  # bottom-right vs top-left: refused
 
 
 def test_reference_flash_attn_installs_the_kernels_it_is_given() -> None:

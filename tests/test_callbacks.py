@@ -97,9 +97,9 @@ def test_block_mask_attention_modules_are_counted() -> None:
     attn = [r for r in records if r["level"] == "attention"]
     assert len(attn) == 2 and all(r["mask"] == "BlockMask" and r["mask_shape"] == [1, 1, 8, 8] for r in attn)
     metrics = summarize(records)
-    assert metrics["attn/mask_block_layers"] == 2.0
-    assert metrics["attn/mask_none_layers"] == metrics["attn/mask_2d_layers"] == metrics["attn/mask_4d_layers"] == 0
-    assert metrics["attn/mask_with_zeros_layers"] == 0.0  # a BlockMask is not read
+    assert metrics["attn/mask_block_modules"] == 2.0
+    assert metrics["attn/mask_none_modules"] == metrics["attn/mask_2d_modules"] == metrics["attn/mask_4d_modules"] == 0
+    assert metrics["attn/mask_with_zeros_modules"] == 0.0  # a BlockMask is not read
     assert "BlockMask" in format_table(records)
 
 
@@ -251,7 +251,7 @@ def test_trainer_fa2_reference_both_callbacks(assets: Path, tokenizer, tmp_path:
     assert _series(memory, "attn/upad_calls_per_step") == [0.0, 0.0]
     assert _series(memory, "attn/varlen_calls_per_step") == [2.0, 2.0]
     assert _series(memory, "attn/dense_calls_per_step") == [0.0, 0.0]
-    assert _series(memory, "attn/mask_none_layers") == [2.0, 2.0]
+    assert _series(memory, "attn/mask_none_modules") == [2.0, 2.0]
     fill = _series(memory, "attn/fill_ratio")
     assert len(fill) == 2 and all(0 < f < 1 for f in fill) and _series(memory, "attn/compute_fill_ratio") == [1, 1]
     traces = read_events(events, "upad_trace")

@@ -18,7 +18,7 @@ def this_device() -> str:
 
 
 def _decision(log: EventLog, requested: str, chosen: str | None, reason: str, **extra: object) -> None:
-    log.append("attn_impl", requested=requested, chosen=chosen, fallback=chosen != requested, reason=reason, **extra)
+    log.append("attn_impl", requested=requested, chosen=chosen, fell_back=chosen != requested, reason=reason, **extra)
 
 
 @pytest.fixture
@@ -58,6 +58,15 @@ def test_summary_by_device_and_reason(tree: Path, capsys: pytest.CaptureFixture)
     [(device, counts)] = result["by_device"].items()
     assert device.startswith(this_device()) and counts["fell_back"] == 1 and counts["ranks"] == 3
     assert list(result["by_reason"].values()) == [1]
+
+
+def test_logs_written_before_the_rename_still_read() -> None:
+    """``fell_back`` was ``fallback`` in the first logs: both count a rank that fell back."""
+    from foundry_attn import fleet
+
+    old, new = {"chosen": "sdpa", "fallback": True}, {"chosen": "sdpa", "fell_back": True}
+    assert fleet.unmet(old) and fleet.unmet(new) and not fleet.unmet({"chosen": "sdpa", "fell_back": False})
+    assert fleet.one_line({"kind": "attn_impl", **old})["what"].endswith("(fell back)")
 
 
 def test_listing_filters_and_keeps_unknown_kinds(tree: Path, capsys: pytest.CaptureFixture) -> None:

@@ -18,8 +18,15 @@ CORE = [
     "layout",
     "forward",
     "adapters",
+    "backends",
+    "documents",
+    "block_masks",
+    "torch_varlen",
+    "unwrap",
+    "reference_kernels",
     "document_op",
     "proof",
+    "isolation",
     "paths",
     "zoo",
     "conformance",
@@ -47,6 +54,16 @@ def test_core_imports_without_composer_or_llmfoundry() -> None:
     code = "import sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n" + "".join(
         f"import foundry_attn.{name}\n" for name in CORE
     )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_policy_and_the_probe_import_without_transformers() -> None:
+    """policy.py says it is transformers-free (it reads the backend table, which holds no kernel code), and the
+    probe in inspection.py imports transformers only when it looks for a model."""
+    modules = ("policy", "backends", "inspection", "documents", "block_masks", "unwrap")
+    code = "import sys\nsys.modules['transformers'] = None\n" + "".join(f"import foundry_attn.{m}\n" for m in modules)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

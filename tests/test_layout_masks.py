@@ -32,7 +32,7 @@ def test_from_batch_attention_mask() -> None:
     indices, cu_seqlens, max_len = _get_unpad_data(mask)
     assert torch.equal(layout.real_indices(), indices)
     # transformers keeps a zero-length entry for the all-padding row; a layout lists documents only
-    assert torch.equal(layout.cu_seq_lens(), cu_seqlens.unique_consecutive()) and layout.max_length == max_len
+    assert layout.bounds() == cu_seqlens.unique_consecutive().tolist() and layout.max_length == max_len
     same = Layout.from_batch({"input_ids": torch.zeros(3, 4), "attention_mask": mask, "doc_lens": None})
     assert same == layout
 
@@ -48,21 +48,16 @@ def test_properties() -> None:
     assert LAYOUT.bounds() == [0, 2, 3, 6]
     assert LAYOUT.real_tokens == 6 and LAYOUT.max_length == 3
     assert LAYOUT.fill_ratio == 0.5
-    assert LAYOUT.signature() == (((2, 1), (3,), ()), 4, ())
     assert Layout((), 4).max_length == 0
 
 
-def test_cu_seq_lens_real_indices_segments_positions() -> None:
-    cu = LAYOUT.cu_seq_lens()
-    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 3, 6]
+def test_real_indices_and_positions() -> None:
     idx = LAYOUT.real_indices()
     assert idx.dtype == torch.long and idx.tolist() == [0, 1, 2, 4, 5, 6]
-    assert LAYOUT.segment_ids().tolist() == [[1, 1, 2, -1], [1, 1, 1, -1], [-1, -1, -1, -1]]
     assert LAYOUT.position_ids().tolist() == [[0, 1, 0, 0], [0, 1, 2, 0], [0, 1, 2, 3]]
     hidden = torch.arange(12.0).reshape(3, 4)
     assert hidden.flatten()[idx].tolist() == [0.0, 1.0, 2.0, 4.0, 5.0, 6.0]
-    full = Layout(((4,), (2, 2)), 4)
-    assert full.segment_ids().tolist() == [[1, 1, 1, 1], [1, 1, 2, 2]] and full.fill_ratio == 1.0
+    assert Layout(((4,), (2, 2)), 4).fill_ratio == 1.0
 
 
 def test_left_padded_mask() -> None:
@@ -91,7 +86,8 @@ def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
 @pytest.mark.parametrize("backend", ["sdpa", "eager", "flex_attention"])
 @pytest.mark.parametrize("window", [None, 3])
 def test_adapters_match_each_document_alone(backend: str, window: int | None) -> None:
-    from foundry_attn.adapters import FUNCTIONS, Documents
+    from foundry_attn.adapters import FUNCTIONS
+    from foundry_attn.documents import Documents
 
     docs = Documents.from_lengths([5, 1, 8, 2])
     gen = torch.Generator().manual_seed(0)
@@ -104,8 +100,30 @@ def test_adapters_match_each_document_alone(backend: str, window: int | None) ->
         torch.testing.assert_close(out[:, s:e], want, atol=1e-5, rtol=1e-5)
 
 
+def test_every_registered_name_has_its_function() -> None:
+    from foundry_attn.adapters import FUNCTIONS
+    from foundry_attn.backends import PREFIX, REGISTERED
+
+    assert REGISTERED == {PREFIX + name: name for name in FUNCTIONS}
+
+
+@pytest.mark.parametrize("backend", ["flash_attention_2", "torch_varlen", "sdpa", "eager", "flex_attention"])
+def test_functions_refuse_what_the_backend_table_says_they_cannot_apply(backend: str) -> None:
+    """The policy refuses a model by the table; the function refuses the same at its call (the shared opening)."""
+    from foundry_attn.adapters import FUNCTIONS
+    from foundry_attn.backends import BACKENDS
+    from foundry_attn.documents import Documents
+
+    caps, q = BACKENDS[backend], torch.randn(1, 2, 4, 8)
+    for name, honoured in (("softcap", caps.softcap), ("dropout", caps.dropout)):
+        if not honoured:
+            with pytest.raises(ValueError, match=f"{backend} cannot apply attention"):
+                FUNCTIONS[backend](torch.nn.Module(), q, q, q, None, **{name: 0.5}, foundry_documents=Documents((0, 4)))
+
+
 def test_block_masks_cached_per_documents_window_and_device() -> None:
-    from foundry_attn.adapters import BLOCK_MASKS, Documents
+    from foundry_attn.block_masks import BLOCK_MASKS
+    from foundry_attn.documents import Documents
 
     docs = Documents.from_lengths([3, 4])
     first = BLOCK_MASKS.get(docs, None, torch.device("cpu"))
@@ -114,7 +132,8 @@ def test_block_masks_cached_per_documents_window_and_device() -> None:
 
 
 def test_sdpa_refuses_softcap_and_a_lost_documents_argument() -> None:
-    from foundry_attn.adapters import Documents, sdpa_documents
+    from foundry_attn.adapters import sdpa_documents
+    from foundry_attn.documents import Documents
 
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="softcap"):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from foundry_attn.adapters import ModelNeeds
+from foundry_attn.backends import ModelNeeds
 from foundry_attn.capability import Capability, probe
 from foundry_attn.policy import (
     AUTO,
@@ -79,7 +79,7 @@ def test_real_cpu_probe_falls_back_to_sdpa() -> None:
     assert not cap.cuda and cap.sm == "cpu"
     assert json.loads(json.dumps(cap.as_dict()))["device_name"] == "cpu"
     d = choose(cap=cap, traits=LLAMA_TRAITS, smoke_test=None)
-    assert d.chosen == SDPA and d.fallback and d.reason.startswith(f"{FA2}: ")
+    assert d.chosen == SDPA and d.fell_back and d.reason.startswith(f"{FA2}: ")
     if cap.flash_attn_version is not None:  # a GPU box with flash-attn: the CPU still cannot run it
         assert failed(d, FA2).check == "CUDA device"
         return
@@ -103,7 +103,7 @@ def test_no_cuda() -> None:
 
 def test_turing_t4_is_rejected() -> None:
     d = decide(T4)
-    assert d.chosen == SDPA and d.fallback
+    assert d.chosen == SDPA and d.fell_back
     assert failed(d, FA2).check == "compute capability"
     assert d.reason == f"{FA2}: Tesla T4 sm75 < 8.0"
     sdpa = next(c for c in d.candidates if c.name == SDPA)
@@ -119,7 +119,7 @@ def test_flash_attn_too_old() -> None:
 
 def test_ampere_recent_flash_attn_bf16_chooses_fa2() -> None:
     d = decide(make_cap(), torch.bfloat16)
-    assert d.chosen == FA2 and not d.fallback
+    assert d.chosen == FA2 and not d.fell_back
     assert d.reason == "flash-attn 2.6.3 on NVIDIA A100-SXM4-80GB sm80"
     assert d.compute_dtype == "bfloat16"
     assert decide(make_cap((9, 0), "NVIDIA H100"), torch.float16).chosen == FA2
@@ -181,15 +181,15 @@ def test_strict_raises_with_check_device_and_fix() -> None:
     with pytest.raises(AttentionUnavailableError, match="kernel call"):
         decide(make_cap(), requested=FA2, strict=True, smoke_test=lambda device, dtype: "boom")
     ok = decide(make_cap(), requested=FA2, strict=True)
-    assert ok.chosen == FA2 and ok.strict and not ok.fallback
+    assert ok.chosen == FA2 and ok.strict and not ok.fell_back
 
 
 def test_non_strict_request_falls_back() -> None:
     d = decide(T4, requested=FA2)
-    assert d.chosen == SDPA and d.fallback and d.requested == FA2
+    assert d.chosen == SDPA and d.fell_back and d.requested == FA2
     assert [c.name for c in d.candidates] == [FA2, TORCH_VARLEN, SDPA, EAGER]
     d = decide(T4, requested=EAGER)
-    assert d.chosen == EAGER and not d.fallback
+    assert d.chosen == EAGER and not d.fell_back
     assert [c.name for c in d.candidates] == [EAGER, FA2, TORCH_VARLEN, SDPA]
 
 
@@ -240,7 +240,7 @@ def test_flex_needs_torch_25() -> None:
 def test_decision_as_dict() -> None:
     d = decide(T4)
     out = json.loads(json.dumps(d.as_dict()))
-    assert out["requested"] == AUTO and out["chosen"] == SDPA and out["fallback"] is True
+    assert out["requested"] == AUTO and out["chosen"] == SDPA and out["fell_back"] is True
     assert out["reason"] == d.reason and out["strict"] is False and out["compute_dtype"] == "bfloat16"
     assert [c["name"] for c in out["candidates"]] == [FA2, TORCH_VARLEN, SDPA, EAGER]
     assert out["candidates"][0]["check"] == "compute capability" and out["candidates"][0]["fix"]
@@ -252,7 +252,7 @@ def test_with_rejection_moves_on() -> None:
     d = decide(make_cap())
     assert d.chosen == FA2
     later = d.with_rejection(FA2, "ImportError: flash_attn_2_cuda undefined symbol")
-    assert later.chosen == SDPA and later.fallback and "undefined symbol" in later.reason
+    assert later.chosen == SDPA and later.fell_back and "undefined symbol" in later.reason
     strict = decide(make_cap(), requested=FA2, strict=True)
     with pytest.raises(AttentionUnavailableError, match="undefined symbol"):
         strict.with_rejection(FA2, "undefined symbol")

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn import conformance
-from foundry_attn.adapters import DOCS_KEY, register
+from foundry_attn.adapters import register
+from foundry_attn.documents import DOCS_KEY
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import FlatPathError, attach, path_of
 from foundry_attn.proof import proof_lengths

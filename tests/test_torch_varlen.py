@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from foundry_attn import adapters, conformance
-from foundry_attn.adapters import TORCH_VARLEN
-from foundry_attn.bench.gpu import reference_varlen_attn
+from foundry_attn.backends import PREFIX, TORCH_VARLEN, ModelNeeds
 from foundry_attn.fa2_reference import flash_attn_varlen_func
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import attach
+from foundry_attn.reference_kernels import reference_varlen_attn
 
 calls: list[dict[str, Any]] = []
 
@@ -86,7 +86,7 @@ def test_torch_varlen_documents_are_exact(kernel: Any, family: str) -> None:
     model = conformance.build(family, "sdpa")
     state = attach(model, TORCH_VARLEN)
     batch = conformance._batch(conformance._documents(), "pack")
-    windowed = adapters.ModelNeeds.of(family, model.config).window
+    windowed = ModelNeeds.of(family, model.config).window
     if windowed and kernel is varlen_210:  # flat refused, as the policy refuses it on such a torch: stock sdpa rows
         assert state.path == "rows" and "no window_size" in state.reason, state.reason
         assert model.config._attn_implementation == "sdpa"
@@ -117,7 +117,8 @@ def test_torch_varlen_refuses_softcap_and_dropout(kernel: Any) -> None:
 def test_flex_block_masks_live_on_the_query_device_one_per_device() -> None:
     """Pipeline stages / device_map put layers on different devices: each device gets its own mask, and every
     tensor its mask_mod captures sits on that device (a foreign one fails under compile)."""
-    from foundry_attn.adapters import BLOCK_MASKS, Documents
+    from foundry_attn.block_masks import BLOCK_MASKS
+    from foundry_attn.documents import Documents
 
     docs = Documents.from_lengths([5, 11, 3])
     devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(min(2, torch.cuda.device_count()))]
@@ -150,7 +151,7 @@ def test_torch_varlen_without_documents_runs_stock_sdpa_on_the_models_mask(monke
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
     stock, ours = make_llama("sdpa"), make_llama("sdpa")
-    ours.config._attn_implementation = adapters.PREFIX + TORCH_VARLEN
+    ours.config._attn_implementation = PREFIX + TORCH_VARLEN
     with torch.no_grad():
         want = stock(input_ids=ids, attention_mask=mask).logits
         sdpa_calls.clear()

@@ -142,7 +142,7 @@ def test_explicit_request_falls_back_down_the_chain(assets: Path, tmp_path: Path
     if FLASH_ATTN:  # a GPU box with flash-attn may grant the request itself
         assert model.attn_implementation == model.attn_decision.chosen in ("flash_attention_2", "eager")
         return
-    assert model.attn_decision.chosen == "eager" and model.attn_decision.fallback
+    assert model.attn_decision.chosen == "eager" and model.attn_decision.fell_back
     assert model.attn_implementation == "eager"
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers.modeling_utils import AttentionInterface
 
 from foundry_attn import conformance
-from foundry_attn.adapters import DOCS_KEY, is_placeholder
+from foundry_attn.documents import DOCS_KEY, is_placeholder
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import attach
 

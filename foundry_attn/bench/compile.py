@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from foundry_attn.adapters import SDPA
+from foundry_attn.backends import SDPA
 from foundry_attn.bench import machine, sync
 from foundry_attn.bench.timing import median, round_robin
 from foundry_attn.forward import forward_documents

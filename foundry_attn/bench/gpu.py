@@ -30,7 +30,8 @@ Tiers, each in its own copy of the model (identical weights), timed round-robin 
    On flash-attn when it imports; else on torch's ``varlen_attn`` (torch >= 2.10) behind flash-attn's
    signature (:func:`flash_varlen_from_torch`; dense ``flash_attn_func`` through SDPA:
    :func:`flash_attn_func_via_sdpa`), installed where transformers looks the kernels up
-   (``fa2_reference.reference_flash_attn(varlen=, dense=)``).
+   (``fa2_reference.reference_flash_attn(varlen=, dense=)``); both wrappers live in
+   :mod:`foundry_attn.reference_kernels`, which the tests import too.
 3. ``ours_torch_varlen``: ``attach(model, "torch_varlen")`` + ``forward.forward_documents``: the batch is
    unpadded once, every layer calls torch's varlen kernel on the flat row with ``cu_seqlens``.
 4. ``ours_flash_attn``: the same on flash-attn (``attach(model, "flash_attention_2")``), when it imports.
@@ -74,17 +75,16 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from foundry_attn.adapters import call_varlen, torch_varlen_kernel, varlen_parameters
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
-from foundry_attn.fa2_reference import flash_attn_varlen_func as reference_varlen
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.paths import attach
+from foundry_attn.reference_kernels import flash_attn_func_via_sdpa, flash_varlen_from_torch, reference_varlen_attn
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
+from foundry_attn.torch_varlen import torch_varlen_kernel
 
 COMMAND = "foundry-attn bench gpu --json"
 REPORT_LENGTHS: tuple[int, ...] = (220, 217, 295, 183, 130, 350)
@@ -112,134 +112,7 @@ NEEDS_CUDA = (
 )
 
 
-# ---- kernels with flash-attn's signatures, for transformers' stock FA2 path without flash-attn ----------------
-
-
-def _unsupported(
-    dropout_p: float, softcap: float, alibi_slopes: object, return_attn_probs: bool, block_table: object = None
-) -> None:
-    if dropout_p or softcap or alibi_slopes is not None or return_attn_probs or block_table is not None:
-        raise NotImplementedError(
-            "flash-attn wrapper: dropout_p, softcap, alibi_slopes, return_attn_probs and block_table are not supported"
-        )
-
-
-def flash_varlen_from_torch(kernel: Callable | None = None) -> Callable:
-    """flash-attn's ``flash_attn_varlen_func`` over torch's ``varlen_attn`` (or ``kernel``, with one of its
-    signatures: 2.10-2.11 ``is_causal`` (the earliest without ``scale``: default scale only); 2.12+
-    ``window_size=(left, right)`` and ``enable_gqa``), read from the signature."""
-    kernel = kernel or torch_varlen_kernel()
-    if kernel is None:
-        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)")
-    params = varlen_parameters(kernel)
-
-    def flash_attn_varlen_func(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        dropout_p: float = 0.0,
-        softmax_scale: float | None = None,
-        causal: bool = False,
-        window_size: tuple[int, int] = (-1, -1),
-        softcap: float = 0.0,
-        alibi_slopes: object = None,
-        deterministic: bool = False,
-        return_attn_probs: bool = False,
-        block_table: object = None,
-    ) -> torch.Tensor:
-        _unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs, block_table)
-        if "window_size" not in params and tuple(window_size) != (-1, -1):
-            raise NotImplementedError(f"torch {torch.__version__} varlen_attn has no window_size (torch >= 2.12)")
-        default = q.shape[-1] ** -0.5
-        if (
-            "scale" not in params
-            and softmax_scale is not None
-            and not math.isclose(softmax_scale, default, rel_tol=1e-6)
-        ):
-            raise NotImplementedError(
-                f"torch {torch.__version__} varlen_attn has no scale (only 1/sqrt(head_dim)), asked for {softmax_scale}"
-            )
-        return call_varlen(
-            kernel,
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            int(max_seqlen_q),
-            int(max_seqlen_k),
-            scale=softmax_scale,
-            window=(window_size[0], window_size[1]),
-            causal=causal,
-        )
-
-    return flash_attn_varlen_func
-
-
-def flash_attn_func_via_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: object = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-) -> torch.Tensor:
-    """flash-attn's dense ``flash_attn_func`` (q [B, S, H, D]) through SDPA (flash on CUDA): rows with no padding."""
-    _unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("flash_attn_func via SDPA: no window_size")
-    if causal and q.shape[1] != k.shape[1]:  # flash-attn aligns bottom-right, SDPA's is_causal top-left
-        raise NotImplementedError("flash_attn_func via SDPA: causal with query length != key length")
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=causal,
-        scale=softmax_scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
-
-
-def reference_varlen_attn(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    *,
-    scale: float | None = None,
-    window_size: tuple[int, int] = (-1, -1),
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """torch >= 2.12 ``varlen_attn``'s signature over the pure-PyTorch reference: the CPU stand-in (NOT a GPU
-    kernel, not torch's), so the CPU run goes through the same wrapper and adapter code as a GPU run."""
-    if not enable_gqa and query.shape[1] != key.shape[1]:
-        raise ValueError("varlen_attn: query and key heads differ and enable_gqa is False")
-    left, right = window_size
-    return reference_varlen(
-        query,
-        key,
-        value,
-        cu_seq_q,
-        cu_seq_k,
-        max_q,
-        max_k,
-        softmax_scale=scale,
-        causal=right == 0,
-        window_size=(left, -1 if right == 0 else right),
-    )
+# ---- the CPU stand-in for torch's varlen kernel under our torch_varlen function ---------------------------
 
 
 @contextlib.contextmanager

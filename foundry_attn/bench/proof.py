@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch
 
-from foundry_attn.adapters import EAGER, FA2, FLEX, SDPA
+from foundry_attn.backends import EAGER, FA2, FLEX, SDPA
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median, round_robin
 from foundry_attn.capability import flex_backward_error

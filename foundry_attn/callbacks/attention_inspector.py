@@ -53,19 +53,17 @@ log = logging.getLogger(__name__)
 
 
 def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> dict[str, float]:
-    """The ``attn/*`` metrics of one forward's records (see :class:`AttentionInspector` for each key).
-
-    The ``attn/mask_*_layers`` keys count attention modules (not decoder layers) by the mask they were given.
-    """
+    """The ``attn/*`` metrics of one forward's records (see :class:`AttentionInspector` for each key); the
+    ``attn/mask_*_modules`` keys count attention modules by the mask they were given."""
     attn = [r for r in records if r["level"] == ATTENTION and "error" not in r]
     model = next((r for r in records if r["level"] == MODEL and "error" not in r), None)
     out: dict[str, float] = {
         "attn/inspected_modules": float(len(records)),
-        "attn/mask_none_layers": float(sum(r["mask"] == "none" for r in attn)),
-        "attn/mask_2d_layers": float(sum(r["mask"] == "2-D" for r in attn)),
-        "attn/mask_4d_layers": float(sum(r["mask"] == "4-D" for r in attn)),
-        "attn/mask_block_layers": float(sum(r["mask"] == "BlockMask" for r in attn)),
-        "attn/mask_with_zeros_layers": float(sum(bool(r["has_zeros"]) for r in attn)),
+        "attn/mask_none_modules": float(sum(r["mask"] == "none" for r in attn)),
+        "attn/mask_2d_modules": float(sum(r["mask"] == "2-D" for r in attn)),
+        "attn/mask_4d_modules": float(sum(r["mask"] == "4-D" for r in attn)),
+        "attn/mask_block_modules": float(sum(r["mask"] == "BlockMask" for r in attn)),
+        "attn/mask_with_zeros_modules": float(sum(bool(r["has_zeros"]) for r in attn)),
     }
     fill = batch.fill_ratio if batch is not None else None
     if fill is None and model is not None:
@@ -140,8 +138,8 @@ class AttentionInspector(ReleasingCallback):
         )
 
     The metrics are logged by the :class:`.Logger` at :attr:`.Event.BATCH_END` of each sampled batch (this
-    callback logs no hyperparameters). The ``attn/mask_*_layers`` keys keep their historic names but count
-    **attention modules**, not decoder layers:
+    callback logs no hyperparameters). The ``attn/mask_*_modules`` keys count **attention modules**, not decoder
+    layers:
 
     .. list-table::
         :header-rows: 1
@@ -154,19 +152,19 @@ class AttentionInspector(ReleasingCallback):
           - Forward calls recorded in the sampled forward: the model, its decoder layers and its attention
             modules (those of the attention level are not counted when ``attention_selector`` matches nothing).
           - Every sampled batch.
-        * - ``attn/mask_none_layers``
+        * - ``attn/mask_none_modules``
           - Attention modules given no mask (also ours when the documents travel as a call argument).
           - Every sampled batch.
-        * - ``attn/mask_2d_layers``
+        * - ``attn/mask_2d_modules``
           - Attention modules given a 2-D ``[batch, keys]`` padding mask.
           - Every sampled batch.
-        * - ``attn/mask_4d_layers``
+        * - ``attn/mask_4d_modules``
           - Attention modules given a 4-D ``[batch, heads, queries, keys]`` mask (eager / sdpa).
           - Every sampled batch.
-        * - ``attn/mask_block_layers``
+        * - ``attn/mask_block_modules``
           - Attention modules given a flex ``BlockMask`` (stock ``flex_attention``).
           - Every sampled batch.
-        * - ``attn/mask_with_zeros_layers``
+        * - ``attn/mask_with_zeros_modules``
           - Attention modules whose tensor mask hides a key that causality would show: a padding zero in a 2-D
             mask; padding, another document or another key in a 4-D one, read with the model's own alignment
             (``cache_position``; a sliding window alone does not count). A ``BlockMask`` is not read.

@@ -43,7 +43,7 @@ def decision_hparams(model: Any) -> dict[str, Any]:
     return {
         "attn/requested": decision.requested,
         "attn/chosen": decision.chosen,
-        "attn/fallback": decision.fallback,
+        "attn/fell_back": decision.fell_back,
         "attn/reason": decision.reason,
         "attn/compute_dtype": decision.compute_dtype,
         "attn/path": decision.path,
@@ -100,7 +100,7 @@ class AttnDecisionLogger(Callback):
         * - ``attn/chosen``
           - The implementation that runs on this rank (other models: read from the model, e.g. MPT's ``torch``).
           - ``INIT``, every model.
-        * - ``attn/fallback``
+        * - ``attn/fell_back``
           - ``True`` when this rank does not run what was asked for (for ``auto``: not the chain's first).
           - ``INIT``.
         * - ``attn/reason``

@@ -15,6 +15,7 @@ from composer.utils import dist
 
 from foundry_attn.events import EventLog, default_events_dir
 from foundry_attn.inspection import attn_implementation, clean_name, find_hf_model
+from foundry_attn.unwrap import find_inside
 
 __all__ = [
     "COMPILED",
@@ -34,10 +35,8 @@ log = logging.getLogger(__name__)
 
 def foundry_model(model: Any) -> Any:
     """The ``foundry_attn_causal_lm`` inside ``state.model`` (also through DDP's ``.module``), or None."""
-    for candidate in (model, getattr(model, "module", None)):
-        if candidate is not None and getattr(candidate, "attn_decision", None) is not None:
-            return candidate
-    return None
+    found = find_inside(model, lambda m: getattr(m, "attn_decision", None) is not None)
+    return None if found is None else found[1]
 
 
 _LOG_INTERVAL = (

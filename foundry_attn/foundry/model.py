@@ -43,7 +43,7 @@ from llmfoundry.models.hf import ComposerHFCausalLM
 from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
 
-from foundry_attn.adapters import backend_of
+from foundry_attn.backends import backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
@@ -198,7 +198,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
 
     def _record(self, decision: Decision, cap: Any, rank: int) -> None:
         info = decision.as_dict()
-        level = logging.WARNING if decision.fallback or self._fa2_reference else logging.INFO
+        level = logging.WARNING if decision.fell_back or self._fa2_reference else logging.INFO
         log.log(
             level,
             "attention rank %d on %s (%s): requested %s, chose %s (%s); path %s (%s)",
@@ -221,7 +221,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         #: every rank's choice in one line, gathered once here (``attn_decision`` logs it as ``attn/summary``)
         self.attn_summary = summarize(gathered)
         if rank == 0:
-            loud = any(d["fallback"] for d in gathered) or REFERENCE_NAME in self.attn_summary
+            loud = any(d["fell_back"] for d in gathered) or REFERENCE_NAME in self.attn_summary
             log.log(logging.WARNING if loud else logging.INFO, self.attn_summary)
 
     # ---- forward ------------------------------------------------------------------------------------
