@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Any
 
+from foundry_attn.bench import BENCHES
 from foundry_attn.capability import Capability
 from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableError
 
@@ -117,31 +118,23 @@ def assets(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    """One benchmark by the protocol of :mod:`foundry_attn.bench`: run, then the JSON or the summary; exit 1 when
+    its exactness checks failed."""
+    import importlib
+
+    from foundry_attn.bench import summary
+
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    import importlib
-
-    quick = args.quick
-    options: dict[str, dict[str, Any]] = {  # each bench's own arguments, from the shared flags
-        "padding": {"quick": quick, "device": args.device},
-        "events": {"runs": 4 if quick else 100},
-        "compile": {"device": args.device, "layouts": 12 if quick else 50, "models": ("tiny",) if quick else None},
-        "gpu": {"device": args.device, "quick": quick, "layers": args.layers, "rounds": args.rounds},
-        "proof": {"device": args.device, "repeats": 1 if quick else 3, "models": ("tiny",) if quick else None},
-        "callbacks": {"quick": quick},
-    }
+    options = {k: v for k, v in (("layers", args.layers), ("rounds", args.rounds)) if v is not None}
+    if options and args.which != "gpu":
+        raise SystemExit(f"foundry-attn bench {args.which}: --layers and --rounds are options of bench gpu only")
     module = importlib.import_module(f"foundry_attn.bench.{args.which}")
-    kwargs = {k: v for k, v in options[args.which].items() if v is not None}
-    if "models" in options[args.which] and "models" not in kwargs:
-        kwargs["models"] = tuple(getattr(module, "WORKLOADS", None) or module.MODELS)
-    result = module.run(**kwargs)
-    if args.which == "gpu":
-        print(json.dumps(result, indent=2) if args.json else module.summary(result))
-        return 0
-    print(json.dumps(result, indent=2) if args.json else result)
-    return 0
+    result = module.run(quick=args.quick, device=args.device, **options)
+    print(json.dumps(result, indent=2) if args.json else getattr(module, "summary", summary)(result))
+    return 1 if result.get("correct") is False else 0
 
 
 def conformance(args: argparse.Namespace) -> int:
@@ -254,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", nargs="?", default="build/tiny")
     p.set_defaults(func=assets)
     p = sub.add_parser("bench", help="side-by-side benchmarks; prints ratios from one run")
-    p.add_argument("which", choices=("padding", "callbacks", "proof", "compile", "events", "gpu"))
+    p.add_argument("which", choices=BENCHES)
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the README)")
     p.add_argument(

@@ -38,12 +38,12 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
 
 @no_cuda
 @pytest.mark.slow
-def test_python_m_foundry_attn_bench_runs_without_composer() -> None:
-    """``python -m foundry_attn.bench gpu --json`` from a source tree, Composer and LLM-Foundry unimportable."""
+def test_python_m_foundry_attn_cli_bench_runs_without_composer() -> None:
+    """``python -m foundry_attn.cli bench gpu --json`` from a source tree, Composer and LLM-Foundry unimportable."""
     code = (
         "import runpy, sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n"
-        "sys.argv = ['foundry_attn.bench', 'gpu', '--json']\n"
-        "runpy.run_module('foundry_attn.bench', run_name='__main__', alter_sys=True)"
+        "sys.argv = ['foundry-attn', 'bench', 'gpu', '--json']\n"
+        "runpy.run_module('foundry_attn.cli', run_name='__main__', alter_sys=True)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]

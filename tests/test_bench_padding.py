@@ -93,7 +93,7 @@ def test_quick_proof_and_compile_benches_run_and_agree(capsys) -> None:
     from foundry_attn.capability import flex_backward_error
 
     backends = 4 if flex_backward_error("cpu") is None else 3  # flex is left out where it cannot train
-    assert proof["all_passed"] and len(proof["rows"]) == backends
+    assert proof["correct"] and len(proof["rows"]) == backends
     assert main(["bench", "compile", "--json", "--quick"]) == 0
     [row] = json.loads(capsys.readouterr().out)["rows"]
     assert row["graphs_after_warmup"] == 0 and row["graph_breaks"] == 0 and row["losses_agree"], row
@@ -105,3 +105,21 @@ def test_quick_events_bench_agrees(capsys) -> None:
     assert main(["bench", "events", "--json", "--quick"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["agree"] and result["attn_impl_events"] == 40 and 0 < result["fell_back_ranks"] < 40
+
+
+def test_every_benchmark_follows_one_protocol(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``run(quick, device, ...)`` in every module; the CLI prints a summary and exits 1 only on failed checks."""
+    import importlib
+    import inspect
+
+    from foundry_attn.bench import BENCHES
+
+    for which in BENCHES:
+        module = importlib.import_module(f"foundry_attn.bench.{which}")
+        assert list(inspect.signature(module.run).parameters)[:2] == ["quick", "device"], which
+    events = importlib.import_module("foundry_attn.bench.events")
+    result = {"command": "foundry-attn bench events", "correct": False, "targets": {}, "all_targets_met": True}
+    monkeypatch.setattr(events, "run", lambda quick, device: result)
+    assert main(["bench", "events"]) == 1 and "exactness checks: FAILED" in capsys.readouterr().out
+    monkeypatch.setattr(events, "run", lambda quick, device: {**result, "correct": True, "all_targets_met": False})
+    assert main(["bench", "events"]) == 0 and "targets: NOT all met" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """How fast ``foundry-attn events --fell-back`` answers over a sweep: 100 runs x 10 ranks x 1,000 events.
 
     foundry-attn bench events --json                   # writes the tree to a temp folder (~1.4 GB), ~1-2 min
-    python -m foundry_attn.bench.events --json --dir /data/sweep --keep    # reuse / keep the tree
+    python -c "from foundry_attn.bench import events; events.run(directory='/data/sweep', keep=True)"   # reuse a tree
 
 The generator writes what real runs write: per rank one ``attn_impl`` event first (a fifth of the ranks on a
 "Tesla T4" that fell back to sdpa, the rest on an "NVIDIA H100 80GB HBM3"), then ``attn_inspect`` and
@@ -19,11 +19,9 @@ Target: ``ours`` <= 5 s on the 2-core CI machine. Core module: standard library 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -146,8 +144,16 @@ def _best(fn: Any, *args: Any, repeats: int = 3) -> tuple[float, Any]:
 
 
 def run(
-    directory: str | None = None, keep: bool = False, runs: int = 100, ranks: int = 10, per_rank: int = 1000
+    quick: bool = False,
+    device: str | None = None,
+    directory: str | None = None,
+    keep: bool = False,
+    ranks: int = 10,
+    per_rank: int = 1000,
 ) -> dict[str, Any]:
+    """Read a generated tree of ``runs`` x ``ranks`` event files (``quick``: 4 runs, else 100); ``directory``
+    reuses (or keeps, with ``keep``) a tree."""
+    runs = 4 if quick else 100
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="foundry-attn-events-"))
     try:
         started = time.perf_counter()
@@ -185,25 +191,9 @@ def run(
             "ours_vs_parse_every_line": times["parse_every_line"] / times["ours"],
             "target_s": TARGET_S,
             "met": times["ours"] <= TARGET_S,
+            "correct": decisions_a == decisions_b,
+            "all_targets_met": times["ours"] <= TARGET_S,
         }
     finally:
         if not keep and not directory:
             shutil.rmtree(root, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--dir", default=None, help="where the tree is (generated when it is not complete)")
-    parser.add_argument("--keep", action="store_true", help="keep a generated temp tree")
-    parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--ranks", type=int, default=10)
-    parser.add_argument("--events", type=int, default=1000, help="events per rank file")
-    args = parser.parse_args(argv)
-    result = run(args.dir, args.keep, args.runs, args.ranks, args.events)
-    print(json.dumps(result, indent=2) if args.json else result)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

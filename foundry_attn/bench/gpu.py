@@ -1,7 +1,7 @@
 """GPU benchmark: SmolLM2-135M training steps, padded dense attention against unpad-once varlen and the rest.
 
     foundry-attn bench gpu --json                        # CUDA, bf16, 30 layers, 20 rounds
-    PYTHONPATH=. python -m foundry_attn.bench gpu --json # the same from a source tree (torch + transformers only)
+    PYTHONPATH=. python -m foundry_attn.cli bench gpu --json # the same from a source tree (torch + transformers only)
     foundry-attn bench gpu --json --quick                # 3 rounds: a smoke run
     foundry-attn bench gpu --json --device cpu --quick   # the plumbing on a tiny model, fp32 (not a GPU number)
 
@@ -69,7 +69,6 @@ import dataclasses
 import math
 import platform
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -585,7 +584,7 @@ def command(device: str | None, quick: bool, layers: int | None, rounds: int | N
 
 
 def run(
-    device: str | None = None, quick: bool = False, layers: int | None = None, rounds: int | None = None
+    quick: bool = False, device: str | None = None, layers: int | None = None, rounds: int | None = None
 ) -> dict[str, Any]:
     """The benchmark; ``{"skipped": why}`` where CUDA is asked for (the default) and absent."""
     dev = torch.device(device or "cuda")
@@ -634,6 +633,7 @@ def run(
         "tiers": {t.name: t.describe() for t in tiers},
         "batches": batches,
         "targets": goals,
+        "correct": all(b["loss_agreement"]["ok"] for b in batches.values()),
         "all_targets_met": all(met) if gpu else None,
         "elapsed_s": time.perf_counter() - started,
     }
@@ -687,9 +687,3 @@ def summary(result: Mapping[str, Any]) -> str:
             f"{f'{stock:.2f}x' if stock is not None else 'n/a'}; limit {t['limit']:.2f}x"
         )
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover - the CLI is the entry point
-    from foundry_attn.cli import main
-
-    sys.exit(main(["bench", "gpu", *sys.argv[1:]]))

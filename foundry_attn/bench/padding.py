@@ -418,6 +418,7 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
         "collator": collator,
         "correctness": {**steps["correctness"], "collator_matches_flattening": collator["matches_flattening"]},
         "targets": targets,
+        "correct": correct,
         "all_targets_met": all(t["met"] for t in targets.values()),
         "elapsed_s": time.perf_counter() - started,
         "load_average_1min": {"start": load, "end": _loadavg()},  # other processes: read the numbers with it
