@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from foundry_attn.capability import Capability
 from foundry_attn.policy import (
     AUTO,
+    DEFAULT_FALLBACK,
     FA2,
     FLEX,
     SDPA,
@@ -98,7 +99,7 @@ def transformers_load_check(
 def decide(
     model_path: str | None,
     requested: str = AUTO,
-    fallback: tuple[str, ...] | list[str] = (FA2, SDPA, "eager"),
+    fallback: tuple[str, ...] | list[str] = DEFAULT_FALLBACK,
     strict: bool = False,
     compute_dtype: str = "auto",
     cap: Capability | None = None,

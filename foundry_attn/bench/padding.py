@@ -5,7 +5,7 @@
     foundry-attn bench padding --json --device cuda   # GPU: bf16, plus FA2 when flash-attn imports
     foundry-attn bench padding --json --threads 1     # a shared box: see ``parallelism`` below
 
-Workload (issue #3, the blog's batch): six documents of 220, 217, 295, 183, 130 and 350 tokens (1395 real
+Workload (the public report's batch): six documents of 220, 217, 295, 183, 130 and 350 tokens (1395 real
 tokens) at ``max_seq_len`` 2048. Tokens are seeded random ids; every document ends with EOS and pad == EOS,
 so the collator's true lengths are exactly these six. Model: ``LlamaForCausalLM`` with SmolLM2-135M's layer
 shapes (hidden 576, 9 heads, 3 KV heads, head dim 64, MLP 1536, tied embeddings), 2 layers and vocab 8192 so
