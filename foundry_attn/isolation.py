@@ -32,6 +32,9 @@ from foundry_attn.proof import differs, evaluating, hidden
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
 MEASURED, STRUCTURAL = "measured", "structural"
+#: why a batch is not packed, as far as anything can tell: rows of concatenated text (LLM-Foundry's text loader) may
+#: hold many documents, but nothing in the batch says where they start, and the model cannot see it either
+NO_BOUNDARIES = "no row holds two marked documents (doc_lens, sequence_id or restarting position_ids)"
 #: documents of the chosen row run alone: the first two (the second is the first that can see a neighbour)
 DOCUMENTS = 2
 
@@ -158,7 +161,7 @@ def _detects_packing() -> bool:
 def structural(hf: Any, features: Features) -> Isolation:
     """What the model does with packed documents, read from the model and the batch's keys (not measured)."""
     if not features.packed:
-        return Isolation(NOT_PACKED, reason="no row holds two documents")
+        return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
     state = path_state(hf)
     if state is not None:
         return Isolation(ISOLATED, STRUCTURAL, f"foundry_attn's {state.path} path, proven against stock per document")
@@ -245,7 +248,7 @@ def measure(
     cannot be compared: the caller reads the structure instead."""
     rows = packed_rows(batch)
     if not rows:
-        return Isolation(NOT_PACKED, reason="no row holds two documents")
+        return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
     row, start, lengths = max(rows, key=lambda r: len(r[2]))
     lengths = lengths[: max(2, documents)]
     packed = _packed_slice(logits, batch, row, start, sum(lengths))

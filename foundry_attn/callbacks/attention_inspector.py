@@ -36,6 +36,7 @@ from foundry_attn.inspection import (
 )
 from foundry_attn.isolation import (
     LEAKS,
+    NO_BOUNDARIES,
     NOT_PACKED,
     UNKNOWN,
     Features,
@@ -316,7 +317,7 @@ class AttentionInspector(ReleasingCallback):
         hf = found[1]
         features = Features.of(batch)
         if not features.packed:
-            return Isolation(NOT_PACKED, reason="no row holds two documents")
+            return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
         blocked = (
             "the model is compiled (a second forward would recompile it)"
             if compiled(state.model)
