@@ -93,13 +93,14 @@ lint: $(STAMP)
 doctor: $(STAMP)
 	$(BIN)/foundry-attn doctor
 
-## every CPU benchmark, each printing ratios measured side by side (about 15 minutes)
+## every CPU benchmark, each printing ratios measured side by side (about 25 minutes)
 bench: $(STAMP)
 	$(BIN)/foundry-attn bench padding --json
 	$(BIN)/foundry-attn bench callbacks --json
 	$(BIN)/foundry-attn bench compile --json
 	$(BIN)/foundry-attn bench proof --json
 	$(BIN)/foundry-attn bench events --json
+	$(BIN)/foundry-attn bench train --json
 
 ## remove the tiny assets, the demo runs and pytest's cache
 clean:

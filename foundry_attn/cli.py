@@ -3,7 +3,7 @@
 foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
 [--attn-strict] [--model-config ./build/tiny/tiny-llama]   (with a config: each candidate's path, flat or rows)
 foundry-attn assets build/tiny
-foundry-attn bench padding|callbacks|compile|proof|events --json [--device cuda] [--quick]
+foundry-attn bench padding|callbacks|compile|proof|events|train --json [--device cuda] [--quick]
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
 foundry-attn conformance [--markdown] [--family mistral] [--zoo]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device",
         default=None,
-        help="padding, proof, compile: cpu (the default, even with a GPU present) or cuda[:N]; "
+        help="padding, proof, compile, train: cpu (the default, even with a GPU present) or cuda[:N]; "
         "gpu: cuda[:N] (the default) or cpu (its plumbing on a tiny model, not a GPU number)",
     )
     p.add_argument("--layers", type=int, default=None, help="gpu: decoder layers (default 30; cpu: 2)")

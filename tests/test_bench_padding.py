@@ -123,3 +123,29 @@ def test_every_benchmark_follows_one_protocol(monkeypatch: pytest.MonkeyPatch, c
     assert main(["bench", "events"]) == 1 and "exactness checks: FAILED" in capsys.readouterr().out
     monkeypatch.setattr(events, "run", lambda quick, device: {**result, "correct": True, "all_targets_met": False})
     assert main(["bench", "events"]) == 0 and "targets: NOT all met" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quick_train_bench_runs_every_variant_through_llm_foundry(capsys) -> None:
+    """Stock hf_causal_lm (padded, packing_ratio auto) and ours (mask, pack) through LLM-Foundry's train, untimed:
+    every variant trains, Composer's SpeedMonitor reports its throughput, ours matches the per-document truth."""
+    from foundry_attn.bench.train import VARIANTS
+
+    assert main(["bench", "train", "--json", "--quick"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"command", "settings", "mixes", "targets", "correct", "all_targets_met"} <= result.keys()
+    blog = result["mixes"]["blog"]
+    assert set(blog) == set(VARIANTS)
+    for name in VARIANTS:
+        v = blog[name]
+        assert "error" not in v, v.get("error")
+        assert v["tokens_per_s"] > 0 and v["tokens_per_s_wall"] > 0 and v["peak_rss_mb"] > 0, name
+        assert v["steps"] == result["settings"]["warmup"] + result["settings"]["timed"], name
+        assert v["loss_diff_vs_truth"] is not None, name
+    # the same documents reach every variant: six per batch, except stock packing's packed rows (more per batch)
+    assert blog["stock_padded"]["real_tokens_per_batch"] == 1395 == blog["ours_pack"]["real_tokens_per_batch"]
+    assert blog["stock_packing"]["documents_per_batch"] > 6 and blog["ours_pack"]["rows_per_batch"] == 1
+    assert result["correct"], {k: t for k, t in result["targets"].items() if "loss" in k}
+    for name in ("ours_mask", "ours_pack"):
+        host = blog[name]["host"]
+        assert host["collate_ms"] > 0 and host["prepare_documents_ms"] > 0 and 0 < host["host_fraction"] < 1

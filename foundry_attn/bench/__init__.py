@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-
 #: every benchmark module under this package, by its ``foundry-attn bench`` name
-BENCHES = ("padding", "callbacks", "proof", "compile", "events", "gpu")
+BENCHES = ("padding", "callbacks", "proof", "compile", "events", "gpu", "train")
 
 
 def summary(result: dict[str, Any]) -> str:
