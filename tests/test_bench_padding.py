@@ -126,6 +126,7 @@ def test_every_benchmark_follows_one_protocol(monkeypatch: pytest.MonkeyPatch, c
 
 
 @pytest.mark.slow
+@pytest.mark.foundry
 def test_quick_train_bench_runs_every_variant_through_llm_foundry(capsys) -> None:
     """Stock hf_causal_lm (padded, packing_ratio auto) and ours (mask, pack) through LLM-Foundry's train, untimed:
     every variant trains, Composer's SpeedMonitor reports its throughput, ours matches the per-document truth."""

@@ -783,6 +783,10 @@ def _met(value: float | None, target: float, op: str) -> dict[str, Any]:
 
 def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); ``quick`` is a smoke run, not for the README."""
+    import importlib.util
+
+    if importlib.util.find_spec("llmfoundry") is None:  # the core alone (a bare GPU box): nothing to compare with
+        return {"command": COMMAND, "skipped": "bench train runs LLM-Foundry: pip install 'foundry-attn[foundry]'"}
     import platform
 
     import torch
@@ -838,6 +842,8 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
 
 def summary(result: Mapping[str, Any]) -> str:
     """The table and the targets as text (what ``--json`` leaves out)."""
+    if "skipped" in result:
+        return str(result["skipped"])
     lines = []
     for mix, variants in result["mixes"].items():
         lines.append(f"== {mix} mix ==")
