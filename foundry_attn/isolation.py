@@ -2,7 +2,7 @@
 
     rows = packed_rows(batch)                        # (row, start, document lengths) of rows with 2+ documents
     verdict = measure(hf_model, batch, logits)       # the first documents of one row alone vs the packed slice
-    verdict = structural(hf_model, batch_features(batch))   # where a second forward is not possible
+    verdict = structural(hf_model, Features.of(batch))      # where a second forward is not possible
     verdict.line()  # 'documents isolated (measured: ...)' | 'documents LEAK (...)' | 'not packed (...)'
 
 The measurement is the proof of :mod:`foundry_attn.proof` turned on a training batch: the model's own forward on
@@ -28,6 +28,7 @@ import transformers
 
 from foundry_attn.backends import backend_of, config_value
 from foundry_attn.forward import path_state
+from foundry_attn.inspection import mpt_attn_impl
 from foundry_attn.proof import differs, evaluating, hidden
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
@@ -128,10 +129,11 @@ class Features:
     padding_mask: bool = False  # a 2-D attention_mask with zeros
 
     @classmethod
-    def of(cls, batch: Mapping) -> Features:
+    def of(cls, batch: Mapping, rows: list[tuple[int, int, tuple[int, ...]]] | None = None) -> Features:
+        """``rows``: :func:`packed_rows` of ``batch`` when the caller has them (it costs a host sync)."""
         mask = batch.get("attention_mask")
         return cls(
-            packed=bool(packed_rows(batch)),
+            packed=bool(packed_rows(batch) if rows is None else rows),
             sequence_id=isinstance(batch.get("sequence_id"), torch.Tensor),
             position_ids=isinstance(batch.get("position_ids"), torch.Tensor),
             padding_mask=isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 0).any()),
@@ -143,10 +145,9 @@ class Features:
 
 def _mpt_uses_sequence_id(hf: Any) -> bool | None:
     """MPT's ``attn_uses_sequence_id``, or None for a model that is not MPT."""
-    attn_config = getattr(getattr(hf, "config", None), "attn_config", None)
-    if not isinstance(attn_config, Mapping) or "attn_impl" not in attn_config:
+    if mpt_attn_impl(hf) is None:
         return None
-    return bool(attn_config.get("attn_uses_sequence_id", False))
+    return bool(hf.config.attn_config.get("attn_uses_sequence_id", False))
 
 
 def _detects_packing() -> bool:
@@ -241,12 +242,14 @@ def measure(
     logits: torch.Tensor,
     documents: int = DOCUMENTS,
     context: contextlib.AbstractContextManager | None = None,
+    rows: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> Isolation:
     """Run the first ``documents`` documents of the row with the most documents alone through ``hf`` (its own
     backend, eval mode, no grad, hidden from the tracers; ``context``: the run's precision) and compare their
     logits with ``logits``, the training forward's output for ``batch``. Training forwards with active dropout
-    cannot be compared: the caller reads the structure instead."""
-    rows = packed_rows(batch)
+    cannot be compared: the caller reads the structure instead. ``rows``: :func:`packed_rows` of ``batch``, when
+    the caller has them."""
+    rows = packed_rows(batch) if rows is None else rows
     if not rows:
         return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
     row, start, lengths = max(rows, key=lambda r: len(r[2]))

@@ -189,23 +189,12 @@ def test_verdict_matches_the_leak_measured_independently(
 
 
 @pytest.mark.parametrize("padding", ["pack", "mask"])
-def test_mpt_with_sequence_id_trains_our_packed_batches_exactly(padding: str, tokenizer) -> None:
+def test_mpt_with_sequence_id_trains_our_packed_batches_exactly(
+    padding: str, assets: Path, tokenizer, tmp_path: Path
+) -> None:
     """MPT (``attn_uses_sequence_id: true``, torch attention, learned positions) on our batches: loss and gradients
     equal MPT's on each document alone (one document per row, padded)."""
-    from llmfoundry.models.mpt import ComposerMPTCausalLM
-
-    torch.manual_seed(0)
-    model = ComposerMPTCausalLM(
-        tokenizer=tokenizer,
-        loss_fn="torch_crossentropy",
-        d_model=32,
-        n_heads=4,
-        n_layers=2,
-        expansion_ratio=2,
-        max_seq_len=WIDTH,
-        vocab_size=len(tokenizer),
-        attn_config={"attn_impl": "torch", "attn_uses_sequence_id": True},
-    )
+    model = _model("mpt_sequence_id", assets, tokenizer, tmp_path)
     docs = [torch.tensor(d) for d in _docs(tokenizer, 10, seed=1)]
     batch = PaddingCollator(tokenizer.pad_token_id, tokenizer.eos_token_id, WIDTH, mode=padding)(docs)
     alone = PaddingCollator(tokenizer.pad_token_id, tokenizer.eos_token_id, WIDTH, mode="mask")(docs)

@@ -44,6 +44,7 @@ from foundry_attn.isolation import (
     active_dropout,
     fix_for,
     measure,
+    packed_rows,
     structural,
 )
 from foundry_attn.packing import PaddingCollator
@@ -315,7 +316,8 @@ class AttentionInspector(ReleasingCallback):
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
             return Isolation(UNKNOWN, reason="the batch has no input_ids tensor")
         hf = found[1]
-        features = Features.of(batch)
+        rows = packed_rows(batch)  # one host sync, shared by the reading and the measurement
+        features = Features.of(batch, rows)
         if not features.packed:
             return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
         blocked = (
@@ -333,7 +335,7 @@ class AttentionInspector(ReleasingCallback):
         if not isinstance(logits, torch.Tensor):
             return Isolation(UNKNOWN, reason=f"the model's output ({type(outputs).__name__}) carries no logits")
         try:
-            return measure(hf, batch, logits, context=get_precision_context(state.precision))
+            return measure(hf, batch, logits, context=get_precision_context(state.precision), rows=rows)
         except Exception as exc:  # the check never breaks training
             return Isolation(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
 
