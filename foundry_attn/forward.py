@@ -48,7 +48,9 @@ class PathGuard(Protocol):
     path: str
     flat_name: str
 
-    def before_batch(self, model: Any, batch: Mapping, layout: Layout) -> None: ...
+    def before_batch(self, model: Any, inputs: Mapping[str, Any], own_positions: bool) -> bool:
+        """Prove the flat path on ``inputs`` when due; whether the batch runs them (False: rows)."""
+        ...
 
 
 def path_state(model: Any) -> PathGuard | None:
@@ -101,14 +103,14 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
         labels = None
     hf = unwrapped(model)
     state = path_state(hf)
-    if state is not None:
-        state.before_batch(model, batch, layout)  # proves the flat path on this batch when it is due
-    else:
+    if state is None:
         _say_unproven(type(hf).__name__)
-    if state is not None and state.path == FLAT and hf.config._attn_implementation == state.flat_name:
-        inputs, placed = _flat(model, ids, _flat_positions(batch, layout), labels, layout)
-    else:
-        inputs, placed = _rows(model, ids, _user_positions(batch), labels, layout)
+    elif state.path == FLAT and hf.config._attn_implementation == state.flat_name:
+        inputs, placed = flat_inputs(model, ids, _flat_positions(batch, layout), labels, layout)
+        # the proof, when due, runs these very inputs; a failure moves this batch (and the run) to rows
+        if state.before_batch(model, inputs, own_positions="doc_lens" not in batch):
+            return inputs, placed, no_targets
+    inputs, placed = _rows(model, ids, _user_positions(batch), labels, layout)
     return inputs, placed, no_targets
 
 
@@ -155,10 +157,11 @@ def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[i
     return labels
 
 
-def _flat(
+def flat_inputs(
     model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
 ) -> tuple[dict[str, Any], tuple]:
-    """Unpad once into one flat row of real tokens; every attention call gets the documents."""
+    """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
+    (:mod:`foundry_attn.proof`) runs these very inputs: the layout that trains."""
     flat = layout.real_indices(ids.device)
     docs = Documents.of(layout.bounds(), ids.device)
     total = docs.bounds[-1]

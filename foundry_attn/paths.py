@@ -11,11 +11,14 @@
       attn_proof_interval: 100     # re-prove every N training batches (0: first batch and changes only)
 
 **flat** (unpad once, the documents as an argument of every attention call) is used only while the proof
-(:mod:`foundry_attn.proof`) holds: at attach on two synthetic documents, on the first training batch at its
-real length, whenever the function behind the dispatch or a module's ``forward`` changes (an identity check
-per batch), and every ``interval`` batches. **rows** (the stock backend, one document per row, a 2-D mask)
-is used otherwise: a failed proof moves the run there with one warning (or, binding, raises with the reason
-and the batch). Core module: torch and transformers only.
+(:mod:`foundry_attn.proof`: the flat row that trains against stock on each document alone, logits and gradients)
+holds: at attach on two synthetic documents; on a training batch before it trains: the first, any batch longer than
+every length proven so far (the flat row beyond the next power of two of the longest proven, or a document beyond
+that of the longest proven document: the number of such proofs grows with the log of the lengths), and whenever a
+function behind the dispatch, a kernel the flat path calls or a module's ``forward`` changes (an identity check per
+batch); and every ``interval`` batches, forward only. **rows** (the stock backend, one document per row, a 2-D mask)
+is used otherwise: a failed proof moves the run there, from the batch it failed on, with one warning (or, binding,
+raises with the reason and the batch). Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -41,17 +44,11 @@ from foundry_attn.backends import (
     TORCH_VARLEN,
     backend_of,
 )
-from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, path_state
+from foundry_attn.documents import DOCS_KEY, Documents
+from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, flat_inputs, path_state
 from foundry_attn.layout import Layout
 from foundry_attn.policy import AttentionUnavailableError
-from foundry_attn.proof import (
-    Verdict,
-    batch_documents,
-    proof_lengths,
-    prove_flat,
-    shortest_window,
-    synthetic_documents,
-)
+from foundry_attn.proof import Verdict, pick, proof_lengths, prove_flat, shortest_window, synthetic_documents
 from foundry_attn.unwrap import unwrapped
 
 log = logging.getLogger(__name__)
@@ -63,6 +60,46 @@ PROOF_INTERVAL = 100
 #: eager math, as stock flex cannot run everywhere) and the stock name its rows path runs
 TRUTH = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: EAGER}
 ROWS_NAME = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: FLEX}
+
+
+def _ceil2(n: int) -> int:
+    """The next power of two of ``n`` (``n`` itself when it is one)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _agreed(lengths: tuple[int, int], hf: Any) -> tuple[int, int]:
+    """The longest ``lengths`` over the ranks of a sharded model (FSDP2: its parameters are DTensors), so every rank
+    proves the same batches and all-gathers as often as the others; this rank's own elsewhere (DDP's proofs run
+    the inner module, with no collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return lengths
+    from torch.distributed.tensor import DTensor
+
+    param = next(hf.parameters())
+    if not isinstance(param, DTensor):
+        return lengths
+    values = torch.tensor(lengths, dtype=torch.long, device=param.to_local().device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return int(values[0]), int(values[1])
+
+
+def kernels() -> tuple:
+    """The kernels the flat path calls, by identity: transformers' ``_flash_attention_forward`` and the flash
+    symbols it looks up at call time, torch's SDPA, varlen and flex functions. A patch on any of them is a change."""
+    from torch.nn.attention import flex_attention as flex
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    from foundry_attn.torch_varlen import torch_varlen_kernel
+
+    return (
+        torch.nn.functional.scaled_dot_product_attention,
+        fa_utils._flash_attention_forward,
+        *(getattr(fa_utils, n, None) for n in ("flash_attn_varlen_func", "flash_attn_func", "_flash_varlen_fn")),
+        torch_varlen_kernel(),
+        getattr(flex, "flex_attention", None),
+    )
 
 
 class FlatPathError(AttentionUnavailableError):
@@ -90,6 +127,7 @@ class PathState:
     proofs: list[tuple[str, Verdict]] = dataclasses.field(default_factory=list)
     batches: int = 0
     proven_on_batch: bool = False
+    covered: tuple[int, int] = (0, 0)  # (flat row, document) lengths proven, each up to its next power of two
     notes: list[str] = dataclasses.field(default_factory=list)
     listeners: list[Callable[[PathState], None]] = dataclasses.field(default_factory=list)
     _fingerprint: tuple = ()
@@ -103,14 +141,35 @@ class PathState:
         )
 
     # ---- the proof --------------------------------------------------------------------------------------
-    def prove(self, model: Any, docs: list[torch.Tensor], at: str, compare: tuple[int, ...] | None = None) -> Verdict:
-        """Prove the flat path on ``docs``; a failure moves to rows (or raises, binding)."""
+    def prove(
+        self,
+        model: Any,
+        inputs: Mapping[str, Any],
+        at: str,
+        *,
+        grads: bool = True,
+        own_positions: bool = False,
+    ) -> Verdict:
+        """Prove the flat path on ``inputs`` (:func:`foundry_attn.forward.flat_inputs`); a failure moves to rows
+        (or raises, binding)."""
         hf = unwrapped(model)
         hf.config._attn_implementation = self.flat_name
-        verdict = prove_flat(hf, docs, TRUTH[self.backend], compare, self.reference)
+        docs: Documents = inputs[DOCS_KEY]
+        compare = pick(docs, shortest_window(hf.config))
+        verdict = prove_flat(
+            hf,
+            inputs,
+            TRUTH[self.backend],
+            compare,
+            reference=self.reference,
+            grads=grads,
+            own_positions=own_positions,
+        )
         self.proofs.append((at, verdict))
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
+        if verdict.ok:
+            self.covered = max(self.covered[0], _ceil2(docs.bounds[-1])), max(self.covered[1], _ceil2(docs.max_length))
         if not verdict.ok:
             self.refuse(hf, f"proof at {at} {verdict.describe()}", check="proof")
         elif self.path == FLAT:
@@ -119,15 +178,15 @@ class PathState:
 
     def fingerprint(self) -> tuple:
         """What the flat path's exactness rests on, by identity: the dispatch entries of our name and the stock
-        one, torch's SDPA, every module's ``forward`` (class and instance) and HF checkpointing. Costs microseconds
-        (measured in ``bench proof``)."""
+        one, the kernels the flat path calls (:func:`kernels`), every module's ``forward`` (class and instance) and
+        HF checkpointing. Costs microseconds (measured in ``bench proof``)."""
         from transformers.modeling_utils import AttentionInterface
 
         table = AttentionInterface._global_mapping
         return (
             table.get(self.flat_name),
             table.get(self.rows_name),
-            torch.nn.functional.scaled_dot_product_attention,
+            *kernels(),
             # a module's forward (class, instance) and HF gradient checkpointing switched on or off
             *(
                 (type(m).forward, m.__dict__.get("forward"), m.__dict__.get("gradient_checkpointing"))
@@ -135,29 +194,32 @@ class PathState:
             ),
         )
 
-    def before_batch(self, model: Any, batch: Mapping, layout: Layout) -> None:
-        """Called by ``forward_documents`` for every batch: proves the flat path when due (training batches)."""
-        hf = unwrapped(model)
-        if self.path != FLAT or not (hf.training and torch.is_grad_enabled()):
-            return
-        if hf.config._attn_implementation != self.flat_name:  # switched away after attach: rows, unproven
-            return
-        self.batches += 1
-        due = None
+    def due(self, hf: Any, docs: Documents) -> tuple[str, bool] | None:
+        """Why a proof is due on a training batch with these documents, and whether it compares gradients."""
         if not self.proven_on_batch:
-            due = "the first training batch"
-        elif self.fingerprint() != self._fingerprint:
-            due = "a change of the attention code"
-        elif self.interval and self.batches % self.interval == 0:
-            due = f"the {self.interval}-batch interval"
+            return "the first training batch", True
+        if self.fingerprint() != self._fingerprint:
+            return "a change of the attention code", True
+        tokens, longest = _agreed((docs.bounds[-1], docs.max_length), hf)
+        if tokens > self.covered[0] or longest > self.covered[1]:
+            return f"a longer batch: {tokens} tokens, documents up to {longest}; proven up to {self.covered}", True
+        if self.interval and self.batches % self.interval == 0:
+            return f"the {self.interval}-batch interval", False
+        return None
+
+    def before_batch(self, model: Any, inputs: Mapping[str, Any], own_positions: bool) -> bool:
+        """Called by ``forward_documents`` with the flat inputs of every batch: proves them when due (training
+        batches). Whether the batch runs them (False: the proof moved the run to rows)."""
+        hf = unwrapped(model)
+        if not (hf.training and torch.is_grad_enabled()):
+            return True
+        self.batches += 1
+        due = self.due(hf, inputs[DOCS_KEY])
         if due is None:
-            return
-        picked = batch_documents(batch["input_ids"], layout, shortest_window(hf.config))
-        if picked is None:
-            return
-        docs, compare = picked
+            return True
         self.proven_on_batch = True
-        self.prove(model, docs, f"batch {self.batches} ({due})", compare)
+        self.prove(model, inputs, f"batch {self.batches} ({due[0]})", grads=due[1], own_positions=own_positions)
+        return self.path == FLAT
 
     # ---- moving to rows ---------------------------------------------------------------------------------
     def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:
@@ -247,7 +309,10 @@ def attach(
     elif prove_now:
         device = next(hf.parameters()).device
         docs = synthetic_documents(hf.config, proof_lengths(hf.config), device)
-        state.prove(hf, docs, "attach")
+        layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
+        ids = torch.cat(docs)[None]
+        inputs, _ = flat_inputs(hf, ids, layout.position_ids(device), None, layout)
+        state.prove(hf, inputs, "attach")
     else:
         state.reason = "flat, proven on the first training batch"
     return state

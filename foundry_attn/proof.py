@@ -1,13 +1,25 @@
-"""The proof that a packed row trains as its documents alone: the packed slice against **stock** on each document.
+"""The proof that a packed row trains as its documents alone: the flat row **that trains** against **stock** on
+each document alone, in its logits and in its gradients.
 
-    verdict = prove_flat(hf_model, [doc_a, doc_b], stock="sdpa")      # what foundry_attn.paths.attach runs
+    inputs, _ = flat_inputs(hf_model, ids, positions, None, layout)     # the forward's own flat row
+    verdict = prove_flat(hf_model, inputs, stock="sdpa", compare=(0, 2))
     verdict.ok, verdict.worst, verdict.reason
 
-The truth is the model's own forward on one document, with its own (stock) backend and none of our arguments;
-the packed row runs through our flat path. Anything the flat path drops (attention sinks, a position bias, a
-window that lives only in the mask, state that an SSM layer carries from one document to the next, position
-ids counted from ``padding_idx``) shows up as a difference, the first document included. Eval mode, no grad,
-no global RNG: it changes nothing the training run sees. Core module: torch and transformers only.
+The packed side is the flat row the forward built for the batch (its full length, its ``position_ids``, every row
+of the batch flattened into one), so the proof runs the layout that trains. The truth is the model's own forward
+on one document, with its own (stock) backend and none of our arguments. Anything the flat path drops (attention
+sinks, a position bias, a window that lives only in the mask, state an SSM layer carries from one document to the
+next, position ids counted from ``padding_idx``) shows up as a difference, the first document included.
+
+With ``grads`` the proof also compares the gradient of each compared document's next-token loss with respect to the
+input embeddings (packed slice against the document alone), and checks that no other document's embeddings
+receive any of it: an attention whose forward is right and whose backward is wrong is caught too.
+
+fp32 compares max |diff| (logits ``ATOL_FP32`` x max |logit|, gradients ``GRAD_RTOL_FP32`` x max |grad|). Half
+precision (autocast or half weights) compares **per token**, the worst token's relative L2 difference over the
+vocabulary (or the hidden size, for gradients) against ``TOKEN_RTOL_HALF``, a limit set from measured bf16 noise
+(``foundry-attn bench proof``: stock against itself, no leak), so a leak confined to a few tokens is not averaged
+away. Eval mode, no global RNG: it changes nothing the training run sees. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -16,23 +28,25 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-import itertools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from foundry_attn.backends import config_value
-from foundry_attn.documents import DocumentsDropped, FlatUnsupported
-from foundry_attn.forward import _flat, kernel_context
-from foundry_attn.layout import Layout
+from foundry_attn.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
+from foundry_attn.forward import kernel_context
 from foundry_attn.unwrap import unwrapped
 
-#: logits tolerance: fp32 max |diff| <= ATOL * max(1, max |logit|); half precision: relative L2 norm
+#: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
 ATOL_FP32 = 1e-4
-RTOL_HALF = 2e-2
+GRAD_RTOL_FP32 = 1e-4
+#: half precision: the worst token's relative L2 difference (logits over the vocabulary, gradients over the hidden
+#: size). Set from measured bf16 noise (stock against itself, no leak; ``foundry-attn bench proof``)
+TOKEN_RTOL_HALF = 2e-2
 
 
 _PROVING = contextvars.ContextVar("foundry_attn_proving", default=False)
@@ -55,19 +69,22 @@ def hidden() -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """One proof: ``ok`` with the worst difference, or the reason it failed (and which documents)."""
+    """One proof: ``ok`` with the worst differences, or the reason it failed (and which documents)."""
 
     ok: bool
-    worst: float = 0.0
+    worst: float = 0.0  # logits
     reason: str = ""
     ms: float = 0.0
-    lengths: tuple[int, ...] = ()  # the packed row's documents
-    compared: tuple[int, ...] = ()  # the indices of the documents run alone
+    lengths: tuple[int, ...] = ()  # the documents compared, alone
+    compared: tuple[int, ...] = ()  # their indices in the flat row
+    tokens: int = 0  # the flat row's length
+    worst_grad: float | None = None  # gradients (None: forward only)
 
     def describe(self) -> str:
-        docs = f"documents {list(self.lengths)}"
+        grads = "" if self.worst_grad is None else f", gradients {self.worst_grad:.1e}"
+        docs = f"documents {list(self.lengths)} of a {self.tokens}-token row"
         if self.ok:
-            return f"passed in {self.ms:.0f} ms ({docs}, worst |diff| {self.worst:.1e})"
+            return f"passed in {self.ms:.0f} ms ({docs}, worst |diff| {self.worst:.1e}{grads})"
         return f"failed ({docs}): {self.reason}"
 
 
@@ -107,6 +124,18 @@ def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
     return max(first, 9), 13
 
 
+def pick(docs: Documents, window: int | None = None) -> tuple[int, int]:
+    """The two documents of a flat row to run alone: the last (the one most exposed to what precedes it, ending at
+    the row's full length) and the longest other (longer than ``window`` when one is). A row of one document runs
+    it twice: always two forwards alone, so FSDP ranks proving the same batch all-gather the same number of times."""
+    lengths = [e - s for s, e in docs.spans]
+    last = len(lengths) - 1
+    if last == 0:
+        return 0, 0
+    others = sorted(range(last), key=lambda i: -lengths[i])
+    return next((i for i in others if window and lengths[i] > window), others[0]), last
+
+
 @contextlib.contextmanager
 def _implementation(hf: Any, name: str) -> Iterator[None]:
     """``config._attn_implementation`` set to ``name`` for the block, restored after."""
@@ -119,101 +148,226 @@ def _implementation(hf: Any, name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def evaluating(model: Any) -> Iterator[None]:
+def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
+    """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             yield
     finally:
         model.train(was_training)
 
 
-def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool) -> tuple[float, bool]:
-    """The difference and whether it is beyond tolerance (nan always is)."""
+def half(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a forward in ``dtype`` on ``device`` computes in half precision (half weights or autocast)."""
+    return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, rtol: float = ATOL_FP32) -> tuple[float, bool]:
+    """The difference and whether it is beyond tolerance (nan always is). fp32: max |diff| against ``rtol`` x
+    max(1, max |want|); half: the worst token's (row's) relative L2 difference against :data:`TOKEN_RTOL_HALF`."""
     if got.shape != want.shape:
         return float("inf"), True
     got, want = got.float(), want.float()
     if fp32:
-        worst = (got - want).abs().max().item()
-        return worst, not worst <= ATOL_FP32 * max(1.0, want.abs().max().item())
-    worst = ((got - want).norm() / want.norm().clamp_min(1e-6)).item()
-    return worst, not worst <= RTOL_HALF
+        worst = (got - want).abs().max().item() if got.numel() else 0.0
+        return worst, not worst <= rtol * max(1.0, want.abs().max().item() if want.numel() else 0.0)
+    per_token = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    worst = per_token.max().item() if per_token.numel() else 0.0
+    return worst, not worst <= TOKEN_RTOL_HALF
+
+
+def _grad_differs(got: torch.Tensor, want: torch.Tensor, fp32: bool) -> tuple[float, bool]:
+    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token, as logits."""
+    if not fp32:
+        return differs(got, want, False)
+    scale = want.float().abs().max().item() if want.numel() else 0.0
+    worst = (got.float() - want.float()).abs().max().item() / max(scale, 1e-30) if got.numel() else 0.0
+    return worst, not worst <= GRAD_RTOL_FP32
+
+
+@contextlib.contextmanager
+def _embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
+    """The input embeddings of each forward in the block, as tensors the loss can be differentiated against (a
+    frozen embedding's output becomes a leaf that requires grad: the same values, the same graph above it)."""
+    captured: list[torch.Tensor] = []
+    module = hf.get_input_embeddings() if grads and hasattr(hf, "get_input_embeddings") else None
+    if module is None:
+        yield captured
+        return
+
+    def hook(_: Any, __: Any, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        if not out.requires_grad:
+            out = out.detach().requires_grad_()
+        captured.append(out)
+        return out
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids."""
+    return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
+
+
+@dataclasses.dataclass
+class _Run:
+    """One forward's logits ``[tokens, vocab]`` and, with grads, the gradient of the compared documents' loss with
+    respect to the input embeddings ``[tokens, hidden]`` (None when the model has no embedding module to hook)."""
+
+    logits: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+def _run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> _Run:
+    ids = inputs["input_ids"][0]
+    with _embeddings(hf, grads) as captured:
+        logits = hf(**inputs, use_cache=False).logits[0]
+    if not (grads and captured and captured[0].requires_grad):
+        return _Run(logits.detach())
+    loss = sum(_next_token_loss(logits[s:e], ids[s:e]) for s, e in spans)
+    (grad,) = torch.autograd.grad(loss, captured[0])
+    return _Run(logits.detach(), grad[0])
 
 
 def prove_flat(
     model: Any,
-    docs: Sequence[torch.Tensor],
+    inputs: Mapping[str, Any],
     stock: str,
     compare: Sequence[int] | None = None,
+    *,
     reference: bool = False,
+    grads: bool = True,
+    own_positions: bool = False,
 ) -> Verdict:
-    """Run ``docs`` packed in one row through the flat path (the model's current ``config._attn_implementation``,
-    ours) and the documents in ``compare`` (default: all) alone through ``stock``; compare the logits.
+    """Run ``inputs`` (the flat row of :func:`foundry_attn.forward.flat_inputs`, with its documents) through the
+    flat path (the model's current ``config._attn_implementation``, ours) and the documents in ``compare`` (default:
+    :func:`pick`) alone through ``stock``; compare logits and, with ``grads``, input-embedding gradients.
+    ``own_positions``: the documents alone get the row's ``position_ids`` (a user's positions) instead of the model's
+    own.
 
     Raises nothing the stock forward on one document does not raise; a failure of the flat forward (a layer
     that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a verdict.
     """
     start = time.perf_counter()
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
-    compare = tuple(range(len(docs))) if compare is None else tuple(compare)
+    docs: Documents = inputs[DOCS_KEY]
+    compare = pick(docs) if compare is None else tuple(compare)
     with hidden():
-        worst, reason = _compare(hf, docs, stock, compare, reference)
-    lengths = tuple(int(d.numel()) for d in docs)
-    return Verdict(not reason, worst, reason, (time.perf_counter() - start) * 1e3, lengths, compare)
+        worst, worst_grad, reason = _compare(hf, inputs, stock, compare, reference, grads, own_positions)
+    lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
+    ms = (time.perf_counter() - start) * 1e3
+    return Verdict(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
+
+
+def _alone_inputs(inputs: Mapping[str, Any], span: tuple[int, int], own_positions: bool) -> dict[str, Any]:
+    """Stock on one document, with the all-ones mask a padded batch would give it (some families are not causal
+    without a mask: Moshi's eager attention)."""
+    s, e = span
+    ids = inputs["input_ids"][:, s:e]
+    alone = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if own_positions:
+        alone["position_ids"] = inputs["position_ids"][:, s:e]
+    return alone
 
 
 def _compare(
-    hf: Any, docs: Sequence[torch.Tensor], stock: str, compare: tuple[int, ...], reference: bool
-) -> tuple[float, str]:
-    """The worst difference, and why the flat path fails (empty when it holds)."""
-    device = docs[0].device
-    fp32 = next(hf.parameters()).dtype == torch.float32 and not torch.is_autocast_enabled(device.type)
-    with evaluating(hf):
-        with _implementation(hf, stock), kernel_context(stock, device, reference):
+    hf: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: tuple[int, ...],
+    reference: bool,
+    grads: bool,
+    own_positions: bool,
+) -> tuple[float, float | None, str]:
+    """The worst logits and gradient differences, and why the flat path fails (empty when it holds)."""
+    docs: Documents = inputs[DOCS_KEY]
+    ids = inputs["input_ids"]
+    fp32 = not half(next(hf.parameters()).dtype, ids.device)
+    spans = {i: docs.spans[i] for i in dict.fromkeys(compare)}
+    with evaluating(hf, grad=grads):
+        with _implementation(hf, stock), kernel_context(stock, ids.device, reference):
             try:
-                alone = {i: _alone(hf, docs[i]) for i in compare}
+                alone = {
+                    i: _run(hf, _alone_inputs(inputs, span, own_positions), [(0, span[1] - span[0])], grads)
+                    for i, span in spans.items()
+                }
             except Exception as exc:
-                return 0.0, f"stock {stock} cannot run one document alone here: {_short(exc)}"
-        packed, why = _flat_logits(hf, docs)
+                return 0.0, None, f"stock {stock} cannot run one document alone here: {_short(exc)}"
+        packed, why = _flat_run(hf, inputs, list(spans.values()), grads)
     if packed is None:
-        return 0.0, why
-    bounds = list(itertools.accumulate((int(d.numel()) for d in docs), initial=0))
-    worst, leaks = 0.0, []
-    for i in compare:
-        diff, bad = differs(packed[bounds[i] : bounds[i + 1]], alone[i], fp32)
-        worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
+        return 0.0, None, why
+    worst, worst_grad, leaks = 0.0, None, []
+    for i, (s, e) in spans.items():
+        diff, bad = differs(packed.logits[s:e], alone[i].logits, fp32)
+        worst = _worse(worst, diff)
+        if packed.grad is not None and alone[i].grad is not None:
+            gdiff, gbad = _grad_differs(packed.grad[s:e], alone[i].grad, fp32)
+            worst_grad, bad = _worse(worst_grad or 0.0, gdiff), bad or gbad
         if bad:
             leaks.append(i)
     if leaks:
-        return worst, (
-            f"document(s) {leaks} of a packed row differ from stock {stock} on each alone by {worst:.2e}: the flat "
-            "path does not compute what stock computes for this model"
+        grad_note = "" if worst_grad is None else f" (gradients {worst_grad:.2e})"
+        return (
+            worst,
+            worst_grad,
+            (
+                f"document(s) {leaks} of a packed row differ from stock {stock} on each alone by {worst:.2e}"
+                f"{grad_note}: the flat path does not compute what stock computes for this model"
+            ),
         )
-    return worst, _dropped_in_training(hf, docs) or ""
+    if packed.grad is not None:
+        spilled = _spilled(packed.grad, list(spans.values()), fp32)
+        if spilled:
+            return worst, worst_grad, spilled
+    return worst, worst_grad, _dropped_in_training(hf, inputs) or ""
 
 
-def _dropped_in_training(hf: Any, docs: Sequence[torch.Tensor]) -> str | None:
+def _worse(worst: float, diff: float) -> float:
+    return math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
+
+
+def _spilled(grad: torch.Tensor, spans: Sequence[tuple[int, int]], fp32: bool) -> str:
+    """The compared documents' loss must not reach any other document's embeddings (a backward that mixes
+    documents): their gradient there is zero up to the tolerance."""
+    inside = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
+    for s, e in spans:
+        inside[s:e] = True
+    if bool(inside.all()):
+        return ""
+    scale = grad[inside].float().abs().max().item()
+    outside = grad[~inside].float().abs().max().item()
+    limit = (GRAD_RTOL_FP32 if fp32 else TOKEN_RTOL_HALF) * max(scale, 1e-30)
+    if outside <= limit:
+        return ""
+    return (
+        f"the loss of documents packed in one row reaches other documents' embeddings (gradient {outside:.2e}, "
+        f"{outside / max(scale, 1e-30):.1e} of its largest): the flat path's backward mixes documents"
+    )
+
+
+def _dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
     """Under HF gradient checkpointing some layers call attention without ``**kwargs`` (GPT-NeoX in 4.51), which
     the eval-mode proof never sees: one flat forward in training mode, without grad (an exception inside a
     non-reentrant checkpoint with grad would leave its hooks behind), the RNG restored after its dropout."""
     if not getattr(hf, "is_gradient_checkpointing", False):
         return None
-    device = docs[0].device
+    device = inputs["input_ids"].device
     was_training = hf.training
     hf.train()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _, why = _flat_logits(hf, docs)
+            _, why = _flat_run(hf, inputs, [], False)
     finally:
         hf.train(was_training)
     return f"under HF gradient checkpointing: {why}" if why else None
-
-
-def _alone(hf: Any, doc: torch.Tensor) -> torch.Tensor:
-    """Stock on one document, with the all-ones mask a padded batch would give it (some families are not causal
-    without a mask: Moshi's eager attention)."""
-    return hf(input_ids=doc[None], attention_mask=torch.ones_like(doc[None]), use_cache=False).logits[0]
 
 
 def passes_kwargs(model: Any) -> bool:
@@ -223,19 +377,18 @@ def passes_kwargs(model: Any) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _flat_logits(hf: Any, docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, str]:
-    """The flat path's logits of ``docs`` packed in one row, or None and why it cannot run."""
+def _flat_run(
+    hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool
+) -> tuple[_Run | None, str]:
+    """The flat path's run of ``inputs``, or None and why it cannot run. The documents object is a fresh copy, so
+    its call count is this forward's alone."""
     if not passes_kwargs(hf):
         base = type(getattr(hf, "base_model", hf)).__name__
         return None, f"{base}.forward takes no **kwargs: the documents cannot reach attention"
-    ids = torch.cat(list(docs))[None]
-    lengths = [int(d.numel()) for d in docs]
-    layout = Layout((tuple(lengths),), ids.shape[1])
-    positions = layout.position_ids(ids.device)
+    docs: Documents = inputs[DOCS_KEY]
+    fresh = Documents(docs.bounds, docs.cu, docs.host_bounds)
     try:
-        inputs, _ = _flat(hf, ids, positions, None, layout)
-        docs_arg = inputs["foundry_documents"]
-        logits = hf(**inputs, use_cache=False).logits[0]
+        run = _run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads)
     except DocumentsDropped as exc:
         caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
         checkpointing = (
@@ -249,42 +402,11 @@ def _flat_logits(hf: Any, docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | 
         return None, str(exc)
     except Exception as exc:
         return None, f"the flat row does not run: {_short(exc)}"
-    if docs_arg.calls == 0:
+    if fresh.calls == 0:
         return None, "no attention call received the documents: this model's attention bypasses transformers' interface"
-    return logits, ""
+    return run, ""
 
 
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
-def batch_documents(
-    batch_ids: torch.Tensor, layout: Layout, window: int | None = None
-) -> tuple[list[torch.Tensor], tuple[int, ...]] | None:
-    """The documents of one row of a training batch to prove on, at its real length, and which two to run
-    alone: the row with the most documents (with one longer than ``window`` first); the last (the one most exposed
-    to what precedes it) and the longest other (longer than ``window`` when one is). A row of one document is cut
-    in two (a one-token row is used twice): always three forwards, so FSDP ranks proving the same batch index
-    all-gather the same number of times.
-    None: a batch without real tokens."""
-    if not any(layout.doc_lens):
-        return None
-
-    def rank(i: int) -> tuple[bool, int, int]:  # a document longer than the window first, then most documents
-        row = layout.doc_lens[i]
-        return (bool(window) and len(row) > 1 and max(row[:-1]) > (window or 0), len(row), sum(row))
-
-    r = max(range(len(layout.doc_lens)), key=rank)
-    lens = list(layout.doc_lens[r])
-    start = layout.starts[r] if layout.starts else 0
-    row = batch_ids[r, start : start + sum(lens)]
-    if len(lens) == 1 and lens[0] < 2:
-        return [row, row], (0, 1)
-    if len(lens) == 1:
-        lens = [lens[0] // 2, lens[0] - lens[0] // 2]
-    docs = list(torch.split(row, lens))
-    last = len(docs) - 1
-    others = sorted(range(last), key=lambda i: -lens[i])
-    other = next((i for i in others if window and lens[i] > window), others[0])
-    return docs, (other, last)

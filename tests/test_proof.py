@@ -214,3 +214,156 @@ def test_a_config_switched_after_attach_runs_rows_unproven() -> None:
     out = forward_documents(model, _batch(0))
     assert out.logits.shape[0] == sum(len(r) for r in LENGTHS) and state.path == "flat"
     assert [at for at, _ in state.proofs] == ["attach"] and model.config._attn_implementation == "eager"
+
+
+# ---- what a proof on logits alone, on the first batch's length, or on one row would miss ----------------------
+
+
+def _rows_batch(rows: list[list[int]], seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(sum(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for r, row in enumerate(rows):
+        n = sum(row)
+        ids[r, :n] = torch.randint(1, conformance.VOCAB, (n,), generator=gen)
+        labels[r, :n] = ids[r, :n]
+    return {"input_ids": ids, "labels": labels, "doc_lens": [list(r) for r in rows]}
+
+
+def _truth_grads(stock: torch.nn.Module, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """Stock sdpa on each document alone: the mean loss over every target, and its parameter gradients (computed
+    without any of our code: an independent truth)."""
+    stock.zero_grad(set_to_none=True)
+    docs = [
+        batch["input_ids"][r, start : start + n]
+        for r, row in enumerate(batch["doc_lens"])
+        for start, n in zip([sum(row[:i]) for i in range(len(row))], row, strict=True)
+    ]
+    targets = sum(d.numel() - 1 for d in docs)
+    loss = sum(F.cross_entropy(stock(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs)
+    (loss / targets).backward()
+    grads = {n: p.grad.clone() for n, p in stock.named_parameters() if p.grad is not None}
+    return (loss / targets).item(), grads
+
+
+def _backward_leak(genuine):
+    """Right in the forward, wrong in the backward: the value of ``genuine``, the gradient of plain causal attention
+    over the whole packed row (a real class of kernel bug)."""
+    leaky = leaky_attention(genuine)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        good, _ = genuine(module, query, key, value, attention_mask, **kwargs)
+        bad, _ = leaky(module, query, key, value, attention_mask, **kwargs)
+        return bad + (good - bad).detach(), None
+
+    return attention
+
+
+@contextlib.contextmanager
+def _registered(name: str, wrap) -> Iterator[None]:
+    from transformers.modeling_utils import AttentionInterface
+
+    register()
+    table = AttentionInterface._global_mapping
+    genuine = table[name]
+    table[name] = wrap(genuine)
+    try:
+        yield
+    finally:
+        table[name] = genuine
+
+
+def _train(model, stock, batches, leak=None, leak_at=0) -> list[tuple[float, float]]:
+    """Each batch through forward_documents (the leak applied from ``leak_at``): its loss and relative gradient
+    error against stock on each document alone."""
+    errors = []
+    with contextlib.ExitStack() as stack:
+        for step, batch in enumerate(batches):
+            if leak is not None and step == leak_at:
+                stack.enter_context(leak())
+            model.zero_grad(set_to_none=True)
+            out = forward_documents(model, batch)
+            out.loss.backward()
+            truth, grads = _truth_grads(stock, batch)
+            worst = max(
+                ((p.grad - grads[n]).norm() / grads[n].norm().clamp_min(1e-12)).item()
+                for n, p in model.named_parameters()
+                if n in grads
+            )
+            errors.append((abs(out.loss.item() - truth), worst))
+    return errors
+
+
+def _exact(errors: list[tuple[float, float]]) -> bool:
+    return all(loss <= conformance.LOSS_TOL and grad <= conformance.GRAD_TOL for loss, grad in errors)
+
+
+@pytest.mark.parametrize("leak_at", [0, 2])
+def test_a_backward_only_leak_is_caught_on_its_first_batch(leak_at: int) -> None:
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).train()
+    batches = [_batch(seed) for seed in range(4)]
+    state = attach(model, "sdpa")
+    assert state.proofs[-1][1].worst_grad is not None  # attach compares gradients too
+
+    def leak():
+        return _registered("foundry_sdpa", _backward_leak)
+
+    errors = _train(model, stock, batches, leak, leak_at)
+    assert _exact(errors), errors
+    assert state.path == "rows" and f"proof at batch {leak_at + 1}" in state.reason, state.reason
+    assert "gradients" in state.reason
+
+
+def test_a_leak_that_appears_only_at_a_longer_length_is_caught_on_the_batch_that_reaches_it() -> None:
+    """The first batches are 118 tokens flat; a later one is 300: the kernel goes wrong above 200 tokens."""
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).train()
+    batches = [_batch(0), _batch(1), _rows_batch([[90, 60], [70, 80]], 2), _rows_batch([[90, 60], [70, 80]], 3)]
+    state = attach(model, "sdpa")
+
+    def leak():
+        return _registered("foundry_sdpa", lambda genuine: leaky_attention(genuine, 200))
+
+    errors = _train(model, stock, batches, leak, 0)
+    assert _exact(errors), errors
+    assert state.path == "rows" and "proof at batch 3 (a longer batch: 300 tokens" in state.reason, state.reason
+
+
+def test_a_leak_above_the_rows_length_but_below_the_flattened_length_is_caught() -> None:
+    """Rows of 60 and 58 tokens train as one flat row of 118: a kernel that goes wrong above 100 tokens is caught
+    on the first batch, which the proof runs at its flattened length."""
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).train()
+    state = attach(model, "sdpa")
+
+    def leak():
+        return _registered("foundry_sdpa", lambda genuine: leaky_attention(genuine, 100))
+
+    errors = _train(model, stock, [_batch(0), _batch(1)], leak, 0)
+    assert _exact(errors), errors
+    assert state.path == "rows" and "proof at batch 1" in state.reason and "118-token row" in state.reason
+
+
+def test_lengths_are_proven_a_logarithmic_number_of_times() -> None:
+    """A mix whose lengths grow batch after batch: a proof each time a length passes the next power of two."""
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa", interval=0)
+    for step, n in enumerate(range(20, 260, 10)):
+        batch = _rows_batch([[n // 2, n - n // 2]], step)
+        forward_documents(model, batch).loss.backward()
+    longer = [at for at, _ in state.proofs if "longer batch" in at]
+    assert 2 <= len(longer) <= 4, [at for at, _ in state.proofs]  # 24 batches from 20 to 250 tokens
+    assert all(v.ok for _, v in state.proofs) and state.path == "flat"
+
+
+def test_a_patched_kernel_the_flat_path_calls_is_a_change() -> None:
+    """A patch on a kernel (here torch's SDPA, called per document) is noticed on the next batch and proven."""
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa", interval=0)
+    forward_documents(model, _batch(0))
+    with _leak("torch_sdpa", 10_000):  # patched, harmless: the identity changed, the math did not
+        forward_documents(model, _batch(1))
+    assert [at for at, _ in state.proofs][-1] == "batch 2 (a change of the attention code)"
+    assert state.path == "flat"
