@@ -29,7 +29,7 @@ import transformers
 from foundry_attn.backends import backend_of, config_value
 from foundry_attn.forward import path_state
 from foundry_attn.inspection import mpt_attn_impl
-from foundry_attn.proof import differs, evaluating, hidden
+from foundry_attn.proof import Limits, Run, differs, evaluating, hidden, stock_noise
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
 MEASURED, STRUCTURAL = "measured", "structural"
@@ -266,7 +266,8 @@ def measure(
         for i, (a, b) in enumerate(itertools.pairwise(bounds)):
             doc = ids[a:b][None]
             alone = hf(input_ids=doc, attention_mask=torch.ones_like(doc), use_cache=False).logits[0]
-            diff, bad = differs(packed[a:b].detach(), alone, fp32)
+            limit = None if fp32 else Limits.half(stock_noise(hf, {"input_ids": doc}, Run(alone))).logits
+            diff, bad = differs(packed[a:b].detach(), alone, fp32, limit)
             worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)
             if bad:
                 leaking.append(i)

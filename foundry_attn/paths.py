@@ -67,6 +67,18 @@ def _ceil2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def proofs_in_run(tokens: list[int], interval: int = PROOF_INTERVAL) -> tuple[int, int]:
+    """How many proofs a run whose batches have these flat-row lengths gets from :meth:`PathState.due` (no change
+    of code): with gradients (the first batch, each longer batch), and forward only (the interval)."""
+    full, forward_only, covered = 0, 0, 0
+    for batch, n in enumerate(tokens, start=1):
+        if batch == 1 or n > covered:
+            full, covered = full + 1, max(covered, _ceil2(n))
+        elif interval and batch % interval == 0:
+            forward_only += 1
+    return full, forward_only
+
+
 def _agreed(lengths: tuple[int, int], hf: Any) -> tuple[int, int]:
     """The longest ``lengths`` over the ranks of a sharded model (FSDP2: its parameters are DTensors), so every rank
     proves the same batches and all-gathers as often as the others; this rank's own elsewhere (DDP's proofs run

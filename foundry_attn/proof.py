@@ -44,9 +44,33 @@ from foundry_attn.unwrap import unwrapped
 #: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
 ATOL_FP32 = 1e-4
 GRAD_RTOL_FP32 = 1e-4
-#: half precision: the worst token's relative L2 difference (logits over the vocabulary, gradients over the hidden
-#: size). Set from measured bf16 noise (stock against itself, no leak; ``foundry-attn bench proof``)
-TOKEN_RTOL_HALF = 2e-2
+#: half precision, per token: logits' relative L2 difference over the vocabulary, gradients' over the hidden size
+#: (relative to the token's norm plus the mean token norm: a token whose gradient is ~0 is no scale). Floors set
+#: from measured bf16 noise of exact paths on the CPU (logits 0, gradients up to 9.5e-3; leaks: logits from 4.4e-3,
+#: gradients from 2.3e-2 normed; ``foundry-attn bench proof`` measures them again), raised to NOISE_FACTOR times
+#: stock's own noise where a device has more (:func:`stock_noise`: stock against itself, measured at each proof)
+TOKEN_RTOL_HALF = 2e-3
+GRAD_TOKEN_RTOL_HALF = 2e-2
+NOISE_FACTOR = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a proof tolerates: fp32 (max |diff|) or half precision (per token, with the noise measured)."""
+
+    fp32: bool = True
+    logits: float = ATOL_FP32
+    grads: float = GRAD_RTOL_FP32
+    noise: tuple[float, float] | None = None  # stock against itself (logits, gradients), half precision
+
+    @classmethod
+    def half(cls, noise: tuple[float, float]) -> Limits:
+        return cls(
+            False,
+            max(TOKEN_RTOL_HALF, NOISE_FACTOR * noise[0]),
+            max(GRAD_TOKEN_RTOL_HALF, NOISE_FACTOR * noise[1]),
+            noise,
+        )
 
 
 _PROVING = contextvars.ContextVar("foundry_attn_proving", default=False)
@@ -164,27 +188,42 @@ def half(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
 
 
-def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, rtol: float = ATOL_FP32) -> tuple[float, bool]:
-    """The difference and whether it is beyond tolerance (nan always is). fp32: max |diff| against ``rtol`` x
-    max(1, max |want|); half: the worst token's (row's) relative L2 difference against :data:`TOKEN_RTOL_HALF`."""
+def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """Each token's (last dimension's) relative L2 difference; ``floor`` adds that share of the mean token norm to
+    each denominator."""
+    got, want = got.float(), want.float()
+    norms = want.norm(dim=-1)
+    scale = norms + floor * norms.mean() if norms.numel() else norms
+    return (got - want).norm(dim=-1) / scale.clamp_min(1e-12)
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, limit: float | None = None) -> tuple[float, bool]:
+    """The difference of two logits tensors and whether it is beyond tolerance (nan always is). fp32: max |diff|
+    against ``limit`` (default :data:`ATOL_FP32`) x max(1, max |want|); half: the worst token's relative L2
+    difference against ``limit`` (default :data:`TOKEN_RTOL_HALF`)."""
     if got.shape != want.shape:
         return float("inf"), True
-    got, want = got.float(), want.float()
+    if not got.numel():
+        return 0.0, False
     if fp32:
-        worst = (got - want).abs().max().item() if got.numel() else 0.0
-        return worst, not worst <= rtol * max(1.0, want.abs().max().item() if want.numel() else 0.0)
-    per_token = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
-    worst = per_token.max().item() if per_token.numel() else 0.0
-    return worst, not worst <= TOKEN_RTOL_HALF
+        worst = (got.float() - want.float()).abs().max().item()
+        return worst, not worst <= (limit or ATOL_FP32) * max(1.0, want.float().abs().max().item())
+    worst = per_token(got, want).max().item()
+    return worst, not worst <= (limit or TOKEN_RTOL_HALF)
 
 
-def _grad_differs(got: torch.Tensor, want: torch.Tensor, fp32: bool) -> tuple[float, bool]:
-    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token, as logits."""
-    if not fp32:
-        return differs(got, want, False)
-    scale = want.float().abs().max().item() if want.numel() else 0.0
-    worst = (got.float() - want.float()).abs().max().item() / max(scale, 1e-30) if got.numel() else 0.0
-    return worst, not worst <= GRAD_RTOL_FP32
+def _grad_differs(got: torch.Tensor, want: torch.Tensor, limits: Limits) -> tuple[float, bool]:
+    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token."""
+    if got.shape != want.shape:
+        return float("inf"), True
+    if not got.numel():
+        return 0.0, False
+    if limits.fp32:
+        scale = want.float().abs().max().item()
+        worst = (got.float() - want.float()).abs().max().item() / max(scale, 1e-30)
+    else:
+        worst = per_token(got, want, floor=1.0).max().item()
+    return worst, not worst <= limits.grads
 
 
 @contextlib.contextmanager
@@ -218,7 +257,7 @@ def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class _Run:
+class Run:
     """One forward's logits ``[tokens, vocab]`` and, with grads, the gradient of the compared documents' loss with
     respect to the input embeddings ``[tokens, hidden]`` (None when the model has no embedding module to hook)."""
 
@@ -226,15 +265,15 @@ class _Run:
     grad: torch.Tensor | None = None
 
 
-def _run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> _Run:
+def _run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
     ids = inputs["input_ids"][0]
     with _embeddings(hf, grads) as captured:
         logits = hf(**inputs, use_cache=False).logits[0]
     if not (grads and captured and captured[0].requires_grad):
-        return _Run(logits.detach())
+        return Run(logits.detach())
     loss = sum(_next_token_loss(logits[s:e], ids[s:e]) for s, e in spans)
     (grad,) = torch.autograd.grad(loss, captured[0])
-    return _Run(logits.detach(), grad[0])
+    return Run(logits.detach(), grad[0])
 
 
 def prove_flat(
@@ -260,11 +299,28 @@ def prove_flat(
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     docs: Documents = inputs[DOCS_KEY]
     compare = pick(docs) if compare is None else tuple(compare)
-    with hidden():
+    with hidden(), _state_kept(hf):
         worst, worst_grad, reason = _compare(hf, inputs, stock, compare, reference, grads, own_positions)
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
     return Verdict(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
+
+
+@contextlib.contextmanager
+def _state_kept(hf: Any) -> Iterator[None]:
+    """The tensors modules keep as plain attributes (RecurrentGemma's recurrent and conv state, a layer's cached
+    rotary table) as they were before the proof: its forwards leave nothing the training forwards read (a state
+    left with the proof's freed graph would fail the next backward)."""
+    kept = [(m, {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor) or v is None}) for m in hf.modules()]
+    try:
+        yield
+    finally:
+        for module, before in kept:
+            for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in before]:
+                delattr(module, key)
+            for key, value in before.items():
+                if vars(module).get(key, value) is not value:
+                    setattr(module, key, value)
 
 
 def _alone_inputs(inputs: Mapping[str, Any], span: tuple[int, int], own_positions: bool) -> dict[str, Any]:
@@ -290,8 +346,8 @@ def _compare(
     """The worst logits and gradient differences, and why the flat path fails (empty when it holds)."""
     docs: Documents = inputs[DOCS_KEY]
     ids = inputs["input_ids"]
-    fp32 = not half(next(hf.parameters()).dtype, ids.device)
     spans = {i: docs.spans[i] for i in dict.fromkeys(compare)}
+    limits = Limits()
     with evaluating(hf, grad=grads):
         with _implementation(hf, stock), kernel_context(stock, ids.device, reference):
             try:
@@ -299,6 +355,11 @@ def _compare(
                     i: _run(hf, _alone_inputs(inputs, span, own_positions), [(0, span[1] - span[0])], grads)
                     for i, span in spans.items()
                 }
+                if half(next(hf.parameters()).dtype, ids.device):
+                    last = spans[compare[-1]]
+                    limits = Limits.half(
+                        stock_noise(hf, _alone_inputs(inputs, last, own_positions), alone[compare[-1]])
+                    )
             except Exception as exc:
                 return 0.0, None, f"stock {stock} cannot run one document alone here: {_short(exc)}"
         packed, why = _flat_run(hf, inputs, list(spans.values()), grads)
@@ -306,10 +367,10 @@ def _compare(
         return 0.0, None, why
     worst, worst_grad, leaks = 0.0, None, []
     for i, (s, e) in spans.items():
-        diff, bad = differs(packed.logits[s:e], alone[i].logits, fp32)
+        diff, bad = differs(packed.logits[s:e], alone[i].logits, limits.fp32, limits.logits)
         worst = _worse(worst, diff)
         if packed.grad is not None and alone[i].grad is not None:
-            gdiff, gbad = _grad_differs(packed.grad[s:e], alone[i].grad, fp32)
+            gdiff, gbad = _grad_differs(packed.grad[s:e], alone[i].grad, limits)
             worst_grad, bad = _worse(worst_grad or 0.0, gdiff), bad or gbad
         if bad:
             leaks.append(i)
@@ -320,36 +381,66 @@ def _compare(
             worst_grad,
             (
                 f"document(s) {leaks} of a packed row differ from stock {stock} on each alone by {worst:.2e}"
-                f"{grad_note}: the flat path does not compute what stock computes for this model"
+                f"{grad_note}{_limits_note(limits)}: the flat path does not compute what stock computes for this model"
             ),
         )
     if packed.grad is not None:
-        spilled = _spilled(packed.grad, list(spans.values()), fp32)
+        spilled = _spilled(packed.grad, list(spans.values()), limits)
         if spilled:
             return worst, worst_grad, spilled
     return worst, worst_grad, _dropped_in_training(hf, inputs) or ""
+
+
+def _limits_note(limits: Limits) -> str:
+    if limits.fp32 or limits.noise is None:
+        return ""
+    return (
+        f" (half precision, worst token; limits {limits.logits:.1e} logits, {limits.grads:.1e} gradients; stock "
+        f"against itself {limits.noise[0]:.1e}, {limits.noise[1]:.1e})"
+    )
+
+
+def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
+    """Stock against itself, no leak: the document alone (``run``) against the same document as the first row of
+    a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), per token, logits
+    and gradients: the half-precision noise floor of this model on this device."""
+    ids = alone["input_ids"]
+    n = ids.shape[1]
+    pair = {
+        "input_ids": torch.cat([ids, torch.cat([ids[:, : (n + 1) // 2], ids.new_zeros(1, n // 2)], 1)]),
+        "attention_mask": torch.cat([torch.ones_like(ids), torch.ones_like(ids)]),
+    }
+    pair["attention_mask"][1, (n + 1) // 2 :] = 0
+    if "position_ids" in alone:
+        pair["position_ids"] = torch.cat([alone["position_ids"], alone["position_ids"]])
+    with _embeddings(hf, run.grad is not None) as captured:
+        logits = hf(**pair, use_cache=False).logits[0]
+    noise = per_token(logits.detach(), run.logits).max().item()
+    if run.grad is None or not captured or not captured[0].requires_grad:
+        return noise, 0.0
+    (grad,) = torch.autograd.grad(_next_token_loss(logits, ids[0]), captured[0])
+    return noise, per_token(grad[0], run.grad, floor=1.0).max().item()
 
 
 def _worse(worst: float, diff: float) -> float:
     return math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
 
 
-def _spilled(grad: torch.Tensor, spans: Sequence[tuple[int, int]], fp32: bool) -> str:
+def _spilled(grad: torch.Tensor, spans: Sequence[tuple[int, int]], limits: Limits) -> str:
     """The compared documents' loss must not reach any other document's embeddings (a backward that mixes
-    documents): their gradient there is zero up to the tolerance."""
+    documents): their gradient there is zero up to the tolerance, relative to the largest inside them."""
     inside = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
     for s, e in spans:
         inside[s:e] = True
     if bool(inside.all()):
         return ""
-    scale = grad[inside].float().abs().max().item()
+    scale = max(grad[inside].float().abs().max().item(), 1e-30)
     outside = grad[~inside].float().abs().max().item()
-    limit = (GRAD_RTOL_FP32 if fp32 else TOKEN_RTOL_HALF) * max(scale, 1e-30)
-    if outside <= limit:
+    if outside <= limits.grads * scale:
         return ""
     return (
         f"the loss of documents packed in one row reaches other documents' embeddings (gradient {outside:.2e}, "
-        f"{outside / max(scale, 1e-30):.1e} of its largest): the flat path's backward mixes documents"
+        f"{outside / scale:.1e} of its largest): the flat path's backward mixes documents"
     )
 
 
@@ -379,7 +470,7 @@ def passes_kwargs(model: Any) -> bool:
 
 def _flat_run(
     hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool
-) -> tuple[_Run | None, str]:
+) -> tuple[Run | None, str]:
     """The flat path's run of ``inputs``, or None and why it cannot run. The documents object is a fresh copy, so
     its call count is this forward's alone."""
     if not passes_kwargs(hf):
