@@ -31,7 +31,18 @@ import torch
 from transformers import modeling_flash_attention_utils as _fa_utils
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from foundry_attn.backends import BACKENDS, EAGER, FA2, FA2_REFERENCE, FLEX, PREFIX, SDPA, TORCH_VARLEN, backend_of
+from foundry_attn.backends import (
+    BACKENDS,
+    EAGER,
+    FA2,
+    FA2_REFERENCE,
+    FLEX,
+    PREFIX,
+    SDPA,
+    TORCH_VARLEN,
+    backend_of,
+    set_implementation,
+)
 from foundry_attn.block_masks import BLOCK_MASKS
 from foundry_attn.document_op import document_attention, eager_document, eager_math, sdpa_document
 from foundry_attn.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported, is_placeholder
@@ -479,5 +490,5 @@ def point(model: Any, backend: str | None = None, fa2_reference: bool = False) -
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
-    model.config._attn_implementation = name
+    set_implementation(model, name)
     return name

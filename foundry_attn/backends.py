@@ -58,6 +58,20 @@ def backend_of(impl: str | None) -> str | None:
     return FA2 if name == FA2_REFERENCE else name
 
 
+def set_implementation(model: Any, name: str) -> None:
+    """``config._attn_implementation = name`` on the model's config and on every config its text decoder reads: the
+    text config, and the copy a multimodal model's language model holds (Gemma3, GOT-OCR2 in 4.51)."""
+    config = model.config
+    config._attn_implementation = name
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for module in model.modules():
+        held = getattr(module, "config", None)
+        if held is not None and held is not config and type(held) is type(text):
+            held._attn_implementation = name
+    if text is not config:
+        text._attn_implementation = name
+
+
 def config_values(config: Any, name: str) -> list[Any]:
     """``config.<name>``, or on a heterogeneous 5.x config (gemma4, dots3: per-layer attributes that raise when
     read globally) the value of every layer; empty when absent."""
@@ -90,18 +104,22 @@ class ModelNeeds:
     softcap: float | None = None
     dropout: float = 0.0
     window: int | None = None
+    alibi: bool = False  # an ALiBi position bias switched on in the config (Falcon's ``alibi``)
 
     @classmethod
     def of(cls, class_name: str, config: Any) -> ModelNeeds:
         dropout = max(float(config_value(config, n, 0.0) or 0.0) for n in ("attention_dropout", "attn_pdrop"))
         windowed = config_value(config, "use_sliding_window", True)
         window = config_value(config, "sliding_window", None, min) if windowed else None
-        return cls(class_name, config_value(config, "attn_logit_softcapping") or None, dropout, window or None)
+        softcap = config_value(config, "attn_logit_softcapping") or None
+        return cls(class_name, softcap, dropout, window or None, config_value(config, "alibi", False) is True)
 
 
 def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> str | None:
     """Why ``backend`` cannot run this model's documents exactly, or None when it can."""
     caps = BACKENDS[backend]
+    if needs.alibi and backend in (FA2, TORCH_VARLEN):  # varlen kernels take no bias; stock's FA2 class raises
+        return f"{backend} cannot apply {needs.class_name}'s ALiBi position bias (alibi: true); use sdpa or eager"
     if needs.softcap and not caps.softcap:
         return f"{backend} cannot apply {needs.class_name}'s attention logit softcap ({needs.softcap}) per document"
     if needs.window and not caps.window:

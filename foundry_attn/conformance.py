@@ -462,6 +462,58 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
     )
 
 
+#: the backends a core user names in ``attach(model, backend)`` (not strict), on a model built as they build it
+CORE_BACKENDS = (SDPA, EAGER, FA2)
+
+
+def core_cell(model_type: str, backend: str) -> ZooCell:
+    """A core user's cell: the model built as ``from_pretrained`` builds it (sdpa where its class has it, else eager),
+    then ``attach(model, backend)`` (explicit, not strict) and ``forward_documents`` on packed documents, against
+    stock on each document alone under ``backend``. ``refused`` only where stock cannot train the pair either
+    (``over-refused`` otherwise); an exception out of our code is a ``crash``."""
+    from foundry_attn import zoo
+    from foundry_attn.policy import AttentionUnavailableError
+    from foundry_attn.proof import synthetic_documents
+
+    def done(status: str, detail: str = "", **kw: Any) -> ZooCell:
+        return ZooCell(model_type, backend, status, detail=detail.splitlines()[0][:300] if detail else "", **kw)
+
+    try:
+        config, model_class = zoo.tiny(model_type)
+        built = SDPA if getattr(model_class, "_supports_sdpa", False) else EAGER
+        model = _zoo_model(config, model_class, built)
+    except zoo.Unbuildable as exc:
+        return done("unbuildable", str(exc))
+    except Exception as exc:  # stock cannot build its own default here
+        return done("stock fails", f"{type(exc).__name__}: {exc}")
+    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
+    try:
+        truth: tuple[float, torch.Tensor] | None = _zoo_truth(config, model_class, backend, docs)
+    except Exception as exc:
+        truth, stock_error = None, f"{type(exc).__name__}: {exc}"
+    try:
+        with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+            state = attach(model, backend, fa2_reference=backend == FA2)
+            loss = _zoo_ours(model, docs)
+    except AttentionUnavailableError as exc:
+        # stock fails too, or runs something else than the model (4.51's sdpa drops Gemma2's softcap silently)
+        refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0]
+        inexact = "check 'exactness'" in str(exc)
+        return done("refused" if truth is None or inexact else "over-refused", refused, chosen=backend)
+    except Exception as exc:
+        return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
+    if truth is None:
+        return done("stock fails", stock_error, chosen=backend, path=state.path)
+    grad = _grads(model)
+    loss_err, grad_err = abs(loss - truth[0]), _grad_err(grad, truth[1])
+    status = "exact" if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL else "WRONG"
+    if status == "WRONG" and state.path == "rows":
+        rows_loss, rows_grad = _zoo_stock_rows(config, model_class, backend, docs)
+        if abs(loss - rows_loss) <= LOSS_TOL and _grad_err(grad, rows_grad) <= GRAD_TOL:
+            status = "stock differs"
+    return done(status, state.reason, chosen=backend, path=state.path, loss_err=loss_err, grad_err=grad_err)
+
+
 def run_zoo(model_types: tuple[str, ...] | None = None, backends: tuple[str, ...] = ZOO_BACKENDS) -> list[ZooCell]:
     from foundry_attn import zoo
 

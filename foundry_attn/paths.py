@@ -43,11 +43,12 @@ from foundry_attn.backends import (
     SDPA,
     TORCH_VARLEN,
     backend_of,
+    set_implementation,
 )
 from foundry_attn.documents import DOCS_KEY, Documents
 from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, flat_inputs, path_state
 from foundry_attn.layout import Layout
-from foundry_attn.policy import AttentionUnavailableError
+from foundry_attn.policy import IMPLEMENTATIONS, AttentionUnavailableError, ModelTraits, model_refusal
 from foundry_attn.proof import Verdict, pick, proof_lengths, prove_flat, shortest_window, synthetic_documents
 from foundry_attn.unwrap import unwrapped
 
@@ -165,7 +166,7 @@ class PathState:
         """Prove the flat path on ``inputs`` (:func:`foundry_attn.forward.flat_inputs`); a failure moves to rows
         (or raises, binding)."""
         hf = unwrapped(model)
-        hf.config._attn_implementation = self.flat_name
+        set_implementation(hf, self.flat_name)
         docs: Documents = inputs[DOCS_KEY]
         compare = pick(docs, shortest_window(hf.config))
         verdict = prove_flat(
@@ -242,7 +243,7 @@ class PathState:
                 f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
             )
         self.path, self.reason = ROWS, reason
-        hf.config._attn_implementation = self.rows_name
+        set_implementation(hf, self.rows_name)
         log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
         for listener in self.listeners:
             listener(self)
@@ -295,6 +296,7 @@ def attach(
     backend = backend or backend_of(built) or EAGER
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    _refuse_unsupported(hf, backend)
     rows_name = built if backend_of(built) == backend and built not in REGISTERED else ROWS_NAME[backend]
     if backend == FA2 and fa2_reference and built != FA2:  # our function's stock branch installs the reference
         rows_name = PREFIX + FA2_REFERENCE
@@ -317,7 +319,7 @@ def attach(
         log.warning("foundry_attn: %s", bypassed)
     if path == ROWS:
         state.path, state.reason = ROWS, "attn_path: rows"
-        hf.config._attn_implementation = rows_name
+        set_implementation(hf, rows_name)
     elif prove_now:
         device = next(hf.parameters()).device
         docs = synthetic_documents(hf.config, proof_lengths(hf.config), device)
@@ -328,6 +330,25 @@ def attach(
     else:
         state.reason = "flat, proven on the first training batch"
     return state
+
+
+def _refuse_unsupported(hf: Any, backend: str) -> None:
+    """The policy's model checks (:func:`foundry_attn.policy.model_refusal`), before anything is pointed: a backend
+    the class does not declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap under
+    sdpa, ALiBi under FA2) runs neither path exactly, so it is refused with the backends that do run the model."""
+    from transformers import PreTrainedModel
+
+    owner: Any = next((m for m in hf.modules() if isinstance(m, PreTrainedModel)), hf)  # the model inside PEFT
+    traits = ModelTraits.from_model_class(type(owner), owner.config)
+    why = model_refusal(backend, traits)
+    if why is None:
+        return
+    runs = [name for name in IMPLEMENTATIONS if model_refusal(name, traits) is None]
+    check = "model class" if backend not in traits.supports else "exactness"
+    raise AttentionUnavailableError(
+        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {why}. Fix: attach "
+        f"with one of {runs} (stock transformers refuses this pair at load too)"
+    )
 
 
 def path_of(model: Any) -> PathState | None:

@@ -182,6 +182,14 @@ def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def model_refusal(name: str, traits: ModelTraits) -> str | None:
+    """Why ``name`` cannot run this model class exactly on any path, wherever it runs (its class does not declare
+    the backend, as stock refuses at load; or the backend cannot honour what its config asks), or None."""
+    if name not in traits.supports:
+        return f"{traits.class_name} has no {name} support"
+    return refusal(name, traits.needs)
+
+
 def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:
     return Candidate(name, False, reason, check, fix)
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.backends import config_value
+from foundry_attn.backends import config_value, set_implementation
 from foundry_attn.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
 from foundry_attn.forward import kernel_context
 from foundry_attn.unwrap import unwrapped
@@ -164,11 +164,11 @@ def pick(docs: Documents, window: int | None = None) -> tuple[int, int]:
 def _implementation(hf: Any, name: str) -> Iterator[None]:
     """``config._attn_implementation`` set to ``name`` for the block, restored after."""
     before = hf.config._attn_implementation
-    hf.config._attn_implementation = name
+    set_implementation(hf, name)
     try:
         yield
     finally:
-        hf.config._attn_implementation = before
+        set_implementation(hf, before)
 
 
 @contextlib.contextmanager
@@ -271,7 +271,7 @@ def _run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], g
         logits = hf(**inputs, use_cache=False).logits[0]
     if not (grads and captured and captured[0].requires_grad):
         return Run(logits.detach())
-    loss = sum(_next_token_loss(logits[s:e], ids[s:e]) for s, e in spans)
+    loss = torch.stack([_next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
     (grad,) = torch.autograd.grad(loss, captured[0])
     return Run(logits.detach(), grad[0])
 
@@ -369,8 +369,9 @@ def _compare(
     for i, (s, e) in spans.items():
         diff, bad = differs(packed.logits[s:e], alone[i].logits, limits.fp32, limits.logits)
         worst = _worse(worst, diff)
-        if packed.grad is not None and alone[i].grad is not None:
-            gdiff, gbad = _grad_differs(packed.grad[s:e], alone[i].grad, limits)
+        want = alone[i].grad
+        if packed.grad is not None and want is not None:
+            gdiff, gbad = _grad_differs(packed.grad[s:e], want, limits)
             worst_grad, bad = _worse(worst_grad or 0.0, gdiff), bad or gbad
         if bad:
             leaks.append(i)

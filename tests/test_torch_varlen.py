@@ -4,17 +4,20 @@ pure-PyTorch FA2 reference, in both signatures torch has shipped (2.10-2.11: ``i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 from foundry_attn import adapters, conformance
-from foundry_attn.backends import PREFIX, TORCH_VARLEN, ModelNeeds
+from foundry_attn.backends import BACKENDS, PREFIX, TORCH_VARLEN, ModelNeeds
 from foundry_attn.fa2_reference import flash_attn_varlen_func
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import attach
+from foundry_attn.policy import AttentionUnavailableError
 from foundry_attn.reference_kernels import reference_varlen_attn
+from foundry_attn.torch_varlen import varlen_parameters
 
 calls: list[dict[str, Any]] = []
 
@@ -77,6 +80,9 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
 
     fn = request.param
     monkeypatch.setattr(adapters, "torch_varlen_kernel", lambda: fn)
+    # the backend table as that torch would have it (windows from 2.12)
+    windowed = dataclasses.replace(BACKENDS[TORCH_VARLEN], window="window_size" in varlen_parameters(fn))
+    monkeypatch.setitem(BACKENDS, TORCH_VARLEN, windowed)
     calls.clear()
     return fn
 
@@ -84,13 +90,14 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "phi3", "gemma3"])
 def test_torch_varlen_documents_are_exact(kernel: Any, family: str) -> None:
     model = conformance.build(family, "sdpa")
-    state = attach(model, TORCH_VARLEN)
-    batch = conformance._batch(conformance._documents(), "pack")
     windowed = ModelNeeds.of(family, model.config).window
-    if windowed and kernel is varlen_210:  # flat refused, as the policy refuses it on such a torch: stock sdpa rows
-        assert state.path == "rows" and "no window_size" in state.reason, state.reason
+    if windowed and kernel is varlen_210:  # refused before anything is pointed, as the policy refuses it there
+        with pytest.raises(AttentionUnavailableError, match=r"sliding window \(4\) with this torch.*one of \["):
+            attach(model, TORCH_VARLEN)
         assert model.config._attn_implementation == "sdpa"
         return
+    state = attach(model, TORCH_VARLEN)
+    batch = conformance._batch(conformance._documents(), "pack")
     assert state.path == "flat", state.reason
     out = forward_documents(model, batch)  # the first training batch: proven at its length, then run
     out.loss.backward()
@@ -109,9 +116,12 @@ def test_torch_varlen_documents_are_exact(kernel: Any, family: str) -> None:
 
 
 def test_torch_varlen_refuses_softcap_and_dropout(kernel: Any) -> None:
+    """Neither path applies Gemma2's softcap (rows would be stock sdpa, which raises on it): refused at attach, with
+    the policy's words and the backends that do run it."""
     model = conformance.build("gemma2", "eager")
-    state = attach(model, TORCH_VARLEN)  # the flat function refuses the softcap: the proof fails, rows run stock sdpa
-    assert state.path == "rows" and "softcap" in state.reason, state.reason
+    with pytest.raises(AttentionUnavailableError, match=r"softcap \(50.0\).*one of \['flash_attention_2', 'eager'\]"):
+        attach(model, TORCH_VARLEN)
+    assert model.config._attn_implementation == "eager"  # nothing pointed
 
 
 def test_flex_block_masks_live_on_the_query_device_one_per_device() -> None:

@@ -26,3 +26,15 @@ def test_every_model_type_is_exact_or_refused(model_type: str) -> None:
             assert cell.path in ("flat", "rows") and cell.detail, cell
         if cell.status == "refused":
             assert cell.detail, cell
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", zoo.model_types())
+def test_every_model_type_as_a_core_user_attaches_it(model_type: str) -> None:
+    """``attach(model, backend)`` on the model as ``from_pretrained`` builds it: exact, or refused where stock cannot
+    train the pair either; never wrong, never a crash, never a refusal of what stock trains."""
+    for backend in conformance.CORE_BACKENDS:
+        cell = conformance.core_cell(model_type, backend)
+        assert cell.status in ("exact", "refused", *NOT_OURS), cell
+        if cell.status == "exact":
+            assert cell.path in ("flat", "rows") and cell.detail, cell
