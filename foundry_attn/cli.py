@@ -139,7 +139,8 @@ def bench(args: argparse.Namespace) -> int:
 
 def conformance(args: argparse.Namespace) -> int:
     """Every (family, backend) cell, exact or refused; ``--markdown`` prints the README table. ``--zoo``: every
-    causal-LM type of this transformers, under ``auto`` and each backend (strict)."""
+    causal-LM type of this transformers, under ``auto`` and each backend (strict), and as a core user calls it
+    (``attach(model, backend)``, not strict)."""
     if args.zoo:
         return zoo_conformance(args)
     from foundry_attn.conformance import FAMILIES, run_all, table
@@ -169,7 +170,7 @@ def zoo_conformance(args: argparse.Namespace) -> int:
             numbers = f" (loss {c.loss_err:.1e}, grad {c.grad_err:.1e})" if c.loss_err is not None else ""
             print(f"{c.model_type:24} {c.requested:18} {c.status:12} {c.chosen:18} {c.path:5} {c.detail}{numbers}")
         print(counts)
-    return 1 if any(c.status in ("WRONG", "crash") for c in cells) else 0
+    return 1 if any(c.status in ("WRONG", "crash", "over-refused") for c in cells) else 0
 
 
 def events(args: argparse.Namespace) -> int:

@@ -476,7 +476,8 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     from foundry_attn.proof import synthetic_documents
 
     def done(status: str, detail: str = "", **kw: Any) -> ZooCell:
-        return ZooCell(model_type, backend, status, detail=detail.splitlines()[0][:300] if detail else "", **kw)
+        first = detail.splitlines()[0][:300] if detail else ""
+        return ZooCell(model_type, f"attach {backend}", status, detail=first, **kw)
 
     try:
         config, model_class = zoo.tiny(model_type)
@@ -514,10 +515,17 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     return done(status, state.reason, chosen=backend, path=state.path, loss_err=loss_err, grad_err=grad_err)
 
 
-def run_zoo(model_types: tuple[str, ...] | None = None, backends: tuple[str, ...] = ZOO_BACKENDS) -> list[ZooCell]:
+def run_zoo(
+    model_types: tuple[str, ...] | None = None,
+    backends: tuple[str, ...] = ZOO_BACKENDS,
+    core: tuple[str, ...] = CORE_BACKENDS,
+) -> list[ZooCell]:
+    """Every type under each of ``backends`` (the registered model's policy) and, as a core user calls it, ``attach``
+    with each of ``core`` (cells named ``attach <backend>``)."""
     from foundry_attn import zoo
 
-    return [zoo_cell(t, b) for t in (model_types or tuple(zoo.model_types())) for b in backends]
+    types = model_types or tuple(zoo.model_types())
+    return [zoo_cell(t, b) for t in types for b in backends] + [core_cell(t, b) for t in types for b in core]
 
 
 def zoo_counts(cells: list[ZooCell]) -> dict[str, int]:
