@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -148,3 +149,20 @@ def leaky_attention(genuine=None, threshold: int = 0):
         return FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)  # no documents, no mask: causal row
 
     return leaky
+
+
+@contextlib.contextmanager
+def registered_attention(name: str, wrap):
+    """The attention function registered under ``name`` replaced by ``wrap(genuine)`` for the block, restored after."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from foundry_attn.adapters import register
+
+    register()
+    table = AttentionInterface._global_mapping
+    genuine = table[name]
+    table[name] = wrap(genuine)
+    try:
+        yield
+    finally:
+        table[name] = genuine

@@ -18,28 +18,19 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn import conformance
-from foundry_attn.adapters import register
 from foundry_attn.documents import DOCS_KEY
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import FlatPathError, attach, path_of
 from foundry_attn.proof import proof_lengths
 
-from .conftest import leaky_attention
+from .conftest import leaky_attention, registered_attention
 
 LONG = 45  # "only on long rows": longer than attach's synthetic proof row (28 + 13 tokens), shorter than a batch row
 LENGTHS = ([13, 29, 18], [7, 22, 9, 20])  # two packed rows of 60 and 58 tokens
 
 
 def _batch(seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    width = max(sum(r) for r in LENGTHS)
-    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    for r, row in enumerate(LENGTHS):
-        n = sum(row)
-        ids[r, :n] = torch.randint(1, conformance.VOCAB, (n,), generator=gen)
-        labels[r, :n] = ids[r, :n]
-    return {"input_ids": ids, "labels": labels, "doc_lens": [list(r) for r in LENGTHS]}
+    return _rows_batch([list(r) for r in LENGTHS], seed)
 
 
 def _truth(stock: torch.nn.Module, batch: dict) -> float:
@@ -59,19 +50,12 @@ def _truth(stock: torch.nn.Module, batch: dict) -> float:
 
 @contextlib.contextmanager
 def _leak(place: str, threshold: int) -> Iterator[None]:
-    from transformers.modeling_utils import AttentionInterface
     from transformers.models.llama import modeling_llama
 
-    register()
-    table = AttentionInterface._global_mapping
     if place in ("dispatch_ours", "dispatch_stock"):
         name = "foundry_sdpa" if place == "dispatch_ours" else "sdpa"
-        genuine = table[name]
-        table[name] = leaky_attention(genuine, threshold)
-        try:
+        with registered_attention(name, lambda genuine: leaky_attention(genuine, threshold)):
             yield
-        finally:
-            table[name] = genuine
     elif place == "class_forward":
         genuine_forward = modeling_llama.LlamaAttention.forward
 
@@ -260,20 +244,6 @@ def _backward_leak(genuine):
     return attention
 
 
-@contextlib.contextmanager
-def _registered(name: str, wrap) -> Iterator[None]:
-    from transformers.modeling_utils import AttentionInterface
-
-    register()
-    table = AttentionInterface._global_mapping
-    genuine = table[name]
-    table[name] = wrap(genuine)
-    try:
-        yield
-    finally:
-        table[name] = genuine
-
-
 def _train(model, stock, batches, leak=None, leak_at=0) -> list[tuple[float, float]]:
     """Each batch through forward_documents (the leak applied from ``leak_at``): its loss and relative gradient
     error against stock on each document alone."""
@@ -308,7 +278,7 @@ def test_a_backward_only_leak_is_caught_on_its_first_batch(leak_at: int) -> None
     assert state.proofs[-1][1].worst_grad is not None  # attach compares gradients too
 
     def leak():
-        return _registered("foundry_sdpa", _backward_leak)
+        return registered_attention("foundry_sdpa", _backward_leak)
 
     errors = _train(model, stock, batches, leak, leak_at)
     assert _exact(errors), errors
@@ -324,7 +294,7 @@ def test_a_leak_that_appears_only_at_a_longer_length_is_caught_on_the_batch_that
     state = attach(model, "sdpa")
 
     def leak():
-        return _registered("foundry_sdpa", lambda genuine: leaky_attention(genuine, 200))
+        return registered_attention("foundry_sdpa", lambda genuine: leaky_attention(genuine, 200))
 
     errors = _train(model, stock, batches, leak, 0)
     assert _exact(errors), errors
@@ -339,7 +309,7 @@ def test_a_leak_above_the_rows_length_but_below_the_flattened_length_is_caught()
     state = attach(model, "sdpa")
 
     def leak():
-        return _registered("foundry_sdpa", lambda genuine: leaky_attention(genuine, 100))
+        return registered_attention("foundry_sdpa", lambda genuine: leaky_attention(genuine, 100))
 
     errors = _train(model, stock, [_batch(0), _batch(1)], leak, 0)
     assert _exact(errors), errors

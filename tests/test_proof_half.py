@@ -4,18 +4,16 @@ Llama-like models stay flat; a leak of one token per document in one layer is ca
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from foundry_attn import zoo
-from foundry_attn.adapters import register
 from foundry_attn.documents import DOCS_KEY
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import attach
+
+from .conftest import registered_attention
 
 HYBRIDS = ("jamba", "falcon_h1", "zamba", "lfm2")  # conv / SSM state crosses documents on the flat row
 LLAMA_LIKE = ("llama", "mistral", "qwen3", "olmo2", "phi3")
@@ -82,23 +80,9 @@ def _boundary_leak(genuine):
     return attention
 
 
-@contextlib.contextmanager
-def _registered(name: str, wrap) -> Iterator[None]:
-    from transformers.modeling_utils import AttentionInterface
-
-    register()
-    table = AttentionInterface._global_mapping
-    genuine = table[name]
-    table[name] = wrap(genuine)
-    try:
-        yield
-    finally:
-        table[name] = genuine
-
-
 def test_a_one_token_boundary_leak_is_caught_in_bf16_at_1024_token_documents() -> None:
     model = _model("llama")
-    with _registered("foundry_sdpa", _boundary_leak):
+    with registered_attention("foundry_sdpa", _boundary_leak):
         state = attach(model, "sdpa", prove_now=False)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             forward_documents(model, _batch(model.config, [[1024, 1024]])).loss.backward()
