@@ -11,6 +11,7 @@ Core module: torch only (no kernel code, no transformers).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,16 @@ def set_implementation(model: Any, name: str) -> None:
             held._attn_implementation = name
     if text is not config:
         text._attn_implementation = name
+
+
+def config_refusal(config: Any, name: str) -> str | None:
+    """The config's own refusal of ``name``, or None: a 5.x config may validate the name it is set to (HRM-text with
+    ``prefix_lm`` refuses flash attention), as stock does at load. Asked of a copy; torch_varlen as flash."""
+    try:
+        copy.deepcopy(config)._attn_implementation = FA2 if name == TORCH_VARLEN else name
+    except ValueError as exc:
+        return str(exc).splitlines()[0]
+    return None
 
 
 def config_values(config: Any, name: str) -> list[Any]:

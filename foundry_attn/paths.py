@@ -345,6 +345,7 @@ def _refuse_unsupported(hf: Any, backend: str) -> None:
         return
     runs = [name for name in IMPLEMENTATIONS if model_refusal(name, traits) is None]
     check = "model class" if backend not in traits.supports else "exactness"
+    check = "model config" if backend in dict(traits.config_refuses) else check
     raise AttentionUnavailableError(
         f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {why}. Fix: attach "
         f"with one of {runs} (stock transformers refuses this pair at load too)"

@@ -17,7 +17,17 @@ from collections.abc import Callable, Sequence
 import torch
 from packaging.version import Version
 
-from foundry_attn.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, ModelNeeds, config_value, refusal
+from foundry_attn.backends import (
+    EAGER,
+    FA2,
+    FLEX,
+    SDPA,
+    TORCH_VARLEN,
+    ModelNeeds,
+    config_refusal,
+    config_value,
+    refusal,
+)
 from foundry_attn.capability import Capability, rng_untouched
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_compat import preflight
@@ -48,12 +58,14 @@ def strict_error(
 @dataclasses.dataclass(frozen=True)
 class ModelTraits:
     """What the model asks of an attention kernel. ``supports`` holds the implementations its class has;
-    ``needs`` what each backend must honour per document (softcap, dropout)."""
+    ``needs`` what each backend must honour per document (softcap, dropout); ``config_refuses`` the backends its
+    config refuses to be set to, with the config's words."""
 
     class_name: str = "?"
     head_dim: int | None = None
     supports: frozenset[str] = frozenset(IMPLEMENTATIONS)
     needs: ModelNeeds = ModelNeeds()
+    config_refuses: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
@@ -70,7 +82,8 @@ class ModelTraits:
         name = model_class.__name__
         if config is None:
             return cls(name, None, frozenset(supports))
-        return cls(name, head_dim_of(config), frozenset(supports), ModelNeeds.of(name, config))
+        refuses = tuple((impl, why) for impl in sorted(supports - {EAGER}) if (why := config_refusal(config, impl)))
+        return cls(name, head_dim_of(config), frozenset(supports), ModelNeeds.of(name, config), refuses)
 
 
 def head_dim_of(config: object) -> int | None:
@@ -187,6 +200,8 @@ def model_refusal(name: str, traits: ModelTraits) -> str | None:
     the backend, as stock refuses at load; or the backend cannot honour what its config asks), or None."""
     if name not in traits.supports:
         return f"{traits.class_name} has no {name} support"
+    if why := dict(traits.config_refuses).get(name):
+        return f"its config refuses {name}: {why}"
     return refusal(name, traits.needs)
 
 
@@ -345,6 +360,9 @@ def check(
     fa2_reference: bool = False,
 ) -> Candidate:
     """Whether ``name`` can run here, with the reason either way."""
+    config_refuses = dict(traits.config_refuses).get(name)
+    if config_refuses:
+        return _fail(name, "model config", config_refuses, "pick another implementation, or change the model config")
     if name == FA2:
         return check_fa2(cap, dtype, traits, smoke_test, fa2_reference)
     if name == TORCH_VARLEN:

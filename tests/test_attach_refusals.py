@@ -67,3 +67,44 @@ def test_falcon_alibi_under_fa2_is_refused_by_attach_and_by_the_policy() -> None
         decide(None, "flash_attention_2", ("flash_attention_2",), strict=True, config=config, fa2_reference=True)
     decision = decide(None, "auto", config=config, fa2_reference=True)  # auto: the chain moves on
     assert decision.chosen in ("sdpa", "eager") and "ALiBi" in decision.candidates[0].reason
+
+
+def _config_refusing_flash() -> tuple[object, type]:
+    """A Llama config whose ``_attn_implementation`` setter refuses flash attention, as 5.x HRM-text's does with
+    ``prefix_lm`` (FlashAttention cannot represent its mask)."""
+    config, model_class = zoo.tiny("llama")
+    base = type(config)
+
+    class PrefixConfig(base):  # type: ignore[valid-type,misc]
+        @property
+        def _attn_implementation(self) -> str | None:
+            return base._attn_implementation.fget(self)
+
+        @_attn_implementation.setter
+        def _attn_implementation(self, value: str | None) -> None:
+            if value is not None and "flash" in value:
+                raise ValueError(f"attn_implementation={value!r} cannot represent this model's mask")
+            base._attn_implementation.fset(self, value)
+
+    return PrefixConfig(**config.to_dict()), model_class
+
+
+def test_a_backend_the_config_refuses_is_refused_by_attach_and_the_policy() -> None:
+    config, model_class = _config_refusing_flash()
+    config._attn_implementation = "eager"  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    model = model_class(config)
+    with pytest.raises(AttentionUnavailableError, match=r"check 'model config' failed: its config refuses flash"):
+        attach(model, "flash_attention_2", fa2_reference=True)
+    assert not hasattr(model, "foundry_path")
+    decision = decide(
+        None,
+        "auto",
+        ("flash_attention_2", "sdpa"),
+        config=config,
+        model_class=model_class,
+        fa2_reference=True,
+        compute_dtype="fp32",
+    )
+    assert decision.chosen == "sdpa" and "cannot represent this model's mask" in decision.candidates[0].reason
+    assert attach(model, "sdpa").path == "flat"
