@@ -110,7 +110,7 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
         # the proof, when due, runs these very inputs; a failure moves this batch (and the run) to rows
         if state.before_batch(model, inputs, own_positions="doc_lens" not in batch):
             return inputs, placed, no_targets
-    inputs, placed = _rows(model, ids, _user_positions(batch), labels, layout)
+    inputs, placed = one_per_row(model, ids, _user_positions(batch), labels, layout)
     return inputs, placed, no_targets
 
 
@@ -196,7 +196,7 @@ def _base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
     return frozenset(inspect.signature(base_class.forward).parameters)
 
 
-def _rows(
+def one_per_row(
     model: Any, ids: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor | None, layout: Layout
 ) -> tuple[dict[str, Any], tuple]:
     """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""

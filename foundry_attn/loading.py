@@ -17,6 +17,7 @@ from foundry_attn.capability import Capability
 from foundry_attn.policy import (
     AUTO,
     DEFAULT_FALLBACK,
+    EAGER,
     FA2,
     FLEX,
     SDPA,
@@ -59,10 +60,13 @@ def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
     raise ValueError(f"no causal-LM class for {type(config).__name__} (auto_map: {auto_map or 'none'})")
 
 
-def load_name(chosen: str, fa2_reference: bool = False) -> str:
+def load_name(chosen: str, fa2_reference: bool = False, model_class: type | None = None) -> str:
     """The implementation transformers builds the model with for ``chosen``: our backends that transformers
-    does not know (torch_varlen, FA2 on the reference kernel) load as sdpa; ``paths.attach`` points them after."""
-    return SDPA if chosen == TORCH_VARLEN or (chosen == FA2 and fa2_reference) else chosen
+    does not know (torch_varlen, FA2 on the reference kernel) load as sdpa, or eager where ``model_class`` has no
+    sdpa (GPT-J in 4.51); ``paths.attach`` points them after."""
+    if chosen != TORCH_VARLEN and not (chosen == FA2 and fa2_reference):
+        return chosen
+    return SDPA if model_class is None or getattr(model_class, "_supports_sdpa", False) else EAGER
 
 
 def transformers_load_check(
@@ -134,7 +138,7 @@ def decide(
     for cand in decision.candidates:  # transformers' own checks, for what we are about to load
         if cand.name != decision.chosen or (cand.name == FA2 and fa2_reference):
             continue
-        error = transformers_load_check(model_class, config, load_name(cand.name), dtype)
+        error = transformers_load_check(model_class, config, load_name(cand.name, model_class=model_class), dtype)
         if error is None:
             break
         decision = decision.with_rejection(cand.name, error)

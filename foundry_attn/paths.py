@@ -48,8 +48,22 @@ from foundry_attn.backends import (
 from foundry_attn.documents import DOCS_KEY, Documents
 from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, flat_inputs, path_state
 from foundry_attn.layout import Layout
-from foundry_attn.policy import IMPLEMENTATIONS, AttentionUnavailableError, ModelTraits, model_refusal
-from foundry_attn.proof import Verdict, pick, proof_lengths, prove_flat, shortest_window, synthetic_documents
+from foundry_attn.policy import (
+    IMPLEMENTATIONS,
+    AttentionUnavailableError,
+    ModelTraits,
+    model_refusal,
+    reference_refusal,
+)
+from foundry_attn.proof import (
+    Verdict,
+    pick,
+    proof_lengths,
+    prove_flat,
+    prove_rows,
+    shortest_window,
+    synthetic_documents,
+)
 from foundry_attn.unwrap import unwrapped
 
 log = logging.getLogger(__name__)
@@ -185,8 +199,35 @@ class PathState:
             self.covered = max(self.covered[0], _ceil2(docs.bounds[-1])), max(self.covered[1], _ceil2(docs.max_length))
         if not verdict.ok:
             self.refuse(hf, f"proof at {at} {verdict.describe()}", check="proof")
+            self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
         elif self.path == FLAT:
             self.reason = f"proven at {at}: {verdict.describe()}"
+        return verdict
+
+    def prove_rows(
+        self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
+    ) -> Verdict:
+        """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.proof.prove_rows`). A failure is
+        said, once, and not refused: stock's own padded batches train the same (never worse than stock)."""
+        hf = unwrapped(model)
+        compare = pick(inputs[DOCS_KEY], shortest_window(hf.config))
+        verdict = prove_rows(
+            hf,
+            inputs,
+            self.rows_name,
+            TRUTH[self.backend],
+            compare,
+            reference=self.reference,
+            grads=grads,
+            own_positions=own_positions,
+        )
+        self.proofs.append((f"rows at {at}", verdict))
+        if verdict.ok:
+            self.reason += f"; rows proven at {at}: {verdict.describe()}"
+        else:
+            note = f"rows at {at} {verdict.describe()}"
+            self.notes.append(note)
+            log.warning("foundry_attn: %s %s", type(hf).__name__, note)
         return verdict
 
     def fingerprint(self) -> tuple:
@@ -296,7 +337,7 @@ def attach(
     backend = backend or backend_of(built) or EAGER
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    _refuse_unsupported(hf, backend)
+    _refuse_unsupported(hf, backend, fa2_reference)
     rows_name = built if backend_of(built) == backend and built not in REGISTERED else ROWS_NAME[backend]
     if backend == FA2 and fa2_reference and built != FA2:  # our function's stock branch installs the reference
         rows_name = PREFIX + FA2_REFERENCE
@@ -320,19 +361,22 @@ def attach(
     if path == ROWS:
         state.path, state.reason = ROWS, "attn_path: rows"
         set_implementation(hf, rows_name)
-    elif prove_now:
+    if prove_now:
         device = next(hf.parameters()).device
         docs = synthetic_documents(hf.config, proof_lengths(hf.config), device)
         layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
         ids = torch.cat(docs)[None]
         inputs, _ = flat_inputs(hf, ids, layout.position_ids(device), None, layout)
-        state.prove(hf, inputs, "attach")
-    else:
+        if path == ROWS:
+            state.prove_rows(hf, inputs, "attach")
+        else:
+            state.prove(hf, inputs, "attach")
+    elif path != ROWS:
         state.reason = "flat, proven on the first training batch"
     return state
 
 
-def _refuse_unsupported(hf: Any, backend: str) -> None:
+def _refuse_unsupported(hf: Any, backend: str, reference: bool = False) -> None:
     """The policy's model checks (:func:`foundry_attn.policy.model_refusal`), before anything is pointed: a backend
     the class does not declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap under
     sdpa, ALiBi under FA2) runs neither path exactly, so it is refused with the backends that do run the model."""
@@ -340,14 +384,22 @@ def _refuse_unsupported(hf: Any, backend: str) -> None:
 
     owner: Any = next((m for m in hf.modules() if isinstance(m, PreTrainedModel)), hf)  # the model inside PEFT
     traits = ModelTraits.from_model_class(type(owner), owner.config)
-    why = model_refusal(backend, traits)
-    if why is None:
+
+    def why(name: str) -> str | None:
+        return model_refusal(name, traits) or (reference_refusal(traits) if name == FA2 and reference else None)
+
+    refused = why(backend)
+    if refused is None:
         return
-    runs = [name for name in IMPLEMENTATIONS if model_refusal(name, traits) is None]
-    check = "model class" if backend not in traits.supports else "exactness"
-    check = "model config" if backend in dict(traits.config_refuses) else check
+    runs = [name for name in IMPLEMENTATIONS if why(name) is None]
+    if backend in traits.supports and backend in dict(traits.config_refuses):
+        check = "model config"
+    elif backend not in traits.supports or model_refusal(backend, traits) is None:  # the class, or its FA2 class
+        check = "model class"
+    else:
+        check = "exactness"
     raise AttentionUnavailableError(
-        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {why}. Fix: attach "
+        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
         f"with one of {runs} (stock transformers refuses this pair at load too)"
     )
 

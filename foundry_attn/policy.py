@@ -12,6 +12,7 @@ Core module: torch only (transformers-free: it reads the backend table, :mod:`fo
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -66,6 +67,7 @@ class ModelTraits:
     supports: frozenset[str] = frozenset(IMPLEMENTATIONS)
     needs: ModelNeeds = ModelNeeds()
     config_refuses: tuple[tuple[str, str], ...] = ()
+    fa2_calls_flash_attn: bool = False  # its FA2 class, built at construction, calls flash-attn itself (4.51)
 
     @classmethod
     def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
@@ -83,7 +85,29 @@ class ModelTraits:
         if config is None:
             return cls(name, None, frozenset(supports))
         refuses = tuple((impl, why) for impl in sorted(supports - {EAGER}) if (why := config_refusal(config, impl)))
-        return cls(name, head_dim_of(config), frozenset(supports), ModelNeeds.of(name, config), refuses)
+        needs = ModelNeeds.of(name, config)
+        return cls(name, head_dim_of(config), frozenset(supports), needs, refuses, _fa2_calls_flash_attn(model_class))
+
+
+def _fa2_calls_flash_attn(model_class: type) -> bool:
+    """Whether ``model_class`` builds its attention classes at construction (a module-level ``*_ATTENTION_CLASSES``
+    table, transformers 4.51: GPT-J, Falcon, OPT, DBRX, ...) and its module imported transformers' flash forward only
+    with flash-attn installed: its FA2 class then cannot run without flash-attn, reference kernel or not."""
+    module = sys.modules.get(model_class.__module__)
+    if module is None:
+        return False
+    tables = [v for k, v in vars(module).items() if k.endswith("_ATTENTION_CLASSES") and isinstance(v, dict)]
+    return any(FA2 in t for t in tables) and "_flash_attention_forward" not in vars(module)
+
+
+def reference_refusal(traits: ModelTraits) -> str | None:
+    """Why the FA2 reference kernel cannot stand in for flash-attn under this class, or None."""
+    if not traits.fa2_calls_flash_attn:
+        return None
+    return (
+        f"{traits.class_name} builds its flash-attention class at construction and that class calls flash-attn "
+        f"itself, so {REFERENCE_NAME} cannot stand in for it"
+    )
 
 
 def head_dim_of(config: object) -> int | None:
@@ -257,6 +281,8 @@ def check_fa2(
             "use a model class with _supports_flash_attn_2, or sdpa",
         )
     if fa2_reference:  # an explicit YAML opt-in, never chosen silently: FA2 code paths on the CPU reference kernel
+        if why := reference_refusal(traits):
+            return _fail(FA2, "model class", why, "use sdpa or eager here; FA2 runs it on a GPU with flash-attn")
         inexact = refusal(FA2, traits.needs) or (
             f"the reference kernel has no dropout ({traits.needs.dropout})" if traits.needs.dropout else None
         )

@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import itertools
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 
 from foundry_attn.backends import config_value, set_implementation
 from foundry_attn.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
-from foundry_attn.forward import kernel_context
+from foundry_attn.forward import kernel_context, one_per_row
+from foundry_attn.layout import Layout
 from foundry_attn.unwrap import unwrapped
 
 #: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
@@ -306,6 +308,32 @@ def prove_flat(
     return Verdict(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
 
 
+def prove_rows(
+    model: Any,
+    inputs: Mapping[str, Any],
+    rows_name: str,
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    own_positions: bool = False,
+) -> Verdict:
+    """The rows path as it trains (:func:`foundry_attn.forward.one_per_row`: the documents in ``compare``, one per
+    row, right-padded, a 2-D mask, under ``rows_name``) against each document alone under ``stock``: logits and
+    input-embedding gradients, the limits of :func:`prove_flat`. A failure says the model's padded rows differ from
+    its documents alone (stock's own padded batches do the same)."""
+    start = time.perf_counter()
+    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
+    docs: Documents = inputs[DOCS_KEY]
+    compare = pick(docs) if compare is None else tuple(compare)
+    with hidden(), _state_kept(hf):
+        worst, worst_grad, reason = _compare(hf, inputs, stock, compare, reference, grads, own_positions, rows_name)
+    lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
+    ms = (time.perf_counter() - start) * 1e3
+    return Verdict(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
+
+
 @contextlib.contextmanager
 def _state_kept(hf: Any) -> Iterator[None]:
     """The tensors modules keep as plain attributes (RecurrentGemma's recurrent and conv state, a layer's cached
@@ -342,8 +370,10 @@ def _compare(
     reference: bool,
     grads: bool,
     own_positions: bool,
+    rows_name: str | None = None,
 ) -> tuple[float, float | None, str]:
-    """The worst logits and gradient differences, and why the flat path fails (empty when it holds)."""
+    """The worst logits and gradient differences, and why the flat path (with ``rows_name``: the rows path) fails
+    (empty when it holds)."""
     docs: Documents = inputs[DOCS_KEY]
     ids = inputs["input_ids"]
     spans = {i: docs.spans[i] for i in dict.fromkeys(compare)}
@@ -362,7 +392,10 @@ def _compare(
                     )
             except Exception as exc:
                 return 0.0, None, f"stock {stock} cannot run one document alone here: {_short(exc)}"
-        packed, why = _flat_run(hf, inputs, list(spans.values()), grads)
+        if rows_name is None:
+            packed, why = _flat_run(hf, inputs, list(spans.values()), grads)
+        else:
+            packed, why = _rows_run(hf, inputs, list(spans.values()), grads, rows_name, reference, own_positions)
     if packed is None:
         return 0.0, None, why
     worst, worst_grad, leaks = 0.0, None, []
@@ -377,14 +410,20 @@ def _compare(
             leaks.append(i)
     if leaks:
         grad_note = "" if worst_grad is None else f" (gradients {worst_grad:.2e})"
+        where = "of a packed row" if rows_name is None else f"one per row ({rows_name}, right-padded)"
+        what = (
+            "the flat path does not compute what stock computes for this model"
+            if rows_name is None
+            else "this model's padded rows differ from its documents alone, as in stock's own padded batches"
+        )
         return (
             worst,
             worst_grad,
-            (
-                f"document(s) {leaks} of a packed row differ from stock {stock} on each alone by {worst:.2e}"
-                f"{grad_note}{_limits_note(limits)}: the flat path does not compute what stock computes for this model"
-            ),
+            f"document(s) {leaks} {where} differ from stock {stock} on each alone by {worst:.2e}"
+            f"{grad_note}{_limits_note(limits)}: {what}",
         )
+    if rows_name is not None:
+        return worst, worst_grad, ""
     if packed.grad is not None:
         spilled = _spilled(packed.grad, list(spans.values()), limits)
         if spilled:
@@ -497,6 +536,41 @@ def _flat_run(
     if fresh.calls == 0:
         return None, "no attention call received the documents: this model's attention bypasses transformers' interface"
     return run, ""
+
+
+def _rows_run(
+    hf: Any,
+    inputs: Mapping[str, Any],
+    spans: Sequence[tuple[int, int]],
+    grads: bool,
+    rows_name: str,
+    reference: bool,
+    own_positions: bool,
+) -> tuple[Run | None, str]:
+    """The rows path's run of the documents at ``spans`` (one per row, as :func:`one_per_row` lays out a training
+    batch), placed back at their positions of the flat row; or None and why it cannot run."""
+    ids = inputs["input_ids"]
+    index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
+    lengths = tuple(e - s for s, e in spans)
+    positions = inputs["position_ids"][:, index] if own_positions and "position_ids" in inputs else None
+    rows, (dst, *_) = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)))
+    rows = {k: v for k, v in rows.items() if v is not None}
+    try:
+        with _implementation(hf, rows_name), kernel_context(rows_name, ids.device, reference):
+            with _embeddings(hf, grads) as captured:
+                out = hf(**rows, use_cache=False).logits
+    except Exception as exc:
+        return None, f"one document per row ({rows_name}) does not run: {_short(exc)}"
+    logits = out.reshape(-1, out.shape[-1])[dst]
+    placed = logits.new_zeros(ids.shape[1], logits.shape[-1]).index_copy_(0, index, logits.detach())
+    if not (grads and captured and captured[0].requires_grad):
+        return Run(placed), ""
+    bounds = [0, *itertools.accumulate(lengths)]
+    mine = ids[0, index]
+    loss = torch.stack([_next_token_loss(logits[a:b], mine[a:b]) for a, b in itertools.pairwise(bounds)]).sum()
+    (grad,) = torch.autograd.grad(loss, captured[0])
+    grad = grad.reshape(-1, grad.shape[-1])[dst]
+    return Run(placed, grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)), ""
 
 
 def _short(exc: BaseException) -> str:

@@ -109,3 +109,28 @@ def test_a_leak_after_the_build_moves_the_registered_model_to_rows(tmp_path: Pat
     model.attn_events.bind(str(tmp_path / "ev"))
     events = read_events(tmp_path / "ev", "attn_impl")
     assert events[-1]["at"] == "path" and events[-1]["path"] == "rows", events
+
+
+def test_fa2_on_the_reference_kernel_is_refused_where_the_class_calls_flash_attn_itself(tmp_path: Path) -> None:
+    """GPT-J (4.51) builds its FA2 attention class at construction and that class calls flash-attn itself: the
+    reference kernel cannot stand in, so strict FA2 is refused in the standard format (not transformers' raw load
+    error); a class without sdpa loads our backends transformers does not know under eager."""
+    from foundry_attn.loading import load_name
+    from foundry_attn.policy import AttentionUnavailableError
+
+    _, model_class = zoo.tiny("gptj")
+    if getattr(model_class, "_supports_sdpa", False):
+        pytest.skip("GPT-J declares sdpa on this stack")
+    assert load_name("torch_varlen", model_class=model_class) == "eager"
+    assert load_name("flash_attention_2", True, model_class) == "eager"
+    with pytest.raises(
+        AttentionUnavailableError,
+        match=r"check 'model class' failed: GPTJForCausalLM builds its flash-attention class at construction.*Fix: ",
+    ):
+        _build(
+            _model_dir(tmp_path, "gptj"),
+            tmp_path,
+            attn_implementation="flash_attention_2",
+            attn_strict=True,
+            fa2_reference_kernel=True,
+        )

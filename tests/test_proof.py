@@ -337,3 +337,26 @@ def test_a_patched_kernel_the_flat_path_calls_is_a_change() -> None:
         forward_documents(model, _batch(1))
     assert [at for at, _ in state.proofs][-1] == "batch 2 (a change of the attention code)"
     assert state.path == "flat"
+
+
+def test_rows_is_proven_too_when_the_run_moves_there() -> None:
+    """A flat proof that fails moves the run to rows, and rows is proven on the same documents, with gradients."""
+    model = conformance.build("llama", "sdpa")
+    with registered_attention("foundry_sdpa", lambda genuine: leaky_attention(genuine, 0)):
+        state = attach(model, "sdpa")
+    assert state.path == "rows"
+    at, verdict = state.proofs[-1]
+    assert at == "rows at attach" and verdict.ok and verdict.worst_grad is not None, verdict.describe()
+    assert "rows proven at attach: passed" in state.reason
+
+
+def test_rows_that_differ_from_each_document_alone_are_said_not_refused(caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose padded rows differ from its documents alone (here a final norm that mixes the rows of a
+    batch, as a batch statistic would): stock's padded batches train the same, so rows runs (never worse than
+    stock), and the difference is logged and kept in the state's notes."""
+    model = conformance.build("llama", "sdpa")
+    model.model.norm.register_forward_hook(lambda _m, _i, out: out + out.mean(0, keepdim=True))
+    state = attach(model, "sdpa", path="rows")
+    assert state.path == "rows" and not state.proofs[-1][1].ok
+    assert any("one per row (sdpa, right-padded) differ from stock sdpa" in note for note in state.notes)
+    assert "rows at attach failed" in caplog.text

@@ -48,7 +48,7 @@ from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.forward import ROWS, finish_documents, has_layout, prepare_documents
-from foundry_attn.loading import decide, load_name
+from foundry_attn.loading import decide, load_name, model_class_for
 from foundry_attn.paths import AUTO as AUTO_PATH
 from foundry_attn.paths import PROOF_INTERVAL, PathState, attach, check_path
 from foundry_attn.policy import (
@@ -133,7 +133,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 fa2_reference=fa2_reference_kernel,
                 config=config,
             )
-            self._build(tokenizer, pretrained_model_name_or_path, decision, fa2_reference_kernel, kwargs)
+            self._build(tokenizer, pretrained_model_name_or_path, config, decision, fa2_reference_kernel, kwargs)
             decision = self._attach(decision, fa2_reference_kernel, attn_isolation_check)
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
             self.attn_events.append(
@@ -154,14 +154,14 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self._dtype_checked = False
         self._record(decision, cap, rank)
 
-    def _build(self, tokenizer: Any, path: str, decision: Decision, reference: bool, kwargs: dict) -> None:
+    def _build(self, tokenizer: Any, path: str, config: Any, decision: Decision, reference: bool, kwargs: dict) -> None:
         """Build once, as stock builds. transformers' own attention check already ran on the config in ``decide``
         (no weights), so an error here is the build's own: it surfaces unchanged, with no retry and no second
         load; a later fallback (the path proof, the first-forward dtype check) switches the loaded model."""
         super().__init__(
             tokenizer=tokenizer,
             pretrained_model_name_or_path=path,
-            attn_implementation=load_name(decision.chosen, reference),
+            attn_implementation=load_name(decision.chosen, reference, model_class_for(config)),
             **kwargs,
         )
 
