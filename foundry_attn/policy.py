@@ -281,13 +281,13 @@ def check_fa2(
             "use a model class with _supports_flash_attn_2, or sdpa",
         )
     if fa2_reference:  # an explicit YAML opt-in, never chosen silently: FA2 code paths on the CPU reference kernel
-        if why := reference_refusal(traits):
-            return _fail(FA2, "model class", why, "use sdpa or eager here; FA2 runs it on a GPU with flash-attn")
         inexact = refusal(FA2, traits.needs) or (
             f"the reference kernel has no dropout ({traits.needs.dropout})" if traits.needs.dropout else None
         )
         if inexact:
             return _fail(FA2, "exactness", f"{REFERENCE_NAME}: {inexact}", "set attention_dropout: 0, or use eager")
+        if why := reference_refusal(traits):
+            return _fail(FA2, "model class", why, "use sdpa or eager here; FA2 runs it on a GPU with flash-attn")
         return Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
     if cap.flash_attn_version is None:
         hub = (

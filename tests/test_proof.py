@@ -146,7 +146,8 @@ def test_the_interval_proves_again() -> None:
 def test_eval_batches_are_not_proven_and_rows_is_asked_for() -> None:
     model = conformance.build("llama", "sdpa")
     state = attach(model, "sdpa", "rows")
-    assert state.path == "rows" and model.config._attn_implementation == "sdpa" and not state.proofs
+    assert state.path == "rows" and model.config._attn_implementation == "sdpa"
+    assert [at for at, _ in state.proofs] == ["rows at attach"]  # rows is proven, flat is not tried
     model = conformance.build("llama", "sdpa")
     state = attach(model, "sdpa")
     model.eval()
