@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -400,6 +401,16 @@ def _zoo_ours(model: Any, docs: list[torch.Tensor]) -> float:
     return loss.item()
 
 
+def _whose(exc: BaseException) -> str:
+    """``crash`` where the exception was raised in our own code (the reference kernel, the zoo's documents, this
+    module), else ``stock fails``: stock transformers (or torch under it) raised it."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = Path(tb.tb_frame.f_code.co_filename) if tb is not None else None
+    return "crash" if where is not None and Path(__file__).parent in where.parents else "stock fails"
+
+
 def zoo_cell(model_type: str, requested: str) -> ZooCell:
     """Run ``model_type``'s tiny config under ``requested`` (``auto``: the default chain; a backend: strict) through
     ``attach`` + ``forward_documents`` on packed documents, against stock on each document alone."""
@@ -434,7 +445,7 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
         docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
         want_loss, want_grad = _zoo_truth(config, model_class, backend, docs)
     except Exception as exc:
-        return done("stock fails", f"{type(exc).__name__}: {exc}", chosen=backend)
+        return done(_whose(exc), f"{type(exc).__name__}: {exc}", chosen=backend)
     try:
         model = _zoo_model(config, model_class, backend)
         # FA2 exists on this CPU only as the reference kernel: installed around the whole run, as for the truth
@@ -491,6 +502,8 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     try:
         truth: tuple[float, torch.Tensor] | None = _zoo_truth(config, model_class, backend, docs)
     except Exception as exc:
+        if _whose(exc) == "crash":
+            return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
         truth, stock_error = None, f"{type(exc).__name__}: {exc}"
     try:
         with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
@@ -530,7 +543,12 @@ def run_zoo(
 
 def zoo_counts(cells: list[ZooCell]) -> dict[str, int]:
     """Counts by outcome: ``exact flat``, ``exact rows``, ``refused``, ``WRONG``, ``crash``, ``unbuildable``, ..."""
-    return dict(collections.Counter(f"exact {c.path}" if c.status == "exact" else c.status for c in cells))
+    return dict(collections.Counter(zoo_label(c) for c in cells))
+
+
+def zoo_label(cell: ZooCell) -> str:
+    """A cell's outcome as the zoo table opens it: ``exact flat``, ``exact rows``, ``refused``, ``stock fails``, ..."""
+    return f"exact {cell.path}" if cell.status == "exact" else cell.status
 
 
 def zoo_table(cells: list[ZooCell]) -> str:

@@ -64,7 +64,8 @@ def _attend(
     softmax_scale: float | None,
     softcap: float,
 ) -> torch.Tensor:
-    """q [Tq, Hq, D], k/v [Tk, Hk, D], allowed [Tq, Tk] -> [Tq, Hq, D] in q's dtype."""
+    """q [Tq, Hq, D], k/v [Tk, Hk, D(v)], allowed [Tq, Tk] -> [Tq, Hq, D(v)] in q's dtype, contiguous (as flash-attn
+    returns it: callers ``.view`` it)."""
     hq, hk = q.shape[1], k.shape[1]
     if hq % hk:
         raise ValueError(f"number of query heads {hq} is not a multiple of key/value heads {hk}")
@@ -76,7 +77,7 @@ def _attend(
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key gets zeros, as in flash-attn
-    return (probs @ vf).transpose(0, 1).to(q.dtype)
+    return (probs @ vf).transpose(0, 1).to(q.dtype).contiguous()
 
 
 def _check_unsupported(dropout_p: float, alibi_slopes: object, return_attn_probs: bool) -> None:
@@ -123,7 +124,7 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> torch.Tensor:
-    """Reference of ``flash_attn.flash_attn_func``: q [B, Sq, Hq, D] -> [B, Sq, Hq, D]."""
+    """Reference of ``flash_attn.flash_attn_func``: q [B, Sq, Hq, D] -> [B, Sq, Hq, D(v)]."""
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
@@ -137,7 +138,7 @@ def flash_attn_func(
         softmax_scale,
         softcap,
     )
-    return out.reshape(q.shape)
+    return out.reshape(b, sq, q.shape[2], v.shape[-1])
 
 
 # flash_attn.bert_padding equivalents, which transformers imports next to the kernels

@@ -161,6 +161,18 @@ def test_half_inputs_keep_dtype() -> None:
     )
 
 
+def test_outputs_are_contiguous_with_the_value_head_dim_as_flash_attn_returns_them() -> None:
+    """Callers ``.view`` the output (AFMoE, JetMoE); MLA-style layers give values another head dim than queries."""
+    q, k = torch.randn(2, 5, 4, D), torch.randn(2, 5, 2, D)
+    v = torch.randn(2, 5, 2, 2 * D)
+    dense = flash_attn_func(q, k, v, causal=True)
+    assert dense.shape == (2, 5, 4, 2 * D) and dense.is_contiguous()
+    flat = flash_attn_varlen_func(q[0], k[0], v[0], cu([2, 3]), cu([2, 3]), 3, 3, causal=True)
+    assert flat.shape == (5, 4, 2 * D) and flat.is_contiguous()
+    want = sdpa_one(q[0, :2], k[0, :2], v[0, :2], causal=True)
+    torch.testing.assert_close(flat[:2], want, rtol=1e-5, atol=1e-5)
+
+
 def test_unsupported_arguments_raise() -> None:
     q = torch.randn(1, 4, 2, D)
     with pytest.raises(NotImplementedError, match="dropout"):
