@@ -138,8 +138,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def conformance(args: argparse.Namespace) -> int:
-    """Every (family, backend) cell, exact or refused; ``--markdown`` prints the README table. ``--zoo``: every
-    causal-LM type of this transformers, under ``auto`` and each backend (strict), and as a core user calls it
+    """Every (family, backend) cell, exact or refused; ``--markdown`` prints docs/conformance.md's table. ``--zoo``:
+    every causal-LM type of this transformers, under ``auto`` and each backend (strict), and as a core user calls it
     (``attach(model, backend)``, not strict)."""
     if args.zoo:
         return zoo_conformance(args)

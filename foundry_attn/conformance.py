@@ -1,6 +1,6 @@
 """Exact or refused: every (model family, backend) pair against stock transformers, document by document.
 
-    foundry-attn conformance --markdown      # the README table
+    foundry-attn conformance --markdown      # the table in docs/conformance.md
     cell("mistral", "sdpa", "pack", "hf_reentrant")  # -> Cell(status="exact", loss_err=..., grad_err=...)
 
 For each family a tiny random config keeps every attention feature of the real one (sliding windows of 4

@@ -9,8 +9,9 @@
 Every batch (``mask`` and ``pack``) carries, besides ``input_ids``/``labels``/``position_ids``:
 
 - ``doc_lens``: per row, the lengths of its documents as Python ints. Real tokens sit at the start of
-  each row, padding after them. The model derives ``cu_seq_lens``/``max_length`` (FA2), block masks
-  (SDPA, eager, flex) from these on the host, per microbatch, without a device sync.
+  each row, padding after them. The forward derives the flat path's document bounds from these on the host, per
+  microbatch, without a device sync (FA2's ``cu_seq_lens``/``max_length``, one SDPA or eager call per document,
+  flex's block mask).
 - ``total_tokens`` / ``loss_generating_tokens``: per-row counts that LLM-Foundry's token counter reads.
 - ``sequence_id``: per token, the index of its document in the row (LLM-Foundry's packing key; the pad tail is
   a segment of its own, as in ``position_ids``), so MPT with ``attn_uses_sequence_id: true`` keeps them apart.

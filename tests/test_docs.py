@@ -38,3 +38,19 @@ def test_every_chain_the_docs_and_yamls_name_is_the_default() -> None:
 def test_the_chain_is_found_where_it_is_named() -> None:
     assert _chains((REPO / "README.md").read_text()), "README names the chain"
     assert all(_chains(p.read_text()) for p in sorted((REPO / "yamls").glob("*.yaml")))
+
+
+def test_the_package_docstring_names_every_core_module() -> None:
+    """``foundry_attn/__init__.py`` lists the core; a module added to the package is listed there too."""
+    import foundry_attn
+
+    named = set(re.findall(r"``(\w+)``", foundry_attn.__doc__ or ""))
+    modules = {p.stem for p in (REPO / "foundry_attn").glob("*.py") if p.stem != "__init__"} | {"bench"}
+    assert modules <= named, sorted(modules - named)
+
+
+def test_docs_point_at_files_that_exist() -> None:
+    """Relative links in README.md and docs/ name files that are there."""
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
