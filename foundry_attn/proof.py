@@ -297,15 +297,7 @@ def prove_flat(
     Raises nothing the stock forward on one document does not raise; a failure of the flat forward (a layer
     that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a verdict.
     """
-    start = time.perf_counter()
-    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
-    docs: Documents = inputs[DOCS_KEY]
-    compare = pick(docs) if compare is None else tuple(compare)
-    with hidden(), _state_kept(hf):
-        worst, worst_grad, reason = _compare(hf, inputs, stock, compare, reference, grads, own_positions)
-    lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
-    ms = (time.perf_counter() - start) * 1e3
-    return Verdict(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None)
 
 
 def prove_rows(
@@ -323,8 +315,21 @@ def prove_rows(
     row, right-padded, a 2-D mask, under ``rows_name``) against each document alone under ``stock``: logits and
     input-embedding gradients, the limits of :func:`prove_flat`. A failure says the model's padded rows differ from
     its documents alone (stock's own padded batches do the same)."""
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name)
+
+
+def _prove(
+    model: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: Sequence[int] | None,
+    reference: bool,
+    grads: bool,
+    own_positions: bool,
+    rows_name: str | None,
+) -> Verdict:
     start = time.perf_counter()
-    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
+    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     docs: Documents = inputs[DOCS_KEY]
     compare = pick(docs) if compare is None else tuple(compare)
     with hidden(), _state_kept(hf):

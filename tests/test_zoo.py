@@ -5,13 +5,45 @@ trains wherever stock trains."""
 
 from __future__ import annotations
 
+import functools
+import re
+from pathlib import Path
+
 import pytest
+import transformers
 
 from foundry_attn import conformance, zoo
 
 #: outcomes that are not ours to train: stock cannot build or run the pair here, or stock's own padded rows differ
 #: from each document alone (rows then equals stock's padded training exactly; conformance checks that)
 NOT_OURS = ("unbuildable", "stock fails", "stock differs")
+ZOO_DOC = Path(__file__).parents[1] / "docs" / "zoo.md"
+
+
+@functools.cache
+def documented() -> dict[tuple[str, str], str]:
+    """``docs/zoo.md``'s table for this transformers: (model type, column) -> the outcome the cell opens with."""
+    text = ZOO_DOC.read_text()
+    section = text.split(f"## transformers {transformers.__version__},", 1)
+    assert len(section) == 2, f"docs/zoo.md has no section for transformers {transformers.__version__}"
+    table = [line for line in section[1].split("\n## ", 1)[0].splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = {}
+    for line in table[1:]:
+        values = [c.strip() for c in line.strip("|").split("|")]
+        for column, value in zip(columns[1:], values[1:], strict=False):
+            label = re.sub(r"\*\*|\s*\(.*?\)$", "", value.split(":", 1)[0]).strip()
+            cells[values[0], column] = label
+    return cells
+
+
+def _as_documented(cell: conformance.ZooCell) -> None:
+    """The computed cell opens as ``docs/zoo.md`` says (path included): regenerate the doc when this moves."""
+    want = documented().get((cell.model_type, cell.requested))
+    assert conformance.zoo_label(cell) == want, (
+        f"{cell.model_type} / {cell.requested}: computed {conformance.zoo_label(cell)!r} ({cell.detail}), "
+        f"docs/zoo.md says {want!r}; regenerate it with foundry-attn conformance --zoo --markdown"
+    )
 
 
 @pytest.mark.slow
@@ -26,6 +58,7 @@ def test_every_model_type_is_exact_or_refused(model_type: str) -> None:
             assert cell.path in ("flat", "rows") and cell.detail, cell
         if cell.status == "refused":
             assert cell.detail, cell
+        _as_documented(cell)
 
 
 @pytest.mark.slow
@@ -38,3 +71,4 @@ def test_every_model_type_as_a_core_user_attaches_it(model_type: str) -> None:
         assert cell.status in ("exact", "refused", *NOT_OURS), cell
         if cell.status == "exact":
             assert cell.path in ("flat", "rows") and cell.detail, cell
+        _as_documented(cell)
