@@ -401,14 +401,20 @@ def _zoo_ours(model: Any, docs: list[torch.Tensor]) -> float:
     return loss.item()
 
 
-def _whose(exc: BaseException) -> str:
-    """``crash`` where the exception was raised in our own code (the reference kernel, the zoo's documents, this
-    module), else ``stock fails``: stock transformers (or torch under it) raised it."""
+def raised_by_us(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in our own code (the reference kernel, the zoo's documents, this module), not in
+    stock transformers or torch under it: a zoo cell files it as a ``crash``, never as ``stock fails``. One we raise
+    ``from`` another (the zoo's builder saying why stock cannot build a class) is judged by its cause."""
+    if exc.__cause__ is not None:
+        return raised_by_us(exc.__cause__)
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    where = Path(tb.tb_frame.f_code.co_filename) if tb is not None else None
-    return "crash" if where is not None and Path(__file__).parent in where.parents else "stock fails"
+    return tb is not None and Path(__file__).parent in Path(tb.tb_frame.f_code.co_filename).parents
+
+
+def _whose(exc: BaseException) -> str:
+    return "crash" if raised_by_us(exc) else "stock fails"
 
 
 def zoo_cell(model_type: str, requested: str) -> ZooCell:
@@ -501,10 +507,8 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
     try:
         truth: tuple[float, torch.Tensor] | None = _zoo_truth(config, model_class, backend, docs)
-    except Exception as exc:
-        if _whose(exc) == "crash":
-            return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
-        truth, stock_error = None, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # ours is a crash, unless attach refuses the pair anyway (below)
+        truth, stock_error, ours = None, f"{type(exc).__name__}: {exc}", raised_by_us(exc)
     try:
         with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
             state = attach(model, backend, fa2_reference=backend == FA2)
@@ -517,7 +521,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     except Exception as exc:
         return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
     if truth is None:
-        return done("stock fails", stock_error, chosen=backend, path=state.path)
+        return done("crash" if ours else "stock fails", stock_error, chosen=backend, path=state.path)
     grad = _grads(model)
     loss_err, grad_err = abs(loss - truth[0]), _grad_err(grad, truth[1])
     status = "exact" if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL else "WRONG"

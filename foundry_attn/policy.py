@@ -79,6 +79,9 @@ class ModelTraits:
         supports = {EAGER} | {
             impl for impl, names in flags.items() if any(getattr(model_class, n, False) for n in names)
         }
+        compatible = getattr(model_class, "_compatible_flash_implementations", None)
+        if compatible is not None and FA2 not in compatible:  # 5.x: stock runs another kernel (sinks) under FA2
+            supports.discard(FA2)
         if supports & {FA2, SDPA}:  # our varlen function serves any class built on the attention interface
             supports.add(TORCH_VARLEN)
         name = model_class.__name__

@@ -364,3 +364,17 @@ def test_torch_varlen_sits_between_flash_attn_and_sdpa() -> None:
             failed(decide(new_torch, traits=softcapped, fallback=[TORCH_VARLEN, EAGER]), TORCH_VARLEN).check
             == "exactness"
         )
+
+
+def test_a_class_whose_flash_attention_is_another_kernel_has_no_fa2() -> None:
+    """5.x classes that list ``_compatible_flash_implementations`` without FA2 (gpt-oss, Flint, Granite-SWA: sinks)
+    run a hub kernel when FA2 is asked for: flash-attn 2 cannot run them, so the policy does not offer it."""
+    from transformers import LlamaForCausalLM
+
+    from foundry_attn.policy import ModelTraits
+
+    class SinksModel(LlamaForCausalLM):
+        _compatible_flash_implementations = ("kernels-community/vllm-flash-attn3",)
+
+    assert "flash_attention_2" in ModelTraits.from_model_class(LlamaForCausalLM).supports
+    assert "flash_attention_2" not in ModelTraits.from_model_class(SinksModel).supports

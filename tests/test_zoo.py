@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from foundry_attn import conformance, zoo
@@ -72,3 +73,19 @@ def test_every_model_type_as_a_core_user_attaches_it(model_type: str) -> None:
         if cell.status == "exact":
             assert cell.path in ("flat", "rows") and cell.detail, cell
         _as_documented(cell)
+
+
+def test_an_exception_raised_in_our_code_is_ours() -> None:
+    """The zoo files what our code raises as a crash (here: the reference kernel refusing dropout), what stock raises
+    as stock's."""
+    from foundry_attn.fa2_reference import flash_attn_func
+
+    q = torch.zeros(1, 2, 1, 4)
+    try:
+        flash_attn_func(q, q, q, dropout_p=0.1)
+    except NotImplementedError as exc:
+        assert conformance.raised_by_us(exc)
+    try:
+        torch.zeros(2).view(3)
+    except RuntimeError as exc:
+        assert not conformance.raised_by_us(exc)
