@@ -433,6 +433,19 @@ def _tiny_kwargs(default: PretrainedConfig, model_type: str, top: bool = True) -
     return kwargs
 
 
+def _own_config_class(model_type: str) -> type[PretrainedConfig]:
+    """transformers' own config class for ``model_type``, not one a library registered under its name (importing
+    LLM-Foundry registers its ``MPTConfig`` as ``mpt``)."""
+    extra = CONFIG_MAPPING._extra_content
+    if model_type not in extra:
+        return CONFIG_MAPPING[model_type]
+    held = extra.pop(model_type)
+    try:
+        return CONFIG_MAPPING[model_type]
+    finally:
+        extra[model_type] = held
+
+
 def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
     try:
         cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
@@ -465,7 +478,7 @@ def _tiny_cached(model_type: str) -> tuple[PretrainedConfig, type[PreTrainedMode
         if importlib.util.find_spec(package) is None:
             raise Unbuildable(f"needs the optional package {package!r}, not installed")
     try:
-        config_class = CONFIG_MAPPING[model_type]
+        config_class = _own_config_class(model_type)
     except (KeyError, ImportError, AttributeError) as exc:
         raise Unbuildable(f"no config class: {type(exc).__name__}: {_first_line(exc)}") from exc
     try:
