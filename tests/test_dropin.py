@@ -4,6 +4,7 @@ state, the forward returns the batch's shape, and the weights load as often as s
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from foundry_attn.capability import flex_backward_error, probe
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
@@ -131,7 +133,7 @@ def test_our_collated_batches_come_back_in_their_shape(assets: Path, tmp_path: P
     vocab = ours.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     rows = []
-    for lengths in ((9, 5), (12,), (3, 4, 6)):  # documents end with EOS (0); padding after
+    for lengths in LENGTHS:  # documents end with EOS (0); padding after
         row = torch.zeros(16, dtype=torch.long)
         at = 0
         for n in lengths:
@@ -139,11 +141,30 @@ def test_our_collated_batches_come_back_in_their_shape(assets: Path, tmp_path: P
             at += n
         rows.append(row)
     batch = PaddingCollator(0, 0, 16, mode=mode)(rows)
+    # the truth, without the collator: stock on each document alone (pack), each row's real tokens alone (mask)
+    stock = copy.deepcopy(ours.model)
+    del stock.foundry_path
+    stock.config._attn_implementation = "sdpa"
+    if mode == "pack":
+        pieces = [row[at - n : at] for row, lengths in zip(rows, LENGTHS, strict=True) for at, n in _ends(lengths)]
+    else:
+        pieces = [row[: sum(lengths)] for row, lengths in zip(rows, LENGTHS, strict=True)]
+    with torch.no_grad():
+        total = sum(F.cross_entropy(stock(input_ids=p[None]).logits[0, :-1], p[1:], reduction="sum") for p in pieces)
+    want = float(total) / sum(p.numel() - 1 for p in pieces)
     out = ours(batch)
     assert out.logits.shape == (*batch["input_ids"].shape, vocab)
-    assert torch.isfinite(out.loss)
+    assert abs(out.loss.item() - want) <= 1e-5, (out.loss.item(), want)
     out.loss.backward()  # the loss is the one computed on the layout, connected to the weights
     assert next(ours.parameters()).grad is not None
+
+
+LENGTHS = ((9, 5), (12,), (3, 4, 6))
+
+
+def _ends(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(end, length) of each document of a row."""
+    return [(sum(lengths[: i + 1]), n) for i, n in enumerate(lengths)]
 
 
 # ---- 3. one load, and errors as stock raises them ---------------------------------------------------------------
