@@ -60,7 +60,7 @@ class Capability:
         return out
 
 
-def _probe_flash_attn() -> tuple[str | None, str | None]:
+def probe_flash_attn() -> tuple[str | None, str | None]:
     """Version of flash-attn if it really imports, else the import error text."""
     version = _dist_version("flash-attn") or _dist_version("flash_attn")
     if importlib.util.find_spec("flash_attn") is None:
@@ -122,7 +122,7 @@ def probe(device: torch.device | str | None = None) -> Capability:
         cc: tuple[int, int] | None = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
     else:
         name, cc = "cpu", None
-    fa_version, fa_error = _probe_flash_attn()
+    fa_version, fa_error = probe_flash_attn()
     return Capability(
         cuda=cuda and device.type == "cuda",
         device_name=name,

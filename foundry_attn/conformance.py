@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN
-from foundry_attn.forward import _pad_id, forward_documents, kernel_context, repad_logits
+from foundry_attn.forward import forward_documents, kernel_context, pad_id, repad_logits
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.paths import TRUTH, attach
 
@@ -376,7 +376,7 @@ def _zoo_stock_rows(
     model = _zoo_model(config, model_class, backend)
     targets = sum(d.numel() - 1 for d in docs)
     with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
-        batch = rows_inputs(docs, _pad_id(model))
+        batch = rows_inputs(docs, pad_id(model))
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         loss = sum(_doc_loss(logits[r, : d.numel()], d, targets) for r, d in enumerate(docs))
         assert isinstance(loss, torch.Tensor)

@@ -215,7 +215,7 @@ def one_per_row(
     if row_labels is not None:
         row_labels[:, 0] = IGNORE_INDEX
     inputs: dict[str, torch.Tensor | None] = {
-        "input_ids": scatter(ids, _pad_id(model)),
+        "input_ids": scatter(ids, pad_id(model)),
         "attention_mask": scatter(torch.ones_like(ids), 0),
     }
     if positions is not None:
@@ -224,7 +224,7 @@ def one_per_row(
     return inputs, (dst, flat, layout.rows, layout.width)
 
 
-def _pad_id(model: Any) -> int:
+def pad_id(model: Any) -> int:
     """The id right padding is filled with: the model's pad token where it has one (RoBERTa-style position ids
     count from it), else 0."""
     pad = getattr(unwrapped(model).config, "pad_token_id", None)

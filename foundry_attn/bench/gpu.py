@@ -131,9 +131,9 @@ def reference_torch_varlen() -> Iterator[None]:
 
 
 def flash_attn_version() -> str | None:
-    from foundry_attn.capability import _probe_flash_attn
+    from foundry_attn.capability import probe_flash_attn
 
-    return _probe_flash_attn()[0]
+    return probe_flash_attn()[0]
 
 
 # ---- workloads ----------------------------------------------------------------------------------------------
