@@ -23,7 +23,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +50,12 @@ class PathGuard(Protocol):
 
     def before_batch(self, model: Any, inputs: Mapping[str, Any], own_positions: bool) -> bool:
         """Prove the flat path on ``inputs`` when due; whether the batch runs them (False: rows)."""
+        ...
+
+    def before_rows_batch(
+        self, model: Any, tokens: int, longest: int, flat: Callable[[], Mapping[str, Any]], own_positions: bool
+    ) -> None:
+        """Prove the rows path on this batch's documents when due."""
         ...
 
 
@@ -110,6 +116,12 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
         # the proof, when due, runs these very inputs; a failure moves this batch (and the run) to rows
         if state.before_batch(model, inputs, own_positions="doc_lens" not in batch):
             return inputs, placed, no_targets
+    elif state.path == ROWS:  # proven as flat is: its first batch, changes, longer batches, the interval
+
+        def flat() -> dict[str, Any]:
+            return flat_inputs(model, ids, _flat_positions(batch, layout), None, layout)[0]
+
+        state.before_rows_batch(model, layout.real_tokens, layout.max_length, flat, "doc_lens" not in batch)
     inputs, placed = one_per_row(model, ids, _user_positions(batch), labels, layout)
     return inputs, placed, no_targets
 

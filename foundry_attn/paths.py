@@ -222,12 +222,15 @@ class PathState:
             own_positions=own_positions,
         )
         self.proofs.append((f"rows at {at}", verdict))
+        docs: Documents = inputs[DOCS_KEY]
         if verdict.ok:
-            self.reason += f"; rows proven at {at}: {verdict.describe()}"
-        else:
-            note = f"rows at {at} {verdict.describe()}"
-            self.notes.append(note)
-            log.warning("foundry_attn: %s %s", type(hf).__name__, note)
+            self.covered = max(self.covered[0], _ceil2(docs.bounds[-1])), max(self.covered[1], _ceil2(docs.max_length))
+            self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {verdict.describe()}"
+            return verdict
+        note = f"rows at {at} {verdict.describe()}"
+        said = any(n.startswith("rows at ") for n in self.notes)
+        self.notes.append(note)
+        (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)  # one warning a run
         return verdict
 
     def fingerprint(self) -> tuple:
@@ -248,13 +251,14 @@ class PathState:
             ),
         )
 
-    def due(self, hf: Any, docs: Documents) -> tuple[str, bool] | None:
-        """Why a proof is due on a training batch with these documents, and whether it compares gradients."""
+    def due(self, hf: Any, tokens: int, longest: int) -> tuple[str, bool] | None:
+        """Why a proof is due on a training batch of ``tokens`` real tokens whose longest document is ``longest``,
+        and whether it compares gradients."""
         if not self.proven_on_batch:
             return "the first training batch", True
         if self.fingerprint() != self._fingerprint:
             return "a change of the attention code", True
-        tokens, longest = _agreed((docs.bounds[-1], docs.max_length), hf)
+        tokens, longest = _agreed((tokens, longest), hf)
         if tokens > self.covered[0] or longest > self.covered[1]:
             return f"a longer batch: {tokens} tokens, documents up to {longest}; proven up to {self.covered}", True
         if self.interval and self.batches % self.interval == 0:
@@ -268,12 +272,36 @@ class PathState:
         if not (hf.training and torch.is_grad_enabled()):
             return True
         self.batches += 1
-        due = self.due(hf, inputs[DOCS_KEY])
+        docs: Documents = inputs[DOCS_KEY]
+        due = self.due(hf, docs.bounds[-1], docs.max_length)
         if due is None:
             return True
         self.proven_on_batch = True
         self.prove(model, inputs, f"batch {self.batches} ({due[0]})", grads=due[1], own_positions=own_positions)
         return self.path == FLAT
+
+    def before_rows_batch(
+        self,
+        model: Any,
+        tokens: int,
+        longest: int,
+        flat: Callable[[], Mapping[str, Any]],
+        own_positions: bool,
+    ) -> None:
+        """Called by ``forward_documents`` on every batch the rows path trains: proves rows when due, as
+        :meth:`before_batch` proves flat (the first batch, a change, a longer batch, the interval); ``flat`` builds
+        the batch's flat inputs, whose documents the proof lays out one per row."""
+        hf = unwrapped(model)
+        if not (hf.training and torch.is_grad_enabled()):
+            return
+        self.batches += 1
+        due = self.due(hf, tokens, longest)
+        if due is None:
+            return
+        self.proven_on_batch = True
+        self._modules = tuple(hf.modules())
+        self.prove_rows(hf, flat(), f"batch {self.batches} ({due[0]})", grads=due[1], own_positions=own_positions)
+        self._fingerprint = self.fingerprint()
 
     # ---- moving to rows ---------------------------------------------------------------------------------
     def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:

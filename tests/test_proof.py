@@ -361,3 +361,20 @@ def test_rows_that_differ_from_each_document_alone_are_said_not_refused(caplog: 
     assert state.path == "rows" and not state.proofs[-1][1].ok
     assert any("one per row (sdpa, right-padded) differ from stock sdpa" in note for note in state.notes)
     assert "rows at attach failed" in caplog.text
+
+
+def test_rows_is_proven_on_its_first_batch_and_each_longer_one() -> None:
+    """The rows path gets the flat path's schedule: attach, the first training batch, a longer batch; not every
+    batch. Every batch trains as stock on each document alone."""
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).train()
+    state = attach(model, "sdpa", path="rows")
+    batches = [_rows_batch([[13, 29, 18]], 0), _rows_batch([[13, 29, 18]], 1), _rows_batch([[90, 40, 70]], 2)]
+    errors = _train(model, stock, batches)
+    assert _exact(errors), errors
+    assert [at for at, _ in state.proofs] == [
+        "rows at attach",
+        "rows at batch 1 (the first training batch)",
+        "rows at batch 3 (a longer batch: 200 tokens, documents up to 90; proven up to (64, 32))",
+    ]
+    assert all(v.ok and v.worst_grad is not None for _, v in state.proofs) and state.path == "rows"
