@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from foundry_attn.torch_varlen import torch_varlen_kernel, varlen_parameters
@@ -73,14 +73,17 @@ def set_implementation(model: Any, name: str) -> None:
         text._attn_implementation = name
 
 
-def config_refusal(config: Any, name: str) -> str | None:
-    """The config's own refusal of ``name``, or None: a 5.x config may validate the name it is set to (HRM-text with
-    ``prefix_lm`` refuses flash attention), as stock does at load. Asked of a copy; torch_varlen as flash."""
-    try:
-        copy.deepcopy(config)._attn_implementation = FA2 if name == TORCH_VARLEN else name
-    except ValueError as exc:
-        return str(exc).splitlines()[0]
-    return None
+def config_refusals(config: Any, names: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """The names the config itself refuses, with its words: a 5.x config may validate the name it is set to
+    (HRM-text with ``prefix_lm`` refuses flash attention), as stock does at load. Asked of one copy; torch_varlen
+    as flash."""
+    probe, refused = copy.deepcopy(config), []
+    for name in names:
+        try:
+            probe._attn_implementation = FA2 if name == TORCH_VARLEN else name
+        except ValueError as exc:
+            refused.append((name, str(exc).splitlines()[0]))
+    return tuple(refused)
 
 
 def config_values(config: Any, name: str) -> list[Any]:

@@ -413,10 +413,6 @@ def raised_by_us(exc: BaseException) -> bool:
     return tb is not None and Path(__file__).parent in Path(tb.tb_frame.f_code.co_filename).parents
 
 
-def _whose(exc: BaseException) -> str:
-    return "crash" if raised_by_us(exc) else "stock fails"
-
-
 def zoo_cell(model_type: str, requested: str) -> ZooCell:
     """Run ``model_type``'s tiny config under ``requested`` (``auto``: the default chain; a backend: strict) through
     ``attach`` + ``forward_documents`` on packed documents, against stock on each document alone."""
@@ -451,7 +447,7 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
         docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
         want_loss, want_grad = _zoo_truth(config, model_class, backend, docs)
     except Exception as exc:
-        return done(_whose(exc), f"{type(exc).__name__}: {exc}", chosen=backend)
+        return done("crash" if raised_by_us(exc) else "stock fails", f"{type(exc).__name__}: {exc}", chosen=backend)
     try:
         model = _zoo_model(config, model_class, backend)
         # FA2 exists on this CPU only as the reference kernel: installed around the whole run, as for the truth

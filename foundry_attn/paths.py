@@ -52,8 +52,7 @@ from foundry_attn.policy import (
     IMPLEMENTATIONS,
     AttentionUnavailableError,
     ModelTraits,
-    model_refusal,
-    reference_refusal,
+    model_check,
 )
 from foundry_attn.proof import (
     Verdict,
@@ -196,7 +195,7 @@ class PathState:
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
         if verdict.ok:
-            self.covered = max(self.covered[0], _ceil2(docs.bounds[-1])), max(self.covered[1], _ceil2(docs.max_length))
+            self._cover(docs)
         if not verdict.ok:
             self.refuse(hf, f"proof at {at} {verdict.describe()}", check="proof")
             self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
@@ -224,7 +223,7 @@ class PathState:
         self.proofs.append((f"rows at {at}", verdict))
         docs: Documents = inputs[DOCS_KEY]
         if verdict.ok:
-            self.covered = max(self.covered[0], _ceil2(docs.bounds[-1])), max(self.covered[1], _ceil2(docs.max_length))
+            self._cover(docs)
             self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {verdict.describe()}"
             return verdict
         note = f"rows at {at} {verdict.describe()}"
@@ -232,6 +231,10 @@ class PathState:
         self.notes.append(note)
         (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)  # one warning a run
         return verdict
+
+    def _cover(self, docs: Documents) -> None:
+        """Lengths up to the next power of two of this row's and its longest document's are proven."""
+        self.covered = max(self.covered[0], _ceil2(docs.bounds[-1])), max(self.covered[1], _ceil2(docs.max_length))
 
     def fingerprint(self) -> tuple:
         """What the flat path's exactness rests on, by identity: the dispatch entries of our name and the stock
@@ -405,27 +408,18 @@ def attach(
 
 
 def _refuse_unsupported(hf: Any, backend: str, reference: bool = False) -> None:
-    """The policy's model checks (:func:`foundry_attn.policy.model_refusal`), before anything is pointed: a backend
+    """The policy's model checks (:func:`foundry_attn.policy.model_check`), before anything is pointed: a backend
     the class does not declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap under
     sdpa, ALiBi under FA2) runs neither path exactly, so it is refused with the backends that do run the model."""
     from transformers import PreTrainedModel
 
     owner: Any = next((m for m in hf.modules() if isinstance(m, PreTrainedModel)), hf)  # the model inside PEFT
     traits = ModelTraits.from_model_class(type(owner), owner.config)
-
-    def why(name: str) -> str | None:
-        return model_refusal(name, traits) or (reference_refusal(traits) if name == FA2 and reference else None)
-
-    refused = why(backend)
-    if refused is None:
+    failed = model_check(backend, traits, reference)
+    if failed is None:
         return
-    runs = [name for name in IMPLEMENTATIONS if why(name) is None]
-    if backend in traits.supports and backend in dict(traits.config_refuses):
-        check = "model config"
-    elif backend not in traits.supports or model_refusal(backend, traits) is None:  # the class, or its FA2 class
-        check = "model class"
-    else:
-        check = "exactness"
+    check, refused = failed
+    runs = [name for name in IMPLEMENTATIONS if model_check(name, traits, reference) is None]
     raise AttentionUnavailableError(
         f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
         f"with one of {runs} (stock transformers refuses this pair at load too)"

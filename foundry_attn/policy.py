@@ -25,7 +25,7 @@ from foundry_attn.backends import (
     SDPA,
     TORCH_VARLEN,
     ModelNeeds,
-    config_refusal,
+    config_refusals,
     config_value,
     refusal,
 )
@@ -87,7 +87,7 @@ class ModelTraits:
         name = model_class.__name__
         if config is None:
             return cls(name, None, frozenset(supports))
-        refuses = tuple((impl, why) for impl in sorted(supports - {EAGER}) if (why := config_refusal(config, impl)))
+        refuses = config_refusals(config, sorted(supports - {EAGER}))
         needs = ModelNeeds.of(name, config)
         return cls(name, head_dim_of(config), frozenset(supports), needs, refuses, _fa2_calls_flash_attn(model_class))
 
@@ -222,14 +222,19 @@ def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def model_refusal(name: str, traits: ModelTraits) -> str | None:
-    """Why ``name`` cannot run this model class exactly on any path, wherever it runs (its class does not declare
-    the backend, as stock refuses at load; or the backend cannot honour what its config asks), or None."""
+def model_check(name: str, traits: ModelTraits, reference: bool = False) -> tuple[str, str] | None:
+    """The model check ``name`` fails on any path, wherever it runs, as (check, reason), or None: its class does not
+    declare the backend (stock refuses it at load), its config refuses it, the backend cannot honour what the config
+    asks, or (``reference``) the FA2 reference kernel cannot stand in for the class's own FA2 class."""
     if name not in traits.supports:
-        return f"{traits.class_name} has no {name} support"
+        return "model class", f"{traits.class_name} has no {name} support"
     if why := dict(traits.config_refuses).get(name):
-        return f"its config refuses {name}: {why}"
-    return refusal(name, traits.needs)
+        return "model config", f"its config refuses {name}: {why}"
+    if why := refusal(name, traits.needs):
+        return "exactness", why
+    if name == FA2 and reference and (why := reference_refusal(traits)):
+        return "model class", why
+    return None
 
 
 def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:
