@@ -34,13 +34,9 @@ class Backend:
     window: bool = True
 
 
+#: every backend, in the order the fallback chain prefers them (the one list of backend names: :data:`NAMES`)
 BACKENDS: dict[str, Backend] = {
     FA2: Backend(FA2, softcap=True, dropout=True),
-    SDPA: Backend(SDPA, softcap=False, dropout=True),
-    EAGER: Backend(EAGER, softcap=True, dropout=True),
-    # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
-    # torch 2.7): refused until it is proven exact
-    FLEX: Backend(FLEX, softcap=False, dropout=False),
     # torch.nn.attention.varlen.varlen_attn: causal only, no softcap, no dropout; windows from torch 2.12
     TORCH_VARLEN: Backend(
         TORCH_VARLEN,
@@ -48,7 +44,13 @@ BACKENDS: dict[str, Backend] = {
         dropout=False,
         window="window_size" in varlen_parameters(torch_varlen_kernel()),
     ),
+    # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
+    # torch 2.7): refused until it is proven exact
+    FLEX: Backend(FLEX, softcap=False, dropout=False),
+    SDPA: Backend(SDPA, softcap=False, dropout=True),
+    EAGER: Backend(EAGER, softcap=True, dropout=True),
 }
+NAMES: tuple[str, ...] = tuple(BACKENDS)
 #: registered name -> backend (or fa2_reference): every name :func:`foundry_attn.adapters.register` registers
 REGISTERED = {PREFIX + name: name for name in (*BACKENDS, FA2_REFERENCE)}
 

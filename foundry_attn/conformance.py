@@ -25,12 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN
+from foundry_attn.backends import EAGER, FA2, NAMES, SDPA
 from foundry_attn.forward import forward_documents, kernel_context, pad_id, repad_logits
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.paths import TRUTH, attach
 
-BACKENDS = (FA2, TORCH_VARLEN, SDPA, EAGER, FLEX)
 MODES = ("pack", "mask")
 CHECKPOINTING = ("plain", "hf_reentrant", "hf_non_reentrant", "checkpoint_wrapper")
 LENGTHS = (5, 11, 3, 9)  # window 4: two documents longer, one shorter
@@ -272,10 +271,10 @@ def table(cells: list[Cell]) -> str:
         key = (c.family, c.backend)
         if c.status == "WRONG" or key not in worst:
             worst[key] = c
-    lines = ["| family | " + " | ".join(BACKENDS) + " |", "| --- |" + " --- |" * len(BACKENDS)]
+    lines = ["| family | " + " | ".join(NAMES) + " |", "| --- |" + " --- |" * len(NAMES)]
     for family in FAMILIES:
         row = []
-        for backend in BACKENDS:
+        for backend in NAMES:
             shown = worst.get((family, backend)) or by.get((family, backend))
             row.append(
                 ""
@@ -291,7 +290,7 @@ def table(cells: list[Cell]) -> str:
 
 
 def run_all(families: tuple[str, ...] = tuple(FAMILIES)) -> list[Cell]:
-    return [cell(f, b, m, k) for f in families for b in BACKENDS for m in MODES for k in CHECKPOINTING]
+    return [cell(f, b, m, k) for f in families for b in NAMES for m in MODES for k in CHECKPOINTING]
 
 
 # ---- the zoo: every causal-LM type transformers ships ---------------------------------------------------

@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
+from foundry_attn.comparison import proving
 from foundry_attn.patching import Patch, original, patch_attribute  # noqa: F401 - original is re-exported
-from foundry_attn.proof import proving
 
 FA_UTILS = "transformers.modeling_flash_attention_utils"
 UPAD, POSIDS, VARLEN, DENSE, PAD = "upad", "posids", "varlen", "dense", "pad"

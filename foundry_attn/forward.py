@@ -20,6 +20,7 @@ Core module: torch and transformers only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -34,12 +35,24 @@ from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.layout import Layout
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.policy import FA2
-from foundry_attn.unwrap import unwrapped
+from foundry_attn.unwrap import compiled, unwrapped
 
 log = logging.getLogger(__name__)
 
 FLAT, ROWS = "flat", "rows"
 PATH_ATTR = "foundry_path"  # the PathState :func:`foundry_attn.paths.attach` keeps on the HF model
+
+
+class StepProof(Protocol):
+    """A proof that takes a batch's own training forward as its packed side (:class:`foundry_attn.paths.StepProof`)."""
+
+    def capturing(self) -> contextlib.AbstractContextManager:
+        """Around the training forward."""
+        ...
+
+    def settle(self, out: Any) -> bool:
+        """Prove on the forward's ``out`` (None: it raised); whether the flat forward stands (False: rows now)."""
+        ...
 
 
 class PathGuard(Protocol):
@@ -48,8 +61,11 @@ class PathGuard(Protocol):
     path: str
     flat_name: str
 
-    def before_batch(self, model: Any, inputs: Mapping[str, Any], own_positions: bool) -> bool:
-        """Prove the flat path on ``inputs`` when due; whether the batch runs them (False: rows)."""
+    def before_batch(
+        self, model: Any, inputs: Mapping[str, Any], own_positions: bool, in_step: bool = False
+    ) -> bool | StepProof:
+        """Prove the flat path on ``inputs`` when due; whether the batch runs them (False: rows), or (``in_step``)
+        a proof that takes the batch's forward as its packed side."""
         ...
 
     def before_rows_batch(
@@ -57,6 +73,18 @@ class PathGuard(Protocol):
     ) -> None:
         """Prove the rows path on this batch's documents when due."""
         ...
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A batch laid out for the model: its ``inputs``, where its tokens went (``placed``, for :func:`repad_logits`),
+    whether it has no target, and the proof due on it that its forward serves (``proof``: run the forward with
+    :func:`run_prepared`)."""
+
+    inputs: dict[str, Any]
+    placed: tuple
+    no_targets: bool
+    proof: StepProof | None = None
 
 
 def path_state(model: Any) -> PathGuard | None:
@@ -77,8 +105,37 @@ def kernel_context(impl: str, device: torch.device, fa2_reference: bool = False)
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
     """Run ``model`` (a HF causal LM, or a DDP / FSDP / compiled wrapper of one) so that no document sees another."""
-    inputs, placed, no_targets = prepare_documents(model, batch)
-    return finish_documents(model(**inputs, use_cache=False), placed, no_targets)
+    prepared = prepare_documents(model, batch, in_step=not compiled(model))
+    out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
+    return finish_documents(out, prepared.placed, prepared.no_targets)
+
+
+def run_prepared(
+    forward: Callable[[dict[str, Any]], Any], model: Any, batch: Mapping, prepared: Prepared
+) -> tuple[Any, Prepared]:
+    """``forward(prepared.inputs)``; where a proof is due on the batch, the forward is its packed side
+    (:class:`StepProof`) and, if the proof moves the run to rows, the batch runs again there. Returns the output
+    and the layout it ran."""
+    if prepared.proof is None:
+        return forward(prepared.inputs), prepared
+    return _proven(forward, model, batch, prepared.proof, prepared)
+
+
+@torch.compiler.disable  # a step proof is made only for uncompiled forwards; this keeps a compiled caller's graph
+def _proven(
+    forward: Callable[[dict[str, Any]], Any], model: Any, batch: Mapping, proof: StepProof, prepared: Prepared
+) -> tuple[Any, Prepared]:
+    try:
+        with proof.capturing():
+            out = forward(prepared.inputs)
+    except Exception:
+        if proof.settle(None):  # the flat path holds: the error is the forward's own
+            raise
+    else:
+        if proof.settle(out):
+            return out, prepared
+    prepared = prepare_documents(model, batch)  # the run is on rows now (proven there when due)
+    return forward(prepared.inputs), prepared
 
 
 @torch.compiler.disable
@@ -95,10 +152,11 @@ def finish_documents(out: Any, placed: tuple, no_targets: bool, shaped: bool = F
 
 
 @torch.compiler.disable
-def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple, bool]:
-    """The model's inputs for ``batch``, where its tokens went (for :func:`repad_logits`), and whether it has
-    no target at all. Host-side work on Python ints, so never traced: under ``torch.compile`` (Composer's
-    ``compile_config`` compiles the forward around this) the model sees only tensors and our ``Documents``."""
+def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prepared:
+    """The model's inputs for ``batch`` (:class:`Prepared`). Host-side work on Python ints, so never traced: under
+    ``torch.compile`` (Composer's ``compile_config`` compiles the forward around this) the model sees only tensors
+    and our ``Documents``. ``in_step``: the caller runs the forward uncompiled through :func:`run_prepared`, so a
+    proof due on the batch may take that forward as its packed side."""
     ids = batch["input_ids"]
     layout = Layout.from_batch(batch)
     if layout.real_tokens == 0:
@@ -113,9 +171,10 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
         _say_unproven(type(hf).__name__)
     elif state.path == FLAT and hf.config._attn_implementation == state.flat_name:
         inputs, placed = flat_inputs(model, ids, _flat_positions(batch, layout), labels, layout)
-        # the proof, when due, runs these very inputs; a failure moves this batch (and the run) to rows
-        if state.before_batch(model, inputs, own_positions="doc_lens" not in batch):
-            return inputs, placed, no_targets
+        # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
+        route = state.before_batch(model, inputs, own_positions="doc_lens" not in batch, in_step=in_step)
+        if route:
+            return Prepared(inputs, placed, no_targets, None if route is True else route)
     elif state.path == ROWS:  # proven as flat is: its first batch, changes, longer batches, the interval
 
         def flat() -> dict[str, Any]:
@@ -123,7 +182,7 @@ def prepare_documents(model: Any, batch: Mapping) -> tuple[dict[str, Any], tuple
 
         state.before_rows_batch(model, layout.real_tokens, layout.max_length, flat, "doc_lens" not in batch)
     inputs, placed = one_per_row(model, ids, _user_positions(batch), labels, layout)
-    return inputs, placed, no_targets
+    return Prepared(inputs, placed, no_targets)
 
 
 @functools.cache

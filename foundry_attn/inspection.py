@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from foundry_attn.backends import backend_of
+from foundry_attn.comparison import proving
 from foundry_attn.documents import is_placeholder
-from foundry_attn.proof import proving
 from foundry_attn.unwrap import find_inside
 
 __all__ = [

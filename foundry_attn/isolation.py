@@ -5,9 +5,9 @@
     verdict = structural(hf_model, Features.of(batch))      # where a second forward is not possible
     verdict.line()  # 'documents isolated (measured: ...)' | 'documents LEAK (...)' | 'not packed (...)'
 
-The measurement is the proof of :mod:`foundry_attn.proof` turned on a training batch: the model's own forward on
-each of the first documents of the row with the most documents, in eval mode without grad or global RNG, against
-the logits the training forward produced for those tokens. Those forwards are hidden from the tracers. The
+The measurement is the proof's comparison (:mod:`foundry_attn.comparison`) on a training batch: the model's own
+forward on each of the first documents of the row with the most documents, in eval mode without grad or global RNG,
+against the logits the training forward produced for those tokens. Those forwards are hidden from the tracers. The
 structural reading says what the model *would* do from what it is given; it is labelled so, never shown as a
 measurement. Core module: torch and transformers only.
 """
@@ -27,9 +27,18 @@ import torch
 import transformers
 
 from foundry_attn.backends import backend_of, config_value
+from foundry_attn.comparison import (
+    Run,
+    against_alone,
+    alone_inputs,
+    evaluating,
+    hidden,
+    limits_for,
+    run,
+    training_noise,
+)
 from foundry_attn.forward import path_state
 from foundry_attn.inspection import mpt_attn_impl
-from foundry_attn.proof import Limits, Run, differs, evaluating, hidden, stock_noise
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
 MEASURED, STRUCTURAL = "measured", "structural"
@@ -208,17 +217,7 @@ def fix_for(hf: Any) -> str:
 
 def active_dropout(hf: Any) -> str | None:
     """The dropout that makes a training forward's logits noisy, or None (eval mode, or p = 0 everywhere)."""
-    if not hf.training:
-        return None
-    for name, module in hf.named_modules():
-        if isinstance(module, torch.nn.Dropout) and module.training and module.p > 0:
-            return f"dropout p={module.p} at {name}"
-    config = getattr(hf, "config", None)
-    for key in ("attention_dropout", "attn_pdrop"):
-        value = config_value(config, key, 0.0)
-        if isinstance(value, int | float) and value > 0:
-            return f"{key}={value}"
-    return None
+    return training_noise(hf) if hf.training else None
 
 
 def _packed_slice(logits: torch.Tensor, batch: Mapping, row: int, start: int, n: int) -> torch.Tensor | None:
@@ -259,18 +258,12 @@ def measure(
         return Isolation(UNKNOWN, reason=f"output logits {list(logits.shape)} do not map onto the batch's rows")
     began = time.perf_counter()
     ids = batch["input_ids"][row, start : start + sum(lengths)]
-    fp32 = packed.dtype == torch.float32
-    bounds = list(itertools.accumulate(lengths, initial=0))
-    worst, leaking = 0.0, []
+    spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
     with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), context or contextlib.nullcontext():
-        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
-            doc = ids[a:b][None]
-            alone = hf(input_ids=doc, attention_mask=torch.ones_like(doc), use_cache=False).logits[0]
-            limit = None if fp32 else Limits.half(stock_noise(hf, {"input_ids": doc}, Run(alone))).logits
-            diff, bad = differs(packed[a:b].detach(), alone, fp32, limit)
-            worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)
-            if bad:
-                leaking.append(i)
+        alone = [run(hf, alone_inputs(ids[a:b][None]), [(0, b - a)], grads=False) for a, b in spans]
+        limits = limits_for(hf, alone_inputs(ids[spans[-1][0] :][None]), alone[-1])
+    result = against_alone(Run(packed.detach()), spans, alone, limits)
+    worst, leaking = result.worst, list(result.differ)
     ms = (time.perf_counter() - began) * 1e3
     state = LEAKS if leaking else ISOLATED
     return Isolation(state, MEASURED, "", worst, row, tuple(lengths), tuple(leaking), ms)

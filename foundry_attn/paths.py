@@ -23,10 +23,11 @@ raises with the reason and the batch). Core module: torch and transformers only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -38,6 +39,7 @@ from foundry_attn.backends import (
     FA2,
     FA2_REFERENCE,
     FLEX,
+    NAMES,
     PREFIX,
     REGISTERED,
     SDPA,
@@ -45,11 +47,11 @@ from foundry_attn.backends import (
     backend_of,
     set_implementation,
 )
+from foundry_attn.comparison import embeddings
 from foundry_attn.documents import DOCS_KEY, Documents
 from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, flat_inputs, path_state
 from foundry_attn.layout import Layout
 from foundry_attn.policy import (
-    IMPLEMENTATIONS,
     AttentionUnavailableError,
     ModelTraits,
     model_check,
@@ -60,7 +62,9 @@ from foundry_attn.proof import (
     proof_lengths,
     prove_flat,
     prove_rows,
+    prove_step,
     shortest_window,
+    step_blocker,
     synthetic_documents,
 )
 from foundry_attn.unwrap import unwrapped
@@ -180,26 +184,30 @@ class PathState:
         (or raises, binding)."""
         hf = unwrapped(model)
         set_implementation(hf, self.flat_name)
-        docs: Documents = inputs[DOCS_KEY]
-        compare = pick(docs, shortest_window(hf.config))
         verdict = prove_flat(
             hf,
             inputs,
             TRUTH[self.backend],
-            compare,
+            pick(inputs[DOCS_KEY], shortest_window(hf.config)),
             reference=self.reference,
             grads=grads,
             own_positions=own_positions,
         )
+        return self._judge(hf, inputs, at, verdict, grads, own_positions)
+
+    def _judge(
+        self, hf: Any, inputs: Mapping[str, Any], at: str, verdict: Verdict, grads: bool, own_positions: bool
+    ) -> Verdict:
+        """Keep ``verdict`` of the flat path: proven lengths and code, or rows from now on (proven there too)."""
         self.proofs.append((at, verdict))
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
-        if verdict.ok:
-            self._cover(docs)
         if not verdict.ok:
             self.refuse(hf, f"proof at {at} {verdict.describe()}", check="proof")
             self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
-        elif self.path == FLAT:
+            return verdict
+        self._cover(inputs[DOCS_KEY])
+        if self.path == FLAT:
             self.reason = f"proven at {at}: {verdict.describe()}"
         return verdict
 
@@ -268,9 +276,13 @@ class PathState:
             return f"the {self.interval}-batch interval", False
         return None
 
-    def before_batch(self, model: Any, inputs: Mapping[str, Any], own_positions: bool) -> bool:
+    def before_batch(
+        self, model: Any, inputs: Mapping[str, Any], own_positions: bool, in_step: bool = False
+    ) -> bool | StepProof:
         """Called by ``forward_documents`` with the flat inputs of every batch: proves them when due (training
-        batches). Whether the batch runs them (False: the proof moved the run to rows)."""
+        batches). Whether the batch runs them (False: the proof moved the run to rows); with ``in_step`` (the
+        caller runs the forward itself, uncompiled) a :class:`StepProof` that takes the batch's own training forward
+        as its packed side, where :func:`foundry_attn.proof.step_blocker` allows."""
         hf = unwrapped(model)
         if not (hf.training and torch.is_grad_enabled()):
             return True
@@ -280,7 +292,10 @@ class PathState:
         if due is None:
             return True
         self.proven_on_batch = True
-        self.prove(model, inputs, f"batch {self.batches} ({due[0]})", grads=due[1], own_positions=own_positions)
+        at = f"batch {self.batches} ({due[0]})"
+        if in_step and step_blocker(hf) is None:
+            return StepProof(self, hf, inputs, at, due[1], own_positions)
+        self.prove(model, inputs, at, grads=due[1], own_positions=own_positions)
         return self.path == FLAT
 
     def before_rows_batch(
@@ -319,6 +334,54 @@ class PathState:
         log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
         for listener in self.listeners:
             listener(self)
+
+
+@dataclasses.dataclass
+class StepProof:
+    """A proof due on a training batch that takes the batch's own forward as its packed side, so the flat row runs
+    once: :func:`foundry_attn.forward.forward_documents` runs the forward inside :meth:`capturing`, then
+    :meth:`settle`. A failure there is judged again by the full proof (its own forward in eval mode): it decides,
+    and a difference only training mode shows moves the run to rows too."""
+
+    state: PathState
+    hf: Any
+    inputs: Mapping[str, Any]
+    at: str
+    grads: bool
+    own_positions: bool
+    captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around the training forward: its input embeddings, for the gradient part."""
+        with embeddings(self.hf, self.grads) as captured:
+            self.captured = captured
+            yield
+
+    def settle(self, out: Any) -> bool:
+        """Prove on the forward's ``out`` (None: the forward raised); whether the batch's flat forward stands
+        (False: the run is on rows now and the batch runs again there)."""
+        state, hf = self.state, self.hf
+        verdict = None
+        if out is not None:
+            verdict = prove_step(
+                hf,
+                self.inputs,
+                out,
+                self.captured,
+                TRUTH[state.backend],
+                pick(self.inputs[DOCS_KEY], shortest_window(hf.config)),
+                reference=state.reference,
+                grads=self.grads,
+                own_positions=self.own_positions,
+            )
+        if verdict is not None and verdict.ok:
+            state._judge(hf, self.inputs, self.at, verdict, self.grads, self.own_positions)
+            return True
+        full = state.prove(hf, self.inputs, self.at, grads=self.grads, own_positions=self.own_positions)
+        if full.ok and verdict is not None:  # eval mode holds, the training forward does not: never run silently
+            state._judge(hf, self.inputs, f"{self.at}, in training mode", verdict, self.grads, self.own_positions)
+        return state.path == FLAT
 
 
 def _bypassed(backend: str) -> str | None:
@@ -419,7 +482,7 @@ def _refuse_unsupported(hf: Any, backend: str, reference: bool = False) -> None:
     if failed is None:
         return
     check, refused = failed
-    runs = [name for name in IMPLEMENTATIONS if model_check(name, traits, reference) is None]
+    runs = [name for name in NAMES if model_check(name, traits, reference) is None]
     raise AttentionUnavailableError(
         f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
         f"with one of {runs} (stock transformers refuses this pair at load too)"

@@ -22,6 +22,7 @@ from foundry_attn.backends import (
     EAGER,
     FA2,
     FLEX,
+    NAMES,
     SDPA,
     TORCH_VARLEN,
     ModelNeeds,
@@ -34,7 +35,6 @@ from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_compat import preflight
 from foundry_attn.torch_varlen import call_varlen, torch_varlen_kernel
 
-IMPLEMENTATIONS: tuple[str, ...] = (FA2, TORCH_VARLEN, FLEX, SDPA, EAGER)
 AUTO = "auto"
 DEFAULT_FALLBACK: tuple[str, ...] = (FA2, TORCH_VARLEN, SDPA, EAGER)
 FA2_MIN_VERSION = Version("2.1.0")
@@ -64,7 +64,7 @@ class ModelTraits:
 
     class_name: str = "?"
     head_dim: int | None = None
-    supports: frozenset[str] = frozenset(IMPLEMENTATIONS)
+    supports: frozenset[str] = frozenset(NAMES)
     needs: ModelNeeds = ModelNeeds()
     config_refuses: tuple[tuple[str, str], ...] = ()
     fa2_calls_flash_attn: bool = False  # its FA2 class, built at construction, calls flash-attn itself (4.51)
@@ -187,17 +187,15 @@ class Decision:
 
 def validate_names(requested: str, fallback: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     """Fail before any model is built when a name is unknown; the message lists the valid names."""
-    if requested not in (AUTO, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"attn_implementation: unknown name {requested!r}; valid names: {', '.join((AUTO, *IMPLEMENTATIONS))}"
-        )
+    if requested not in (AUTO, *NAMES):
+        raise ValueError(f"attn_implementation: unknown name {requested!r}; valid names: {', '.join((AUTO, *NAMES))}")
     if isinstance(fallback, str):
         fallback = [fallback]
-    bad = [f for f in fallback if f not in IMPLEMENTATIONS]
+    bad = [f for f in fallback if f not in NAMES]
     if bad:
-        raise ValueError(f"attn_fallback: unknown name(s) {bad}; valid names: {', '.join(IMPLEMENTATIONS)}")
+        raise ValueError(f"attn_fallback: unknown name(s) {bad}; valid names: {', '.join(NAMES)}")
     if not fallback:
-        raise ValueError(f"attn_fallback: empty; give an ordered list from {', '.join(IMPLEMENTATIONS)}")
+        raise ValueError(f"attn_fallback: empty; give an ordered list from {', '.join(NAMES)}")
     return requested, tuple(dict.fromkeys(fallback))
 
 

@@ -15,82 +15,45 @@ With ``grads`` the proof also compares the gradient of each compared document's 
 input embeddings (packed slice against the document alone), and checks that no other document's embeddings
 receive any of it: an attention whose forward is right and whose backward is wrong is caught too.
 
-fp32 compares max |diff| (logits ``ATOL_FP32`` x max |logit|, gradients ``GRAD_RTOL_FP32`` x max |grad|). Half
-precision (autocast or half weights) compares **per token**, the worst token's relative L2 difference over the
-vocabulary (or the hidden size, for gradients) against ``TOKEN_RTOL_HALF``, a limit set from measured bf16 noise
-(``foundry-attn bench proof``: stock against itself, no leak), so a leak confined to a few tokens is not averaged
-away. Eval mode, no global RNG: it changes nothing the training run sees. Core module: torch and transformers only.
+The comparison and its limits (fp32 max |diff|; half precision per token, raised to stock's own noise) are
+:mod:`foundry_attn.comparison`'s, shared with the inspector's verdict. Eval mode, no global RNG: it changes nothing
+the training run sees. Where training mode computes what eval mode does, a proof due on a training batch takes the
+batch's own forward as its packed side (:func:`prove_step`): the flat row runs once. Core module: torch and
+transformers only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
 import itertools
-import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from foundry_attn.backends import config_value, set_implementation
+from foundry_attn.comparison import (
+    Limits,
+    Run,
+    against_alone,
+    alone_inputs,
+    documents_loss,
+    embeddings,
+    evaluating,
+    hidden,
+    limits_for,
+    limits_note,
+    next_token_loss,
+    run,
+    training_noise,
+)
 from foundry_attn.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
 from foundry_attn.forward import kernel_context, one_per_row
 from foundry_attn.layout import Layout
 from foundry_attn.unwrap import unwrapped
-
-#: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
-ATOL_FP32 = 1e-4
-GRAD_RTOL_FP32 = 1e-4
-#: half precision, per token: logits' relative L2 difference over the vocabulary, gradients' over the hidden size
-#: (relative to the token's norm plus the mean token norm: a token whose gradient is ~0 is no scale). Floors set
-#: from measured bf16 noise of exact paths on the CPU (logits 0, gradients up to 9.5e-3; leaks: logits from 4.4e-3,
-#: gradients from 2.3e-2 normed; ``foundry-attn bench proof`` measures them again), raised to NOISE_FACTOR times
-#: stock's own noise where a device has more (:func:`stock_noise`: stock against itself, measured at each proof)
-TOKEN_RTOL_HALF = 2e-3
-GRAD_TOKEN_RTOL_HALF = 2e-2
-NOISE_FACTOR = 4.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What a proof tolerates: fp32 (max |diff|) or half precision (per token, with the noise measured)."""
-
-    fp32: bool = True
-    logits: float = ATOL_FP32
-    grads: float = GRAD_RTOL_FP32
-    noise: tuple[float, float] | None = None  # stock against itself (logits, gradients), half precision
-
-    @classmethod
-    def half(cls, noise: tuple[float, float]) -> Limits:
-        return cls(
-            False,
-            max(TOKEN_RTOL_HALF, NOISE_FACTOR * noise[0]),
-            max(GRAD_TOKEN_RTOL_HALF, NOISE_FACTOR * noise[1]),
-            noise,
-        )
-
-
-_PROVING = contextvars.ContextVar("foundry_attn_proving", default=False)
-
-
-def proving() -> bool:
-    """True inside a proof's forwards: the callbacks' hooks and tracers leave them out of what they report."""
-    return _PROVING.get()
-
-
-@contextlib.contextmanager
-def hidden() -> Iterator[None]:
-    """Forwards in this block are a check's, not the batch's: :func:`proving` is True inside it."""
-    token = _PROVING.set(True)
-    try:
-        yield
-    finally:
-        _PROVING.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,109 +136,8 @@ def _implementation(hf: Any, name: str) -> Iterator[None]:
         set_implementation(hf, before)
 
 
-@contextlib.contextmanager
-def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
-    """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.set_grad_enabled(grad):
-            yield
-    finally:
-        model.train(was_training)
-
-
-def half(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a forward in ``dtype`` on ``device`` computes in half precision (half weights or autocast)."""
-    return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
-
-
-def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
-    """Each token's (last dimension's) relative L2 difference; ``floor`` adds that share of the mean token norm to
-    each denominator."""
-    got, want = got.float(), want.float()
-    norms = want.norm(dim=-1)
-    scale = norms + floor * norms.mean() if norms.numel() else norms
-    return (got - want).norm(dim=-1) / scale.clamp_min(1e-12)
-
-
-def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, limit: float | None = None) -> tuple[float, bool]:
-    """The difference of two logits tensors and whether it is beyond tolerance (nan always is). fp32: max |diff|
-    against ``limit`` (default :data:`ATOL_FP32`) x max(1, max |want|); half: the worst token's relative L2
-    difference against ``limit`` (default :data:`TOKEN_RTOL_HALF`)."""
-    if got.shape != want.shape:
-        return float("inf"), True
-    if not got.numel():
-        return 0.0, False
-    if fp32:
-        worst = (got.float() - want.float()).abs().max().item()
-        return worst, not worst <= (limit or ATOL_FP32) * max(1.0, want.float().abs().max().item())
-    worst = per_token(got, want).max().item()
-    return worst, not worst <= (limit or TOKEN_RTOL_HALF)
-
-
-def _grad_differs(got: torch.Tensor, want: torch.Tensor, limits: Limits) -> tuple[float, bool]:
-    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token."""
-    if got.shape != want.shape:
-        return float("inf"), True
-    if not got.numel():
-        return 0.0, False
-    if limits.fp32:
-        scale = want.float().abs().max().item()
-        worst = (got.float() - want.float()).abs().max().item() / max(scale, 1e-30)
-    else:
-        worst = per_token(got, want, floor=1.0).max().item()
-    return worst, not worst <= limits.grads
-
-
-@contextlib.contextmanager
-def _embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
-    """The input embeddings of each forward in the block, as tensors the loss can be differentiated against (a
-    frozen embedding's output becomes a leaf that requires grad: the same values, the same graph above it)."""
-    captured: list[torch.Tensor] = []
-    module = hf.get_input_embeddings() if grads and hasattr(hf, "get_input_embeddings") else None
-    if module is None:
-        yield captured
-        return
-
-    def hook(_: Any, __: Any, out: Any) -> Any:
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return None
-        if not out.requires_grad:
-            out = out.detach().requires_grad_()
-        captured.append(out)
-        return out
-
-    handle = module.register_forward_hook(hook)
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
-def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids."""
-    return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
-
-
-@dataclasses.dataclass
-class Run:
-    """One forward's logits ``[tokens, vocab]`` and, with grads, the gradient of the compared documents' loss with
-    respect to the input embeddings ``[tokens, hidden]`` (None when the model has no embedding module to hook)."""
-
-    logits: torch.Tensor
-    grad: torch.Tensor | None = None
-
-
-def _run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
-    ids = inputs["input_ids"][0]
-    with _embeddings(hf, grads) as captured:
-        logits = hf(**inputs, use_cache=False).logits[0]
-    if not (grads and captured and captured[0].requires_grad):
-        return Run(logits.detach())
-    loss = torch.stack([_next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
-    (grad,) = torch.autograd.grad(loss, captured[0])
-    return Run(logits.detach(), grad[0])
+#: the packed side of a proof: (model, the compared documents' spans, grads) -> its run, or None and why not
+PackedSide = Callable[[Any, Sequence[tuple[int, int]], bool], tuple["Run | None", str]]
 
 
 def prove_flat(
@@ -318,6 +180,63 @@ def prove_rows(
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name)
 
 
+def prove_step(
+    model: Any,
+    inputs: Mapping[str, Any],
+    out: Any,
+    captured: Sequence[torch.Tensor],
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    own_positions: bool = False,
+) -> Verdict:
+    """:func:`prove_flat` with the batch's own training forward as the packed side: ``out`` is what the model
+    returned for ``inputs`` (the flat row, in training mode) and ``captured`` its input embeddings
+    (:func:`embeddings`). With ``grads`` the compared documents' loss is differentiated through the training graph,
+    which is kept for the training backward. Only the documents alone run here: the forward is paid once.
+    Valid where training mode computes what eval mode does (:func:`step_blocker`)."""
+
+    def packed(hf: Any, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
+        if inputs[DOCS_KEY].calls == 0:
+            return None, NO_CALLS
+        logits = getattr(out, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.shape[:2] != inputs["input_ids"].shape:
+            return None, "the training forward returned no logits for the flat row"
+        if not (grads and captured and captured[0].requires_grad and logits.requires_grad):
+            return Run(logits[0].detach()), ""
+        loss = documents_loss(logits[0], inputs["input_ids"][0], spans)
+        (grad,) = torch.autograd.grad(loss, captured[0], retain_graph=True)
+        return Run(logits[0].detach(), grad[0]), ""
+
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, packed)
+
+
+def step_blocker(model: Any) -> str | None:
+    """Why a proof cannot take the training forward as its packed side (:func:`prove_step`), or None: dropout or
+    router noise (training mode would differ from the eval-mode truth), checkpointing (recomputation under
+    ``torch.autograd.grad``), sharded parameters (FSDP2's backward hooks would run for the proof), no embedding
+    module to differentiate against."""
+    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
+    if getattr(hf, "is_gradient_checkpointing", False):
+        return "HF gradient checkpointing"
+    if not hasattr(hf, "get_input_embeddings") or hf.get_input_embeddings() is None:
+        return "no input embedding module"
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(next(hf.parameters()), DTensor):
+        return "sharded parameters (FSDP2)"
+    wrapped = next((name for name, m in hf.named_modules() if isinstance(m, CheckpointWrapper)), None)
+    if wrapped is not None:
+        return f"activation checkpointing ({wrapped})"
+    return training_noise(hf)
+
+
+NO_CALLS = "no attention call received the documents: this model's attention bypasses transformers' interface"
+
+
 def _prove(
     model: Any,
     inputs: Mapping[str, Any],
@@ -327,13 +246,18 @@ def _prove(
     grads: bool,
     own_positions: bool,
     rows_name: str | None,
+    packed: PackedSide | None = None,
 ) -> Verdict:
     start = time.perf_counter()
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     docs: Documents = inputs[DOCS_KEY]
     compare = pick(docs) if compare is None else tuple(compare)
+    if packed is None:
+        packed = _flat_side(inputs) if rows_name is None else _rows_side(inputs, rows_name, reference, own_positions)
     with hidden(), _state_kept(hf):
-        worst, worst_grad, reason = _compare(hf, inputs, stock, compare, reference, grads, own_positions, rows_name)
+        worst, worst_grad, reason = _compare(
+            hf, inputs, stock, compare, reference, grads, own_positions, rows_name, packed
+        )
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
     return Verdict(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
@@ -356,17 +280,6 @@ def _state_kept(hf: Any) -> Iterator[None]:
                     setattr(module, key, value)
 
 
-def _alone_inputs(inputs: Mapping[str, Any], span: tuple[int, int], own_positions: bool) -> dict[str, Any]:
-    """Stock on one document, with the all-ones mask a padded batch would give it (some families are not causal
-    without a mask: Moshi's eager attention)."""
-    s, e = span
-    ids = inputs["input_ids"][:, s:e]
-    alone = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if own_positions:
-        alone["position_ids"] = inputs["position_ids"][:, s:e]
-    return alone
-
-
 def _compare(
     hf: Any,
     inputs: Mapping[str, Any],
@@ -375,45 +288,33 @@ def _compare(
     reference: bool,
     grads: bool,
     own_positions: bool,
-    rows_name: str | None = None,
+    rows_name: str | None,
+    side: PackedSide,
 ) -> tuple[float, float | None, str]:
     """The worst logits and gradient differences, and why the flat path (with ``rows_name``: the rows path) fails
     (empty when it holds)."""
     docs: Documents = inputs[DOCS_KEY]
     ids = inputs["input_ids"]
-    spans = {i: docs.spans[i] for i in dict.fromkeys(compare)}
-    limits = Limits()
+    order = list(dict.fromkeys(compare))  # a row of one document compares it once
+    spans = [docs.spans[i] for i in order]
+
+    def alone(span: tuple[int, int]) -> dict[str, Any]:
+        positions = inputs["position_ids"][:, span[0] : span[1]] if own_positions else None
+        return alone_inputs(ids[:, span[0] : span[1]], positions)
+
     with evaluating(hf, grad=grads):
         with _implementation(hf, stock), kernel_context(stock, ids.device, reference):
             try:
-                alone = {
-                    i: _run(hf, _alone_inputs(inputs, span, own_positions), [(0, span[1] - span[0])], grads)
-                    for i, span in spans.items()
-                }
-                if half(next(hf.parameters()).dtype, ids.device):
-                    last = spans[compare[-1]]
-                    limits = Limits.half(
-                        stock_noise(hf, _alone_inputs(inputs, last, own_positions), alone[compare[-1]])
-                    )
+                runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads) for span in spans]
+                limits = limits_for(hf, alone(spans[-1]), runs[-1])
             except Exception as exc:
                 return 0.0, None, f"stock {stock} cannot run one document alone here: {_short(exc)}"
-        if rows_name is None:
-            packed, why = _flat_run(hf, inputs, list(spans.values()), grads)
-        else:
-            packed, why = _rows_run(hf, inputs, list(spans.values()), grads, rows_name, reference, own_positions)
+        packed, why = side(hf, spans, grads)
     if packed is None:
         return 0.0, None, why
-    worst, worst_grad, leaks = 0.0, None, []
-    for i, (s, e) in spans.items():
-        diff, bad = differs(packed.logits[s:e], alone[i].logits, limits.fp32, limits.logits)
-        worst = _worse(worst, diff)
-        want = alone[i].grad
-        if packed.grad is not None and want is not None:
-            gdiff, gbad = _grad_differs(packed.grad[s:e], want, limits)
-            worst_grad, bad = _worse(worst_grad or 0.0, gdiff), bad or gbad
-        if bad:
-            leaks.append(i)
-    if leaks:
+    result = against_alone(packed, spans, runs, limits)
+    worst, worst_grad = result.worst, result.worst_grad
+    if result.differ:
         grad_note = "" if worst_grad is None else f" (gradients {worst_grad:.2e})"
         where = "of a packed row" if rows_name is None else f"one per row ({rows_name}, right-padded)"
         what = (
@@ -424,51 +325,16 @@ def _compare(
         return (
             worst,
             worst_grad,
-            f"document(s) {leaks} {where} differ from stock {stock} on each alone by {worst:.2e}"
-            f"{grad_note}{_limits_note(limits)}: {what}",
+            f"document(s) {[order[i] for i in result.differ]} {where} differ from stock {stock} on each alone by "
+            f"{worst:.2e}{grad_note}{limits_note(limits)}: {what}",
         )
     if rows_name is not None:
         return worst, worst_grad, ""
     if packed.grad is not None:
-        spilled = _spilled(packed.grad, list(spans.values()), limits)
+        spilled = _spilled(packed.grad, spans, limits)
         if spilled:
             return worst, worst_grad, spilled
     return worst, worst_grad, _dropped_in_training(hf, inputs) or ""
-
-
-def _limits_note(limits: Limits) -> str:
-    if limits.fp32 or limits.noise is None:
-        return ""
-    return (
-        f" (half precision, worst token; limits {limits.logits:.1e} logits, {limits.grads:.1e} gradients; stock "
-        f"against itself {limits.noise[0]:.1e}, {limits.noise[1]:.1e})"
-    )
-
-
-def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
-    """Stock against itself, no leak: the document alone (``run``) against the same document as the first row of
-    a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), per token, logits
-    and gradients: the half-precision noise floor of this model on this device."""
-    ids = alone["input_ids"]
-    n = ids.shape[1]
-    pair = {
-        "input_ids": torch.cat([ids, torch.cat([ids[:, : (n + 1) // 2], ids.new_zeros(1, n // 2)], 1)]),
-        "attention_mask": torch.cat([torch.ones_like(ids), torch.ones_like(ids)]),
-    }
-    pair["attention_mask"][1, (n + 1) // 2 :] = 0
-    if "position_ids" in alone:
-        pair["position_ids"] = torch.cat([alone["position_ids"], alone["position_ids"]])
-    with _embeddings(hf, run.grad is not None) as captured:
-        logits = hf(**pair, use_cache=False).logits[0]
-    noise = per_token(logits.detach(), run.logits).max().item()
-    if run.grad is None or not captured or not captured[0].requires_grad:
-        return noise, 0.0
-    (grad,) = torch.autograd.grad(_next_token_loss(logits, ids[0]), captured[0])
-    return noise, per_token(grad[0], run.grad, floor=1.0).max().item()
-
-
-def _worse(worst: float, diff: float) -> float:
-    return math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
 
 
 def _spilled(grad: torch.Tensor, spans: Sequence[tuple[int, int]], limits: Limits) -> str:
@@ -524,7 +390,7 @@ def _flat_run(
     docs: Documents = inputs[DOCS_KEY]
     fresh = Documents(docs.bounds, docs.cu, docs.host_bounds)
     try:
-        run = _run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads)
+        flat = run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads)
     except DocumentsDropped as exc:
         caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
         checkpointing = (
@@ -539,8 +405,16 @@ def _flat_run(
     except Exception as exc:
         return None, f"the flat row does not run: {_short(exc)}"
     if fresh.calls == 0:
-        return None, "no attention call received the documents: this model's attention bypasses transformers' interface"
-    return run, ""
+        return None, NO_CALLS
+    return flat, ""
+
+
+def _flat_side(inputs: Mapping[str, Any]) -> PackedSide:
+    return lambda hf, spans, grads: _flat_run(hf, inputs, spans, grads)
+
+
+def _rows_side(inputs: Mapping[str, Any], rows_name: str, reference: bool, own_positions: bool) -> PackedSide:
+    return lambda hf, spans, grads: _rows_run(hf, inputs, spans, grads, rows_name, reference, own_positions)
 
 
 def _rows_run(
@@ -562,7 +436,7 @@ def _rows_run(
     rows = {k: v for k, v in rows.items() if v is not None}
     try:
         with _implementation(hf, rows_name), kernel_context(rows_name, ids.device, reference):
-            with _embeddings(hf, grads) as captured:
+            with embeddings(hf, grads) as captured:
                 out = hf(**rows, use_cache=False).logits
     except Exception as exc:
         return None, f"one document per row ({rows_name}) does not run: {_short(exc)}"
@@ -572,7 +446,7 @@ def _rows_run(
         return Run(placed), ""
     bounds = [0, *itertools.accumulate(lengths)]
     mine = ids[0, index]
-    loss = torch.stack([_next_token_loss(logits[a:b], mine[a:b]) for a, b in itertools.pairwise(bounds)]).sum()
+    loss = torch.stack([next_token_loss(logits[a:b], mine[a:b]) for a, b in itertools.pairwise(bounds)]).sum()
     (grad,) = torch.autograd.grad(loss, captured[0])
     grad = grad.reshape(-1, grad.shape[-1])[dst]
     return Run(placed, grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)), ""

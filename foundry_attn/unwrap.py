@@ -30,3 +30,11 @@ def unwrapped(model: Any) -> Any:
     ``model`` itself when nothing inside has one."""
     found = find_inside(model, lambda m: hasattr(m, "config"))
     return model if found is None else found[1]
+
+
+def compiled(model: Any) -> bool:
+    """Whether ``model`` runs under ``torch.compile``: wrapped (``torch.compile(model)``) or with its forward
+    compiled in place (what Composer does for ``compile_config``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from foundry_attn import conformance
+from foundry_attn.backends import NAMES
 from foundry_attn.capability import probe
 from foundry_attn.paths import attach
 
@@ -38,7 +39,7 @@ CELLS: list[conformance.Cell] = []
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(conformance.FAMILIES))
 def test_every_cell_is_exact_or_refused(family: str) -> None:
-    for backend in conformance.BACKENDS:
+    for backend in NAMES:
         for mode in conformance.MODES:
             for kind in conformance.CHECKPOINTING if mode == "pack" else ("plain",):
                 c = conformance.cell(family, backend, mode, kind)
@@ -89,7 +90,7 @@ def test_the_proof_catches_a_broken_adapter(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_table_lists_every_family() -> None:
-    cells = [conformance.Cell("llama", b, "pack", "plain", "exact") for b in conformance.BACKENDS]
+    cells = [conformance.Cell("llama", b, "pack", "plain", "exact") for b in NAMES]
     cells.append(conformance.Cell("gpt2", "flex_attention", "pack", "plain", "refused", "no flex"))
     table = conformance.table(cells)
     assert table.count("\n") == len(conformance.FAMILIES) + 1 and "refused: no flex" in table

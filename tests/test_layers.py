@@ -25,6 +25,7 @@ CORE = [
     "unwrap",
     "reference_kernels",
     "document_op",
+    "comparison",
     "proof",
     "isolation",
     "paths",

@@ -8,14 +8,13 @@ import json
 import pytest
 import torch
 
-from foundry_attn.backends import ModelNeeds
+from foundry_attn.backends import NAMES, ModelNeeds
 from foundry_attn.capability import Capability, probe
 from foundry_attn.policy import (
     AUTO,
     EAGER,
     FA2,
     FLEX,
-    IMPLEMENTATIONS,
     SDPA,
     TORCH_VARLEN,
     AttentionUnavailableError,
@@ -26,7 +25,7 @@ from foundry_attn.policy import (
     summarize,
 )
 
-LLAMA_TRAITS = ModelTraits("LlamaForCausalLM", 64, frozenset(IMPLEMENTATIONS))
+LLAMA_TRAITS = ModelTraits("LlamaForCausalLM", 64, frozenset(NAMES))
 
 
 def make_cap(
@@ -218,7 +217,7 @@ def test_unknown_names_list_valid_names(kw: dict, key: str) -> None:
         decide(make_cap(), **kw)
     msg = str(info.value)
     assert key in msg
-    for name in IMPLEMENTATIONS:
+    for name in NAMES:
         assert name in msg
 
 
@@ -358,7 +357,7 @@ def test_torch_varlen_sits_between_flash_attn_and_sdpa() -> None:
         "torch version",
         "CUDA device",
     )
-    softcapped = ModelTraits("Gemma2ForCausalLM", 64, frozenset(IMPLEMENTATIONS), ModelNeeds("Gemma2", softcap=50.0))
+    softcapped = ModelTraits("Gemma2ForCausalLM", 64, frozenset(NAMES), ModelNeeds("Gemma2", softcap=50.0))
     if has_varlen:
         assert (
             failed(decide(new_torch, traits=softcapped, fallback=[TORCH_VARLEN, EAGER]), TORCH_VARLEN).check

@@ -378,3 +378,59 @@ def test_rows_is_proven_on_its_first_batch_and_each_longer_one() -> None:
         "rows at batch 3 (a longer batch: 200 tokens, documents up to 90; proven up to (64, 32))",
     ]
     assert all(v.ok and v.worst_grad is not None for _, v in state.proofs) and state.path == "rows"
+
+
+def _forwards(model) -> list[bool]:
+    """Each forward of the base model from now on: whether it was a proof's (``proving()``) or the batch's."""
+    from foundry_attn.comparison import proving
+
+    seen: list[bool] = []
+    model.model.register_forward_pre_hook(lambda _m, _a: seen.append(proving()))
+    return seen
+
+
+def test_a_full_proof_on_a_batch_takes_the_batchs_own_forward() -> None:
+    """The first batch's proof is paid without a second flat forward: the training forward is its packed side
+    (logits, and the documents' gradient through the training graph); only the two documents alone run besides."""
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa")
+    seen = _forwards(model)
+    forward_documents(model, _batch(0)).loss.backward()
+    assert seen == [False, True, True], seen
+    at, verdict = state.proofs[-1]
+    assert at == "batch 1 (the first training batch)" and verdict.ok and verdict.worst_grad is not None
+
+
+def test_where_training_differs_from_eval_the_proof_runs_its_own_forward() -> None:
+    """Dropout makes the training forward random: the proof runs its own (eval-mode) flat forward, and says why."""
+    from foundry_attn.proof import step_blocker
+
+    model = conformance.build("llama", "sdpa")
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    assert step_blocker(model) == "attention_dropout=0.1 in model.layers.0.self_attn"
+    state = attach(model, "sdpa")
+    seen = _forwards(model)
+    forward_documents(model, _batch(0))
+    assert seen == [True, True, True, False], seen  # the flat row and two documents alone, then the batch
+    assert state.path == "flat"
+
+
+def test_a_leak_only_training_mode_shows_is_caught_on_its_batch() -> None:
+    """An attention that leaks only in training mode: the eval-mode proof alone would pass it; the proof on the
+    training forward catches it, the run moves to rows, and every batch trains exactly."""
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).train()
+    state = attach(model, "sdpa")
+
+    def training_only(genuine):
+        leaky = leaky_attention(genuine)
+        return lambda module, *args, **kwargs: (leaky if module.training else genuine)(module, *args, **kwargs)
+
+    def leak():
+        return registered_attention("foundry_sdpa", training_only)
+
+    errors = _train(model, stock, [_batch(0), _batch(1)], leak, 0)
+    assert _exact(errors), errors
+    assert state.path == "rows" and "proof at batch 1 (the first training batch), in training mode" in state.reason

@@ -91,7 +91,7 @@ def test_a_one_token_boundary_leak_is_caught_in_bf16_at_1024_token_documents() -
 
 
 def test_bf16_noise_of_an_exact_path_is_measured_and_below_the_limits() -> None:
-    from foundry_attn.proof import GRAD_TOKEN_RTOL_HALF, TOKEN_RTOL_HALF
+    from foundry_attn.comparison import GRAD_TOKEN_RTOL_HALF, TOKEN_RTOL_HALF
 
     model = _model("llama")
     state = attach(model, "sdpa", prove_now=False)

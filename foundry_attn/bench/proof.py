@@ -5,15 +5,18 @@
     foundry-attn bench proof --json --quick         # smoke run: the tiny model, 1 repeat
 
 For each model and backend (CPU: sdpa, eager, flex_attention, FA2 on the reference kernel; CUDA: sdpa, eager,
-flex_attention, flash_attention_2 when flash-attn imports): ``attach_ms`` is the proof :func:`foundry_attn.paths.attach`
-runs (two synthetic documents; flex builds its first block mask there); ``batch_proof_ms`` the proof on a training
-batch (``PathState.before_batch``: the packed row of the padding benchmark's six documents, 1395 real tokens,
-and two of them alone through stock), median of ``repeats``; ``step_ms`` one forward + backward of that batch,
-median of ``repeats`` (``bench.timing.round_robin``: GC off inside a step). ``proof_vs_step`` = batch_proof_ms /
-step_ms, and ``cost_at_interval`` that over the default interval (``paths.PROOF_INTERVAL``): the share of
-training time the re-proof takes. ``fingerprint_us``: the identity check every batch pays. Models are random
-Llamas (``foundry_attn.shapes``): the demo's tiny one (vocab 64) and SmolLM2-135M's full depth; fp32 on CPU,
-bf16 on CUDA. Core module: torch and transformers only.
+flex_attention, flash_attention_2 when flash-attn imports), on the packed row of the padding benchmark's six
+documents (1395 real tokens), medians of ``repeats`` (``bench.timing.round_robin``: side by side, GC off):
+``step_ms`` one forward + backward; ``batch_proof_ms`` what a step on which a full proof is due (the first batch, a
+change, a longer batch) costs beyond a plain step: the proof takes the step's own forward as its packed side
+(``StepProof``), so it adds the documents' gradient through the training graph and two documents alone through
+stock; ``interval_proof_ms`` the same for the interval's forward-only proof. ``proof_vs_step`` = batch_proof_ms /
+step_ms; ``*_run_share`` the proofs' share of a 10,000-batch run (blog mix, lengths growing 256 -> 8192).
+``standalone_*``: the proof with its own forward, what runs where the step's forward cannot serve (torch.compile,
+checkpointing, FSDP2, dropout: ``proof.step_blocker``). ``attach_ms``: the proof at attach (two synthetic
+documents). ``fingerprint_us``: the identity check every batch pays. Models are random Llamas
+(``foundry_attn.shapes``): the demo's tiny one (vocab 64) and SmolLM2-135M's full depth; fp32 on CPU, bf16 on
+CUDA. The targets (``all_targets_met``) are judged on SmolLM2-135M. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from foundry_attn.capability import flex_backward_error
 from foundry_attn.forward import flat_inputs, forward_documents
 from foundry_attn.layout import Layout
 from foundry_attn.paths import PROOF_INTERVAL, attach, proofs_in_run
+from foundry_attn.proof import step_blocker
 from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench proof --json"
@@ -75,37 +79,57 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
         model.zero_grad(set_to_none=True)
         forward_documents(model, batch).loss.backward()
 
-    def proof() -> None:  # what the first batch, a change or a longer batch pays: logits and gradients
+    def proven_step() -> None:  # a step on which a full proof is due (the first batch, a change, a longer batch)
+        state.proven_on_batch = False
+        step()
+
+    def interval_step() -> None:  # a step on which the interval's forward-only proof is due
+        state.batches = PROOF_INTERVAL - 1
+        step()
+
+    def standalone() -> None:  # the full proof with its own forward (compile, checkpointing, FSDP2, dropout)
         state.prove(model, inputs, "bench")
 
-    def interval_proof() -> None:  # what the interval pays: logits only
+    def standalone_interval() -> None:
         state.prove(model, inputs, "bench", grads=False)
 
     def fingerprint() -> None:
         state.fingerprint()
 
     step()  # warm-up (and the first-batch proof)
-    fns = {"step": step, "proof": proof, "interval_proof": interval_proof, "fingerprint": fingerprint}
-    seconds = round_robin(fns, repeats, device=device).seconds
-    step_ms, proof_ms = median(seconds["step"]) * 1e3, median(seconds["proof"]) * 1e3
-    interval_ms = median(seconds["interval_proof"]) * 1e3
+    fns = {
+        "step": step,
+        "proven_step": proven_step,
+        "interval_step": interval_step,
+        "standalone": standalone,
+        "standalone_interval": standalone_interval,
+        "fingerprint": fingerprint,
+    }
+    ms = {k: median(v) * 1e3 for k, v in round_robin(fns, repeats, device=device).seconds.items()}
+    step_ms = ms["step"]
+    proof_ms, interval_ms = ms["proven_step"] - step_ms, ms["interval_step"] - step_ms
     return {
         "model": model_name,
         "backend": backend + (" (reference kernel)" if reference else ""),
         "passed": state.path == "flat" and all(v.ok for _, v in state.proofs),
+        "in_step": step_blocker(model) is None,  # the batch proofs take the step's own forward
         "attach_ms": attach_ms,
-        "batch_proof_ms": proof_ms,
         "step_ms": step_ms,
+        "batch_proof_ms": proof_ms,
         "proof_vs_step": proof_ms / step_ms,
         "interval": PROOF_INTERVAL,
         "interval_proof_ms": interval_ms,
         "cost_at_interval": interval_ms / step_ms / PROOF_INTERVAL,
         **_run_cost(proof_ms / step_ms, interval_ms / step_ms),
-        "fingerprint_us": median(seconds["fingerprint"]) * 1e6,
+        "standalone_proof_ms": ms["standalone"],
+        "standalone_proof_vs_step": ms["standalone"] / step_ms,
+        "standalone_interval_ms": ms["standalone_interval"],
+        **_run_cost(ms["standalone"] / step_ms, ms["standalone_interval"] / step_ms, "standalone_"),
+        "fingerprint_us": ms["fingerprint"] * 1e3,
     }
 
 
-def _run_cost(grad_proof: float, forward_proof: float) -> dict[str, Any]:
+def _run_cost(grad_proof: float, forward_proof: float, prefix: str = "") -> dict[str, Any]:
     """The proof's share of a whole run, from the proofs :func:`foundry_attn.paths.proofs_in_run` schedules (first
     batch, longer batches: logits and gradients; interval: logits only), each costing what it cost here relative to
     a step of the same length (both scale with the row)."""
@@ -113,8 +137,9 @@ def _run_cost(grad_proof: float, forward_proof: float) -> dict[str, Any]:
     growing = [GROWING[0] + (GROWING[1] - GROWING[0]) * i // RUN_BATCHES for i in range(RUN_BATCHES)]
     for mix, tokens in (("blog", [sum(LENGTHS)] * RUN_BATCHES), ("growing", growing)):
         full, forward_only = proofs_in_run(tokens, PROOF_INTERVAL)
-        out[f"{mix}_proofs"] = [full, forward_only]
-        out[f"{mix}_run_share"] = (full * grad_proof + forward_only * forward_proof) / RUN_BATCHES
+        if not prefix:
+            out[f"{mix}_proofs"] = [full, forward_only]
+        out[f"{prefix}{mix}_run_share"] = (full * grad_proof + forward_only * forward_proof) / RUN_BATCHES
     return out
 
 
@@ -131,7 +156,12 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
         "rows": rows,
         "correct": all(r["passed"] for r in rows),  # every proof passed
         # at most 1% of a run on either mix, the first-batch proof at most one step
+        # (on SmolLM2-135M's shapes: the tiny model's steps are too short for a share to mean anything)
         "all_targets_met": all(
-            r["blog_run_share"] <= 0.01 and r["growing_run_share"] <= 0.01 and r["proof_vs_step"] <= 1.0 for r in rows
-        ),
+            r["blog_run_share"] <= 0.01 and r["growing_run_share"] <= 0.01 and r["proof_vs_step"] <= 1.0
+            for r in rows
+            if r["model"] != "tiny"
+        )
+        if not quick
+        else None,
     }

@@ -20,7 +20,6 @@ from foundry_attn.callbacks.common import (
     COMPILED,
     ReleasingCallback,
     check_log_interval,
-    compiled,
     open_event_log,
     say_once,
 )
@@ -48,6 +47,7 @@ from foundry_attn.isolation import (
     structural,
 )
 from foundry_attn.packing import PaddingCollator
+from foundry_attn.unwrap import compiled
 
 __all__ = ["AttentionInspector", "summarize"]
 

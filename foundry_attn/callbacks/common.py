@@ -23,7 +23,6 @@ __all__ = [
     "attn_implementation",
     "check_log_interval",
     "clean_name",
-    "compiled",
     "find_hf_model",
     "foundry_model",
     "open_event_log",
@@ -74,14 +73,6 @@ def open_event_log(state: State, events_dir: str | None) -> EventLog:
         ours.attn_events.bind(default_events_dir(state.run_name), run=state.run_name)
     directory = events_dir or (ours.attn_events.directory if ours is not None else default_events_dir(state.run_name))
     return EventLog(directory, dist.get_global_rank(), ours.attn_capability if ours is not None else None)
-
-
-def compiled(model: Any) -> bool:
-    """Whether ``model`` runs under ``torch.compile``: wrapped (``torch.compile(model)``) or with its forward
-    compiled in place (what Composer does for ``compile_config``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
 
 
 COMPILED = (

@@ -19,7 +19,6 @@ from foundry_attn.callbacks.common import (
     COMPILED,
     ReleasingCallback,
     check_log_interval,
-    compiled,
     foundry_model,
     open_event_log,
     say_once,
@@ -41,6 +40,7 @@ from foundry_attn.flash_symbols import (
     symbol_label,
 )
 from foundry_attn.inspection import attn_implementation, find_hf_model, mpt_attn_impl
+from foundry_attn.unwrap import compiled
 
 __all__ = ["UpadTracer"]
 

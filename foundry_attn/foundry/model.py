@@ -47,7 +47,7 @@ from foundry_attn.backends import backend_of
 from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
-from foundry_attn.forward import ROWS, finish_documents, has_layout, prepare_documents
+from foundry_attn.forward import ROWS, Prepared, finish_documents, has_layout, prepare_documents, run_prepared
 from foundry_attn.loading import decide, load_name, model_class_for
 from foundry_attn.paths import AUTO as AUTO_PATH
 from foundry_attn.paths import PROOF_INTERVAL, PathState, attach, check_path
@@ -60,6 +60,7 @@ from foundry_attn.policy import (
     summarize,
     validate_names,
 )
+from foundry_attn.unwrap import compiled
 
 log = logging.getLogger(__name__)
 
@@ -249,15 +250,15 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         routed = self._route(batch)
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
-        inputs, placed, no_targets = routed  # the batch's shape comes back: [rows, width, vocab] logits
-        return finish_documents(self.model(**inputs, use_cache=False), placed, no_targets, shaped=True)
+        out, routed = run_prepared(lambda inputs: self.model(**inputs, use_cache=False), self.model, batch, routed)
+        return finish_documents(out, routed.placed, routed.no_targets, shaped=True)  # [rows, width, vocab] logits
 
     @torch.compiler.disable
-    def _route(self, batch: Mapping) -> tuple | None:
+    def _route(self, batch: Mapping) -> Prepared | None:
         """Host-side work before the model runs, never traced (``compile_config`` compiles ``forward``): the
         first-forward dtype check, and our layout's inputs, or None for a batch that keeps the stock path."""
         if not self._dtype_checked:
             self._check_fa2_dtype(batch["input_ids"].device)
             if not self.attn_events.bound:  # none of our callbacks named the run's folder
                 self.attn_events.bind(default_events_dir())
-        return prepare_documents(self.model, batch) if has_layout(batch) else None
+        return prepare_documents(self.model, batch, in_step=not compiled(self)) if has_layout(batch) else None

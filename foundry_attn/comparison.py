@@ -1,0 +1,287 @@
+"""Packed against alone: the one comparison behind the proof (:mod:`foundry_attn.proof`) and the inspector's
+verdict (:mod:`foundry_attn.isolation`).
+
+    alone = [run(hf, alone_inputs(doc), [(0, len(doc))], grads=True) for doc in documents]   # stock, eval mode
+    result = against_alone(packed, spans, alone, limits_for(hf, alone_inputs(documents[-1]), alone[-1]))
+    result.worst, result.worst_grad, result.differ     # the documents whose packed slice is not their run alone
+
+A run is one forward's logits and, with grads, the gradient of its documents' next-token loss with respect to the
+input embeddings. fp32 compares max |diff| (logits ``ATOL_FP32`` x max |logit|, gradients ``GRAD_RTOL_FP32`` x
+max |grad|). Half precision (autocast or half weights) compares **per token**, the worst token's relative L2
+difference over the vocabulary (or the hidden size, for gradients), against limits set from measured bf16 noise
+and raised to ``NOISE_FACTOR`` times stock's own noise (:func:`stock_noise`), so a leak confined to a few tokens is
+not averaged away. Forwards made here are a check's, not the batch's (:func:`hidden`). Core module: torch and
+transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from foundry_attn.backends import config_value
+
+#: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
+ATOL_FP32 = 1e-4
+GRAD_RTOL_FP32 = 1e-4
+#: half precision, per token: logits' relative L2 difference over the vocabulary, gradients' over the hidden size
+#: (relative to the token's norm plus the mean token norm: a token whose gradient is ~0 is no scale). Floors set
+#: from measured bf16 noise of exact paths on the CPU (logits 0, gradients up to 9.5e-3; leaks: logits from 4.4e-3,
+#: gradients from 2.3e-2 normed; ``foundry-attn bench proof`` measures them again), raised to NOISE_FACTOR times
+#: stock's own noise where a device has more (:func:`stock_noise`: stock against itself, measured at each proof)
+TOKEN_RTOL_HALF = 2e-3
+GRAD_TOKEN_RTOL_HALF = 2e-2
+NOISE_FACTOR = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a proof tolerates: fp32 (max |diff|) or half precision (per token, with the noise measured)."""
+
+    fp32: bool = True
+    logits: float = ATOL_FP32
+    grads: float = GRAD_RTOL_FP32
+    noise: tuple[float, float] | None = None  # stock against itself (logits, gradients), half precision
+
+    @classmethod
+    def half(cls, noise: tuple[float, float]) -> Limits:
+        return cls(
+            False,
+            max(TOKEN_RTOL_HALF, NOISE_FACTOR * noise[0]),
+            max(GRAD_TOKEN_RTOL_HALF, NOISE_FACTOR * noise[1]),
+            noise,
+        )
+
+
+_PROVING = contextvars.ContextVar("foundry_attn_proving", default=False)
+
+
+def proving() -> bool:
+    """True inside a proof's forwards: the callbacks' hooks and tracers leave them out of what they report."""
+    return _PROVING.get()
+
+
+@contextlib.contextmanager
+def hidden() -> Iterator[None]:
+    """Forwards in this block are a check's, not the batch's: :func:`proving` is True inside it."""
+    token = _PROVING.set(True)
+    try:
+        yield
+    finally:
+        _PROVING.reset(token)
+
+
+@contextlib.contextmanager
+def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
+    """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.set_grad_enabled(grad):
+            yield
+    finally:
+        model.train(was_training)
+
+
+def half(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a forward in ``dtype`` on ``device`` computes in half precision (half weights or autocast)."""
+    return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
+
+
+def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """Each token's (last dimension's) relative L2 difference; ``floor`` adds that share of the mean token norm to
+    each denominator."""
+    got, want = got.float(), want.float()
+    norms = want.norm(dim=-1)
+    scale = norms + floor * norms.mean() if norms.numel() else norms
+    return (got - want).norm(dim=-1) / scale.clamp_min(1e-12)
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, limit: float | None = None) -> tuple[float, bool]:
+    """The difference of two logits tensors and whether it is beyond tolerance (nan always is). fp32: max |diff|
+    against ``limit`` (default :data:`ATOL_FP32`) x max(1, max |want|); half: the worst token's relative L2
+    difference against ``limit`` (default :data:`TOKEN_RTOL_HALF`)."""
+    if got.shape != want.shape:
+        return float("inf"), True
+    if not got.numel():
+        return 0.0, False
+    if fp32:
+        worst = (got.float() - want.float()).abs().max().item()
+        return worst, not worst <= (limit or ATOL_FP32) * max(1.0, want.float().abs().max().item())
+    worst = per_token(got, want).max().item()
+    return worst, not worst <= (limit or TOKEN_RTOL_HALF)
+
+
+def grad_differs(got: torch.Tensor, want: torch.Tensor, limits: Limits) -> tuple[float, bool]:
+    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token."""
+    if got.shape != want.shape:
+        return float("inf"), True
+    if not got.numel():
+        return 0.0, False
+    if limits.fp32:
+        scale = want.float().abs().max().item()
+        worst = (got.float() - want.float()).abs().max().item() / max(scale, 1e-30)
+    else:
+        worst = per_token(got, want, floor=1.0).max().item()
+    return worst, not worst <= limits.grads
+
+
+@contextlib.contextmanager
+def embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
+    """The input embeddings of each forward in the block, as tensors the loss can be differentiated against (a
+    frozen embedding's output becomes a leaf that requires grad: the same values, the same graph above it)."""
+    captured: list[torch.Tensor] = []
+    module = hf.get_input_embeddings() if grads and hasattr(hf, "get_input_embeddings") else None
+    if module is None:
+        yield captured
+        return
+
+    def hook(_: Any, __: Any, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        if not out.requires_grad:
+            out = out.detach().requires_grad_()
+        captured.append(out)
+        return out
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids."""
+    return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
+
+
+def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits."""
+    return torch.stack([next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
+
+
+@dataclasses.dataclass
+class Run:
+    """One forward's logits ``[tokens, vocab]`` and, with grads, the gradient of the compared documents' loss with
+    respect to the input embeddings ``[tokens, hidden]`` (None when the model has no embedding module to hook)."""
+
+    logits: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
+    ids = inputs["input_ids"][0]
+    with embeddings(hf, grads) as captured:
+        logits = hf(**inputs, use_cache=False).logits[0]
+    if not (grads and captured and captured[0].requires_grad):
+        return Run(logits.detach())
+    (grad,) = torch.autograd.grad(documents_loss(logits, ids, spans), captured[0])
+    return Run(logits.detach(), grad[0])
+
+
+def training_noise(hf: Any) -> str | None:
+    """What makes ``hf``'s training-mode forward random, or None: a dropout module with p > 0, or a float
+    attribute of a module (functional attention dropout, router jitter) or of the config above 0."""
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return f"dropout p={module.p} at {name}"
+        noisy = [k for k, v in vars(module).items() if _NOISY.search(k) and isinstance(v, float) and v > 0]
+        if noisy:
+            return f"{noisy[0]}={getattr(module, noisy[0])} in {name or 'the model'}"
+    for key in ("attention_dropout", "attn_pdrop"):
+        value = config_value(getattr(hf, "config", None), key, 0.0)
+        if isinstance(value, int | float) and value > 0:
+            return f"{key}={value}"
+    return None
+
+
+#: module attributes that make training mode random (functional attention dropout, router jitter)
+_NOISY = re.compile(r"dropout|pdrop|jitter")
+
+
+def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
+    """Stock against itself, no leak: the document alone (``run``) against the same document as the first row of
+    a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), per token, logits
+    and gradients: the half-precision noise floor of this model on this device."""
+    ids = alone["input_ids"]
+    n = ids.shape[1]
+    pair = {
+        "input_ids": torch.cat([ids, torch.cat([ids[:, : (n + 1) // 2], ids.new_zeros(1, n // 2)], 1)]),
+        "attention_mask": torch.cat([torch.ones_like(ids), torch.ones_like(ids)]),
+    }
+    pair["attention_mask"][1, (n + 1) // 2 :] = 0
+    if "position_ids" in alone:
+        pair["position_ids"] = torch.cat([alone["position_ids"], alone["position_ids"]])
+    with embeddings(hf, run.grad is not None) as captured:
+        logits = hf(**pair, use_cache=False).logits[0]
+    noise = per_token(logits.detach(), run.logits).max().item()
+    if run.grad is None or not captured or not captured[0].requires_grad:
+        return noise, 0.0
+    (grad,) = torch.autograd.grad(next_token_loss(logits, ids[0]), captured[0])
+    return noise, per_token(grad[0], run.grad, floor=1.0).max().item()
+
+
+def worse(worst: float, diff: float) -> float:
+    return math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Packed runs against runs alone: the worst differences (gradients: None if not compared) and the indices of
+    the documents beyond the limits."""
+
+    worst: float
+    worst_grad: float | None
+    differ: tuple[int, ...]
+
+
+def alone_inputs(ids: torch.Tensor, positions: torch.Tensor | None = None) -> dict[str, Any]:
+    """One document ``[1, n]`` as stock runs it alone, with the all-ones mask a padded batch would give it (some
+    families are not causal without a mask: Moshi's eager attention); ``positions``: a user's own."""
+    alone = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if positions is not None:
+        alone["position_ids"] = positions
+    return alone
+
+
+def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run) -> Limits:
+    """fp32 limits, or in half precision (half weights or autocast) the limits raised to stock's own noise on the
+    document ``alone`` (whose run is ``run_alone``)."""
+    ids = alone["input_ids"]
+    if not half(next(hf.parameters()).dtype, ids.device):
+        return Limits()
+    return Limits.half(stock_noise(hf, alone, run_alone))
+
+
+def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence[Run], limits: Limits) -> Comparison:
+    """Each document's slice ``spans[i]`` of the ``packed`` run against ``alone[i]``: logits and, where both
+    have them, gradients."""
+    worst, worst_grad, differ = 0.0, None, []
+    for i, ((s, e), mine) in enumerate(zip(spans, alone, strict=True)):
+        diff, bad = differs(packed.logits[s:e], mine.logits, limits.fp32, limits.logits)
+        worst = worse(worst, diff)
+        if packed.grad is not None and mine.grad is not None:
+            gdiff, gbad = grad_differs(packed.grad[s:e], mine.grad, limits)
+            worst_grad, bad = worse(worst_grad or 0.0, gdiff), bad or gbad
+        if bad:
+            differ.append(i)
+    return Comparison(worst, worst_grad, tuple(differ))
+
+
+def limits_note(limits: Limits) -> str:
+    """The half-precision limits and the noise they were raised to, for a failure's reason."""
+    if limits.fp32 or limits.noise is None:
+        return ""
+    return (
+        f" (half precision, worst token; limits {limits.logits:.1e} logits, {limits.grads:.1e} gradients; stock "
+        f"against itself {limits.noise[0]:.1e}, {limits.noise[1]:.1e})"
+    )
