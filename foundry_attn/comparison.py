@@ -1,5 +1,5 @@
 """Packed against alone: the one comparison behind the proof (:mod:`foundry_attn.proof`) and the inspector's
-verdict (:mod:`foundry_attn.isolation`).
+verdict (:mod:`foundry_attn.verdict`).
 
     alone = [run(hf, alone_inputs(doc), [(0, len(doc))], grads=True) for doc in documents]   # stock, eval mode
     result = against_alone(packed, spans, alone, limits_for(hf, alone_inputs(documents[-1]), alone[-1]))

@@ -57,7 +57,7 @@ from foundry_attn.policy import (
     model_check,
 )
 from foundry_attn.proof import (
-    Verdict,
+    Proof,
     pick,
     proof_lengths,
     prove_flat,
@@ -154,7 +154,7 @@ class PathState:
     reference: bool = False  # FA2 on the pure-PyTorch reference kernel
     binding: bool = False  # attn_path: flat + strict: a failed proof raises
     interval: int = PROOF_INTERVAL
-    proofs: list[tuple[str, Verdict]] = dataclasses.field(default_factory=list)
+    proofs: list[tuple[str, Proof]] = dataclasses.field(default_factory=list)
     batches: int = 0
     proven_on_batch: bool = False
     covered: tuple[int, int] = (0, 0)  # (flat row, document) lengths proven, each up to its next power of two
@@ -179,12 +179,12 @@ class PathState:
         *,
         grads: bool = True,
         own_positions: bool = False,
-    ) -> Verdict:
+    ) -> Proof:
         """Prove the flat path on ``inputs`` (:func:`foundry_attn.forward.flat_inputs`); a failure moves to rows
         (or raises, binding)."""
         hf = unwrapped(model)
         set_implementation(hf, self.flat_name)
-        verdict = prove_flat(
+        proof = prove_flat(
             hf,
             inputs,
             TRUTH[self.backend],
@@ -193,32 +193,32 @@ class PathState:
             grads=grads,
             own_positions=own_positions,
         )
-        return self._judge(hf, inputs, at, verdict, grads, own_positions)
+        return self._judge(hf, inputs, at, proof, grads, own_positions)
 
     def _judge(
-        self, hf: Any, inputs: Mapping[str, Any], at: str, verdict: Verdict, grads: bool, own_positions: bool
-    ) -> Verdict:
-        """Keep ``verdict`` of the flat path: proven lengths and code, or rows from now on (proven there too)."""
-        self.proofs.append((at, verdict))
+        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, own_positions: bool
+    ) -> Proof:
+        """Keep ``proof`` of the flat path: proven lengths and code, or rows from now on (proven there too)."""
+        self.proofs.append((at, proof))
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
-        if not verdict.ok:
-            self.refuse(hf, f"proof at {at} {verdict.describe()}", check="proof")
+        if not proof.ok:
+            self.refuse(hf, f"proof at {at} {proof.describe()}", check="proof")
             self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
-            return verdict
+            return proof
         self._cover(inputs[DOCS_KEY])
         if self.path == FLAT:
-            self.reason = f"proven at {at}: {verdict.describe()}"
-        return verdict
+            self.reason = f"proven at {at}: {proof.describe()}"
+        return proof
 
     def prove_rows(
         self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
-    ) -> Verdict:
+    ) -> Proof:
         """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.proof.prove_rows`). A failure is
         said, once, and not refused: stock's own padded batches train the same (never worse than stock)."""
         hf = unwrapped(model)
         compare = pick(inputs[DOCS_KEY], shortest_window(hf.config))
-        verdict = prove_rows(
+        proof = prove_rows(
             hf,
             inputs,
             self.rows_name,
@@ -228,17 +228,17 @@ class PathState:
             grads=grads,
             own_positions=own_positions,
         )
-        self.proofs.append((f"rows at {at}", verdict))
+        self.proofs.append((f"rows at {at}", proof))
         docs: Documents = inputs[DOCS_KEY]
-        if verdict.ok:
+        if proof.ok:
             self._cover(docs)
-            self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {verdict.describe()}"
-            return verdict
-        note = f"rows at {at} {verdict.describe()}"
+            self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
+            return proof
+        note = f"rows at {at} {proof.describe()}"
         said = any(n.startswith("rows at ") for n in self.notes)
         self.notes.append(note)
         (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)  # one warning a run
-        return verdict
+        return proof
 
     def _cover(self, docs: Documents) -> None:
         """Lengths up to the next power of two of this row's and its longest document's are proven."""
@@ -362,9 +362,9 @@ class StepProof:
         """Prove on the forward's ``out`` (None: the forward raised); whether the batch's flat forward stands
         (False: the run is on rows now and the batch runs again there)."""
         state, hf = self.state, self.hf
-        verdict = None
+        proof = None
         if out is not None:
-            verdict = prove_step(
+            proof = prove_step(
                 hf,
                 self.inputs,
                 out,
@@ -375,12 +375,12 @@ class StepProof:
                 grads=self.grads,
                 own_positions=self.own_positions,
             )
-        if verdict is not None and verdict.ok:
-            state._judge(hf, self.inputs, self.at, verdict, self.grads, self.own_positions)
+        if proof is not None and proof.ok:
+            state._judge(hf, self.inputs, self.at, proof, self.grads, self.own_positions)
             return True
         full = state.prove(hf, self.inputs, self.at, grads=self.grads, own_positions=self.own_positions)
-        if full.ok and verdict is not None:  # eval mode holds, the training forward does not: never run silently
-            state._judge(hf, self.inputs, f"{self.at}, in training mode", verdict, self.grads, self.own_positions)
+        if full.ok and proof is not None:  # eval mode holds, the training forward does not: never run silently
+            state._judge(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.own_positions)
         return state.path == FLAT
 
 

@@ -137,7 +137,7 @@ class Decision:
     candidates: tuple[Candidate, ...]
     strict: bool = False
     compute_dtype: str = "float32"
-    isolation: str = ""  # the flat-path proof at build: "passed in N ms (...)", "failed (...)", "off"
+    proof: str = ""  # the flat-path proof at build: "passed in N ms (...)", "failed (...)", "off", "first batch"
     where: str = ""  # "<device> (<sm>) on <host>", for error messages
     path: str = ""  # "flat" | "rows" (foundry_attn.paths), empty before the model is attached
     path_reason: str = ""
@@ -168,14 +168,14 @@ class Decision:
             "reason": self.reason,
             "strict": self.strict,
             "compute_dtype": self.compute_dtype,
-            "isolation": self.isolation,
+            "proof": self.proof,
             "path": self.path,
             "path_reason": self.path_reason,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }
 
     def with_rejection(self, name: str, reason: str, check: str = "load", fix: str = "see the error above") -> Decision:
-        """The same decision after ``name`` failed a later check (transformers' load, the documents, isolation)."""
+        """The same decision after ``name`` failed a later check (transformers' load, the documents, the proof)."""
         cands = tuple(Candidate(c.name, False, reason, check, fix) if c.name == name else c for c in self.candidates)
         chosen = next((c.name for c in cands if c.available), None)
         if self.binding:

@@ -2,8 +2,8 @@
 each document alone, in its logits and in its gradients.
 
     inputs, _ = flat_inputs(hf_model, ids, positions, None, layout)     # the forward's own flat row
-    verdict = prove_flat(hf_model, inputs, stock="sdpa", compare=(0, 2))
-    verdict.ok, verdict.worst, verdict.reason
+    proof = prove_flat(hf_model, inputs, stock="sdpa", compare=(0, 2))
+    proof.ok, proof.worst, proof.reason
 
 The packed side is the flat row the forward built for the batch (its full length, its ``position_ids``, every row
 of the batch flattened into one), so the proof runs the layout that trains. The truth is the model's own forward
@@ -57,7 +57,7 @@ from foundry_attn.unwrap import unwrapped
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
+class Proof:
     """One proof: ``ok`` with the worst differences, or the reason it failed (and which documents)."""
 
     ok: bool
@@ -149,7 +149,7 @@ def prove_flat(
     reference: bool = False,
     grads: bool = True,
     own_positions: bool = False,
-) -> Verdict:
+) -> Proof:
     """Run ``inputs`` (the flat row of :func:`foundry_attn.forward.flat_inputs`, with its documents) through the
     flat path (the model's current ``config._attn_implementation``, ours) and the documents in ``compare`` (default:
     :func:`pick`) alone through ``stock``; compare logits and, with ``grads``, input-embedding gradients.
@@ -157,7 +157,7 @@ def prove_flat(
     own.
 
     Raises nothing the stock forward on one document does not raise; a failure of the flat forward (a layer
-    that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a verdict.
+    that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a failed proof.
     """
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None)
 
@@ -172,7 +172,7 @@ def prove_rows(
     reference: bool = False,
     grads: bool = True,
     own_positions: bool = False,
-) -> Verdict:
+) -> Proof:
     """The rows path as it trains (:func:`foundry_attn.forward.one_per_row`: the documents in ``compare``, one per
     row, right-padded, a 2-D mask, under ``rows_name``) against each document alone under ``stock``: logits and
     input-embedding gradients, the limits of :func:`prove_flat`. A failure says the model's padded rows differ from
@@ -191,7 +191,7 @@ def prove_step(
     reference: bool = False,
     grads: bool = True,
     own_positions: bool = False,
-) -> Verdict:
+) -> Proof:
     """:func:`prove_flat` with the batch's own training forward as the packed side: ``out`` is what the model
     returned for ``inputs`` (the flat row, in training mode) and ``captured`` its input embeddings
     (:func:`embeddings`). With ``grads`` the compared documents' loss is differentiated through the training graph,
@@ -247,7 +247,7 @@ def _prove(
     own_positions: bool,
     rows_name: str | None,
     packed: PackedSide | None = None,
-) -> Verdict:
+) -> Proof:
     start = time.perf_counter()
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     docs: Documents = inputs[DOCS_KEY]
@@ -260,7 +260,7 @@ def _prove(
         )
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
-    return Verdict(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
+    return Proof(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
 
 
 @contextlib.contextmanager

@@ -359,3 +359,15 @@ def test_trainer_missing_symbol_said_once_and_training_goes_on(
     assert _series(memory, "attn/varlen_calls_per_step") == [2.0, 2.0]  # the rest is still traced
     assert _series(memory, "attn/upad_calls_per_step") == [0.0, 0.0]
     trainer.close()
+
+
+def test_the_inspectors_old_key_names_still_work_with_a_warning() -> None:
+    from foundry_attn.callbacks.attention_inspector import AttentionInspector
+
+    with pytest.warns(FutureWarning, match="check_isolation is renamed verdict"):
+        inspector = AttentionInspector(check_isolation=False)
+    assert inspector.verdict is False
+    with pytest.warns(FutureWarning, match="isolation_interval is renamed verdict_interval"):
+        assert AttentionInspector(isolation_interval=3).verdict_interval == 3
+    with pytest.raises(ValueError, match="both are set"):
+        AttentionInspector(isolation_interval=3, verdict_interval=5)

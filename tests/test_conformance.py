@@ -128,6 +128,17 @@ def test_model_records_the_proof(assets, tmp_path) -> None:
         events_dir=str(tmp_path),
         attn_implementation="eager",
     )
-    assert model.attn_decision.isolation.startswith("passed in") and model.attn_decision.path == "flat"
+    assert model.attn_decision.proof.startswith("passed in") and model.attn_decision.path == "flat"
     assert model.model.config._attn_implementation == "foundry_eager" and model.attn_implementation == "eager"
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_the_old_name_of_the_proof_at_build_still_works_with_a_warning(assets, tmp_path) -> None:
+    from foundry_attn.foundry.model import FoundryAttnCausalLM
+
+    keys = dict(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"), pretrained=False)
+    with pytest.warns(FutureWarning, match="attn_isolation_check is renamed attn_prove_at_build"):
+        model = FoundryAttnCausalLM(**keys, events_dir=str(tmp_path), attn_isolation_check=False)
+    assert model.attn_decision.proof == "off"  # the proof at build; the first training batch proves
+    with pytest.raises(ValueError, match="both are set; keep attn_prove_at_build only"):
+        FoundryAttnCausalLM(**keys, attn_isolation_check=False, attn_prove_at_build=False)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from foundry_attn.isolation import ISOLATED, LEAKS, NOT_PACKED
 from foundry_attn.packing import PaddingCollator
+from foundry_attn.verdict import ISOLATED, LEAKS, NOT_PACKED
 
 pytestmark = pytest.mark.foundry
 
@@ -150,7 +150,7 @@ def test_verdict_matches_the_leak_measured_independently(
     collate = _collate(loader, tokenizer)
     docs = _docs(tokenizer, 24)
     inspector = AttentionInspector(
-        log_interval=1, isolation_interval=2, print_table=False, events_dir=str(tmp_path / "ev")
+        log_interval=1, verdict_interval=2, print_table=False, events_dir=str(tmp_path / "ev")
     )
     memory = InMemoryLogger()
     trainer = Trainer(
@@ -169,7 +169,7 @@ def test_verdict_matches_the_leak_measured_independently(
     )
     with caplog.at_level(logging.INFO, logger="foundry_attn"):
         trainer.fit()
-    verdict = inspector.last_isolation
+    verdict = inspector.last_verdict
     assert verdict is not None and verdict.state == expected, verdict
     if loader == "stock_text":  # no padding, no documents: the mask hides nothing at any level
         assert inspector.last_records and not any(r.get("has_zeros") for r in inspector.last_records)
@@ -179,7 +179,7 @@ def test_verdict_matches_the_leak_measured_independently(
     if expected == NOT_PACKED:
         assert series == []
         return
-    assert series == [float(expected == ISOLATED)] * 2  # batches 0 and 2 (isolation_interval 2), reported once each
+    assert series == [float(expected == ISOLATED)] * 2  # batches 0 and 2 (verdict_interval 2), reported once each
     assert verdict.how == "measured" and verdict.row is not None and len(verdict.lengths) >= 2
     lines = [r.getMessage() for r in caplog.records if "documents" in r.getMessage()]
     assert any(

@@ -23,6 +23,7 @@ from foundry_attn.callbacks.common import (
     open_event_log,
     say_once,
 )
+from foundry_attn.deprecation import renamed_key
 from foundry_attn.events import EventLog
 from foundry_attn.inspection import (
     ATTENTION,
@@ -33,21 +34,21 @@ from foundry_attn.inspection import (
     find_hf_model,
     format_table,
 )
-from foundry_attn.isolation import (
+from foundry_attn.packing import PaddingCollator
+from foundry_attn.unwrap import compiled
+from foundry_attn.verdict import (
     LEAKS,
     NO_BOUNDARIES,
     NOT_PACKED,
     UNKNOWN,
     Features,
-    Isolation,
+    Verdict,
     active_dropout,
     fix_for,
     measure,
     packed_rows,
     structural,
 )
-from foundry_attn.packing import PaddingCollator
-from foundry_attn.unwrap import compiled
 
 __all__ = ["AttentionInspector", "summarize"]
 
@@ -122,8 +123,8 @@ class AttentionInspector(ReleasingCallback):
             events_dir: null              # default: the model's events_dir, else default_events_dir(run_name)
             attention_selector: null      # regex on module name or class; default: attention-like classes
             print_table: true             # a compact table on the console, the first time (rank 0)
-            check_isolation: true         # do packed documents see each other? measured, not inferred
-            isolation_interval: 100       # batches between verdicts (the first batch always has one)
+            verdict: true                 # do packed documents see each other? measured, not inferred
+            verdict_interval: 100         # batches between verdicts (the first batch always has one)
 
     Example, with Composer's Trainer:
 
@@ -189,9 +190,9 @@ class AttentionInspector(ReleasingCallback):
             first documents of the row with the most documents run alone (eval mode, no grad, same backend and
             precision) and their logits are compared with the training forward's. Where a second forward is
             not possible (compiled, FSDP, active dropout) it is the structural reading, labelled so in the
-            ``attn_isolation`` event and the log line.
-          - The first batch and every ``isolation_interval``-th, when a row holds two documents or more.
-        * - ``attn/isolation_worst_diff``
+            ``attn_verdict`` event and the log line.
+          - The first batch and every ``verdict_interval``-th, when a row holds two documents or more.
+        * - ``attn/verdict_worst_diff``
           - The largest difference of those logits (fp32: max absolute; half precision: relative L2).
           - Sampled batches where it was measured.
 
@@ -200,7 +201,7 @@ class AttentionInspector(ReleasingCallback):
     the console the first time (rank 0).
 
     Packed documents: each sampled batch gets a verdict, logged as a line (``documents isolated (measured:
-    ...)``, ``documents LEAK (...)``, ``not packed (...)``) and an ``attn_isolation`` event. The first leak is a
+    ...)``, ``documents LEAK (...)``, ``not packed (...)``) and an ``attn_verdict`` event. The first leak is a
     WARNING that says what to change; so is, at fit start, a train loader that packs for a model that cannot
     keep documents apart (stock sdpa / eager on transformers 4.51, MPT without ``attn_uses_sequence_id``).
 
@@ -215,12 +216,14 @@ class AttentionInspector(ReleasingCallback):
             name says attention (``LlamaAttention``, ``GPTNeoXAttention``, ...).
         print_table (bool, optional): Print the table on the console the first time (rank 0). Default:
             ``True``.
-        check_isolation (bool, optional): Judge whether packed documents see each other, and warn at fit start
-            when the loader packs for a model that cannot keep them apart. Default: ``True``.
-        isolation_interval (int | str | Time, optional): Batches between verdicts, as ``log_interval`` takes
+        verdict (bool, optional): Judge whether packed documents see each other, and warn at fit start
+            when the loader packs for a model that cannot keep them apart. Default: ``True``. (Was
+            ``check_isolation``: still read, with a warning.)
+        verdict_interval (int | str | Time, optional): Batches between verdicts, as ``log_interval`` takes
             them; the first batch always has one. A verdict runs two documents alone (a forward without grad),
             about half a step of the tiny demo model, so it has its own interval: every batch would cost the
-            demo 60%, every 100th under 1% (``foundry-attn bench callbacks``). Default: ``100``.
+            demo 60%, every 100th under 1% (``foundry-attn bench callbacks``). Default: ``100``. (Was
+            ``isolation_interval``: still read, with a warning.)
     """
 
     def __init__(
@@ -229,11 +232,18 @@ class AttentionInspector(ReleasingCallback):
         events_dir: str | None = None,
         attention_selector: str | None = None,
         print_table: bool = True,
-        check_isolation: bool = True,
-        isolation_interval: int | str | Time = 100,
+        verdict: bool = True,
+        verdict_interval: int | str | Time = 100,
+        check_isolation: bool | None = None,
+        isolation_interval: int | str | Time | None = None,
     ) -> None:
-        self.log_interval = check_log_interval("attention_inspector", log_interval)
-        self.isolation_interval = check_log_interval("attention_inspector: isolation_interval", isolation_interval)
+        owner = "attention_inspector"
+        verdict = renamed_key(owner, "check_isolation", "verdict", check_isolation, verdict, True)
+        verdict_interval = renamed_key(
+            owner, "isolation_interval", "verdict_interval", isolation_interval, verdict_interval, 100
+        )
+        self.log_interval = check_log_interval(owner, log_interval)
+        self.verdict_interval = check_log_interval("attention_inspector: verdict_interval", verdict_interval)
         if attention_selector is not None:
             try:
                 re.compile(attention_selector)
@@ -245,9 +255,9 @@ class AttentionInspector(ReleasingCallback):
         self.events_dir = events_dir
         self.attention_selector = attention_selector
         self.print_table = print_table
-        self.check_isolation = check_isolation
-        self.last_isolation: Isolation | None = None
-        self._pending: Isolation | None = None  # this batch's verdict, reported at BATCH_END
+        self.verdict = verdict
+        self.last_verdict: Verdict | None = None
+        self._pending: Verdict | None = None  # this batch's verdict, reported at BATCH_END
         self._measure = False
         self.events: EventLog | None = None
         self.last_records: list[dict[str, Any]] = []
@@ -305,21 +315,21 @@ class AttentionInspector(ReleasingCallback):
         if self._inspector is not None:
             self._inspector.disarm()
 
-    # -- isolation of packed documents
-    def _isolation(self, state: State) -> Isolation:
-        """The verdict on this microbatch: measured (:func:`foundry_attn.isolation.measure`) where a second
+    # -- the verdict on packed documents
+    def _judge(self, state: State) -> Verdict:
+        """The verdict on this microbatch: measured (:func:`foundry_attn.verdict.measure`) where a second
         forward is possible, else the structural reading, labelled so; never a guess shown as a measurement."""
         found = find_hf_model(state.model)
         batch = state.batch
         if found is None:
-            return Isolation(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
+            return Verdict(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
-            return Isolation(UNKNOWN, reason="the batch has no input_ids tensor")
+            return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
         hf = found[1]
         rows = packed_rows(batch)  # one host sync, shared by the reading and the measurement
         features = Features.of(batch, rows)
         if not features.packed:
-            return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
+            return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
         blocked = (
             "the model is compiled (a second forward would recompile it)"
             if compiled(state.model)
@@ -329,15 +339,15 @@ class AttentionInspector(ReleasingCallback):
         )
         if blocked:
             reading = structural(hf, features)
-            return Isolation(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
+            return Verdict(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
         outputs = state.outputs
         logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
         if not isinstance(logits, torch.Tensor):
-            return Isolation(UNKNOWN, reason=f"the model's output ({type(outputs).__name__}) carries no logits")
+            return Verdict(UNKNOWN, reason=f"the model's output ({type(outputs).__name__}) carries no logits")
         try:
             return measure(hf, batch, logits, context=get_precision_context(state.precision), rows=rows)
         except Exception as exc:  # the check never breaks training
-            return Isolation(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
+            return Verdict(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
 
     def _predict(self, state: State) -> None:
         """At fit start: when the train loader packs documents and the model cannot keep them apart, say so."""
@@ -353,16 +363,16 @@ class AttentionInspector(ReleasingCallback):
                 f"({reading.reason}); fix: {fix_for(found[1])}",
             )
 
-    def _report(self, verdict: Isolation, state: State, logger: Logger) -> None:
+    def _report(self, verdict: Verdict, state: State, logger: Logger) -> None:
         metrics: dict[str, float] = {}
         if verdict.isolated is not None:
             metrics["attn/documents_isolated"] = float(verdict.isolated)
         if verdict.worst is not None and verdict.worst == verdict.worst:
-            metrics["attn/isolation_worst_diff"] = float(verdict.worst)
+            metrics["attn/verdict_worst_diff"] = float(verdict.worst)
         if metrics:
             logger.log_metrics(metrics)
         if self.events is not None:
-            self.events.append("attn_isolation", step=self._step, **verdict.as_dict())
+            self.events.append("attn_verdict", step=self._step, **verdict.as_dict())
         log.info("attention_inspector: batch %d: %s", self._step, verdict.line())
         if verdict.state == LEAKS:
             found = find_hf_model(state.model)
@@ -377,13 +387,13 @@ class AttentionInspector(ReleasingCallback):
         if self.events is None:
             self.events = open_event_log(state, self.events_dir)
         self._resolve(state)
-        if self.check_isolation:
+        if self.verdict:
             self._predict(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._step = int(state.timestamp.batch)
         self._sampled = self._step % self.log_interval == 0
-        self._judged = self.check_isolation and self._step % self.isolation_interval == 0
+        self._judged = self.verdict and self._step % self.verdict_interval == 0
         self.release()
 
     def before_forward(self, state: State, logger: Logger) -> None:
@@ -400,13 +410,13 @@ class AttentionInspector(ReleasingCallback):
         self.release()
         if self._measure:  # before the backward: the forwards of the documents alone see the weights trained on
             self._measure = False
-            self._pending = self._isolation(state)
+            self._pending = self._judge(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self.release()
         verdict, self._pending = self._pending, None
         if verdict is not None:
-            self.last_isolation = verdict
+            self.last_verdict = verdict
             self._report(verdict, state, logger)
         inspector = self._inspector
         if inspector is None or not inspector.records:

@@ -13,7 +13,7 @@
       attn_path: auto                      # auto | flat | rows: flat where proven exact, else one document per row
       attn_proof_interval: 100             # prove flat again every N training batches (and on the first, and
                                            # whenever the attention code changes); 0: first batch and changes only
-      attn_isolation_check: true           # the proof at build on two synthetic documents (false: first batch only)
+      attn_prove_at_build: true            # the proof at build on two synthetic documents (false: first batch only)
       attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
         1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
     callbacks:
@@ -45,6 +45,7 @@ from transformers import AutoConfig
 
 from foundry_attn.backends import backend_of
 from foundry_attn.capability import probe
+from foundry_attn.deprecation import renamed_key
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.forward import ROWS, Prepared, finish_documents, has_layout, prepare_documents, run_prepared
@@ -93,13 +94,21 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         attn_compute_dtype: str = "auto",
         events_dir: str | None = None,
         fa2_reference_kernel: bool = False,
-        attn_isolation_check: bool = True,
+        attn_prove_at_build: bool = True,
         attn_path: str = AUTO_PATH,
         attn_proof_interval: int = PROOF_INTERVAL,
         attn_rank_overrides: dict | None = None,
         use_flash_attention_2: bool = False,
         **kwargs: Any,
     ) -> None:
+        attn_prove_at_build = renamed_key(
+            "foundry_attn_causal_lm",
+            "attn_isolation_check",
+            "attn_prove_at_build",
+            kwargs.pop("attn_isolation_check", None),
+            attn_prove_at_build,
+            True,
+        )
         rank = dist.get_global_rank()
         override = rank_override(attn_rank_overrides, rank)
         attn_implementation = override.get("attn_implementation", attn_implementation)
@@ -135,7 +144,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 config=config,
             )
             self._build(tokenizer, pretrained_model_name_or_path, config, decision, fa2_reference_kernel, kwargs)
-            decision = self._attach(decision, fa2_reference_kernel, attn_isolation_check)
+            decision = self._attach(decision, fa2_reference_kernel, attn_prove_at_build)
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
             self.attn_events.append(
                 "attn_impl",
@@ -166,7 +175,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             **kwargs,
         )
 
-    def _attach(self, decision: Decision, reference: bool, isolation: bool) -> Decision:
+    def _attach(self, decision: Decision, reference: bool, at_build: bool) -> Decision:
         """Prove the flat path for the choice (``foundry_attn.paths``); rows where it does not hold. A backend
         whose rows would be another backend (torch_varlen: sdpa) moves down the chain instead."""
         path, strict, interval = self._path_request
@@ -178,22 +187,22 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 fa2_reference=reference,
                 strict=strict,
                 interval=interval,
-                prove_now=isolation and self._probe_runs(decision, reference),
+                prove_now=at_build and self._can_prove_at_build(decision, reference),
             )
             if state.path == ROWS and backend_of(state.rows_name) != decision.chosen:
                 decision = decision.with_rejection(decision.chosen, state.reason, check="flat path")
                 continue
             state.listeners.append(self._path_changed)
-            note = state.proofs[-1][1].describe() if state.proofs else "off" if not isolation else "first batch"
-            return dataclasses.replace(decision, isolation=note, path=state.path, path_reason=state.reason)
+            note = state.proofs[-1][1].describe() if state.proofs else "off" if not at_build else "first batch"
+            return dataclasses.replace(decision, proof=note, path=state.path, path_reason=state.reason)
 
     def _path_changed(self, state: PathState) -> None:
         """A proof on a training batch moved the run to rows: record it in the decision and as an event."""
         self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
 
-    def _probe_runs(self, decision: Decision, reference: bool) -> bool:
-        """The probe runs where the weights are: not on meta, not real FA2 on a CPU-built model."""
+    def _can_prove_at_build(self, decision: Decision, reference: bool) -> bool:
+        """The proof at build runs where the weights are: not on meta, not real FA2 on a CPU-built model."""
         device = next(self.model.parameters()).device
         return device.type != "meta" and not (decision.chosen == FA2 and not reference and device.type != "cuda")
 
@@ -242,7 +251,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self.attn_decision = self.attn_decision.with_rejection(  # strict: raises, naming check, device and fix
             FA2, reason, check="dtype", fix="train with precision: amp_bf16 (or amp_fp16)"
         )
-        self.attn_decision = self._attach(self.attn_decision, reference=False, isolation=False)  # first batch proves
+        self.attn_decision = self._attach(self.attn_decision, reference=False, at_build=False)  # first batch proves
         log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 

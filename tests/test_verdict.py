@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn.isolation import ISOLATED, LEAKS, NOT_PACKED, Features, Isolation, measure, packed_rows, structural
 from foundry_attn.packing import PaddingCollator
+from foundry_attn.verdict import ISOLATED, LEAKS, NOT_PACKED, Features, Verdict, measure, packed_rows, structural
 from tests.conftest import make_llama
 
 
@@ -54,7 +54,7 @@ def test_structural_reading_is_labelled_and_never_shown_as_measured() -> None:
     assert reading.state == LEAKS and reading.how == "structural"
     assert "structural reading, not measured" in reading.line()
     assert structural(make_llama("sdpa"), Features(packed=False)).state == NOT_PACKED
-    assert Isolation(NOT_PACKED, reason="no row holds two documents").isolated is None
+    assert Verdict(NOT_PACKED, reason="no row holds two documents").isolated is None
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

@@ -50,7 +50,7 @@ DOCUMENTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Isolation:
+class Verdict:
     """One verdict: ``state`` (isolated / leaks / not packed / unknown), ``how`` it was reached, and why."""
 
     state: str
@@ -168,24 +168,24 @@ def _detects_packing() -> bool:
     return hasattr(masking_utils, "find_packed_sequence_indices")
 
 
-def structural(hf: Any, features: Features) -> Isolation:
+def structural(hf: Any, features: Features) -> Verdict:
     """What the model does with packed documents, read from the model and the batch's keys (not measured)."""
     if not features.packed:
-        return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
+        return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
     state = path_state(hf)
     if state is not None:
-        return Isolation(ISOLATED, STRUCTURAL, f"foundry_attn's {state.path} path, proven against stock per document")
+        return Verdict(ISOLATED, STRUCTURAL, f"foundry_attn's {state.path} path, proven against stock per document")
     uses = _mpt_uses_sequence_id(hf)
     if uses is not None:
         if uses and features.sequence_id:
-            return Isolation(ISOLATED, STRUCTURAL, "MPT masks attention by sequence_id (attn_uses_sequence_id: true)")
+            return Verdict(ISOLATED, STRUCTURAL, "MPT masks attention by sequence_id (attn_uses_sequence_id: true)")
         why = "the batch has no sequence_id" if uses else "attn_uses_sequence_id is false"
-        return Isolation(LEAKS, STRUCTURAL, f"MPT attends across documents: {why}")
+        return Verdict(LEAKS, STRUCTURAL, f"MPT attends across documents: {why}")
     impl = backend_of(config_value(getattr(hf, "config", None), "_attn_implementation", None)) or "?"
     # 5.x masks split rows only without a cache (``past_key_values`` None): ``use_cache: false``, as LLM-Foundry sets
     splits = impl == "flash_attention_2" or (_detects_packing() and not config_value(hf.config, "use_cache", True))
     if features.position_ids and not features.padding_mask and splits:
-        return Isolation(ISOLATED, STRUCTURAL, f"stock {impl} splits rows where position_ids restart")
+        return Verdict(ISOLATED, STRUCTURAL, f"stock {impl} splits rows where position_ids restart")
     given = (
         "reads only the padding mask"
         if features.padding_mask
@@ -195,7 +195,7 @@ def structural(hf: Any, features: Features) -> Isolation:
         if features.position_ids
         else "gets no document boundaries"
     )
-    return Isolation(
+    return Verdict(
         LEAKS,
         STRUCTURAL,
         f"stock {impl} in transformers {transformers.__version__} {given}: each document attends to those before it",
@@ -242,7 +242,7 @@ def measure(
     documents: int = DOCUMENTS,
     context: contextlib.AbstractContextManager | None = None,
     rows: list[tuple[int, int, tuple[int, ...]]] | None = None,
-) -> Isolation:
+) -> Verdict:
     """Run the first ``documents`` documents of the row with the most documents alone through ``hf`` (its own
     backend, eval mode, no grad, hidden from the tracers; ``context``: the run's precision) and compare their
     logits with ``logits``, the training forward's output for ``batch``. Training forwards with active dropout
@@ -250,12 +250,12 @@ def measure(
     the caller has them."""
     rows = packed_rows(batch) if rows is None else rows
     if not rows:
-        return Isolation(NOT_PACKED, reason=NO_BOUNDARIES)
+        return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
     row, start, lengths = max(rows, key=lambda r: len(r[2]))
     lengths = lengths[: max(2, documents)]
     packed = _packed_slice(logits, batch, row, start, sum(lengths))
     if packed is None:
-        return Isolation(UNKNOWN, reason=f"output logits {list(logits.shape)} do not map onto the batch's rows")
+        return Verdict(UNKNOWN, reason=f"output logits {list(logits.shape)} do not map onto the batch's rows")
     began = time.perf_counter()
     ids = batch["input_ids"][row, start : start + sum(lengths)]
     spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
@@ -266,4 +266,4 @@ def measure(
     worst, leaking = result.worst, list(result.differ)
     ms = (time.perf_counter() - began) * 1e3
     state = LEAKS if leaking else ISOLATED
-    return Isolation(state, MEASURED, "", worst, row, tuple(lengths), tuple(leaking), ms)
+    return Verdict(state, MEASURED, "", worst, row, tuple(lengths), tuple(leaking), ms)
