@@ -25,7 +25,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -75,6 +75,16 @@ class PathGuard(Protocol):
         ...
 
 
+class Placed(NamedTuple):
+    """Where a batch's real tokens went: ``src`` indexes them in the model's layout (its flat row or padded rows),
+    ``dst`` in the batch's ``[rows, width]``; both ascending."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    rows: int
+    width: int
+
+
 @dataclasses.dataclass
 class Prepared:
     """A batch laid out for the model: its ``inputs``, where its tokens went (``placed``, for :func:`repad_logits`),
@@ -82,7 +92,7 @@ class Prepared:
     :func:`run_prepared`)."""
 
     inputs: dict[str, Any]
-    placed: tuple
+    placed: Placed
     no_targets: bool
     proof: StepProof | None = None
 
@@ -139,7 +149,7 @@ def _proven(
 
 
 @torch.compiler.disable
-def finish_documents(out: Any, placed: tuple, no_targets: bool, shaped: bool = False) -> Any:
+def finish_documents(out: Any, placed: Placed, no_targets: bool, shaped: bool = False) -> Any:
     """Record where the tokens went (for :func:`repad_logits`); ``shaped``: re-pad the logits to the batch's
     ``[rows, width, vocab]`` now (the loss stays the one computed on the flat row). A microbatch without targets
     adds zero loss (HF's mean over no target is nan), still connected to every parameter the forward used."""
@@ -170,18 +180,20 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
     if state is None:
         _say_unproven(type(hf).__name__)
     elif state.path == FLAT and hf.config._attn_implementation == state.flat_name:
-        inputs, placed = flat_inputs(model, ids, _flat_positions(batch, layout), labels, layout)
+        inputs, placed = flat_inputs(model, ids, _flat_positions(ids, layout), labels, layout)
         # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
-        route = state.before_batch(model, inputs, own_positions="doc_lens" not in batch, in_step=in_step)
+        route = state.before_batch(model, inputs, own_positions=not layout.marked, in_step=in_step)
         if route:
             return Prepared(inputs, placed, no_targets, None if route is True else route)
     elif state.path == ROWS:  # proven as flat is: its first batch, changes, longer batches, the interval
 
         def flat() -> dict[str, Any]:
-            return flat_inputs(model, ids, _flat_positions(batch, layout), None, layout)[0]
+            return flat_inputs(model, ids, _flat_positions(ids, layout), None, layout)[0]
 
-        state.before_rows_batch(model, layout.real_tokens, layout.max_length, flat, "doc_lens" not in batch)
-    inputs, placed = one_per_row(model, ids, _user_positions(batch), labels, layout)
+        state.before_rows_batch(model, layout.real_tokens, layout.max_length, flat, not layout.marked)
+    # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
+    # included); only a user's explicit position_ids with their own mask are passed on
+    inputs, placed = one_per_row(model, ids, None if layout.marked else layout.positions, labels, layout)
     return Prepared(inputs, placed, no_targets)
 
 
@@ -195,21 +207,13 @@ def _say_unproven(class_name: str) -> None:
     )
 
 
-def _flat_positions(batch: Mapping, layout: Layout) -> torch.Tensor:
-    """Ours restart per document; a user's mask keeps HF's default (index in the row)."""
-    positions = batch.get("position_ids")
-    if positions is not None:
-        return positions
-    ids = batch["input_ids"]
-    if batch.get("doc_lens") is not None:
+def _flat_positions(ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The batch's own; else ours restart per document; a user's mask keeps HF's default (index in the row)."""
+    if layout.positions is not None:
+        return layout.positions
+    if layout.marked:
         return layout.position_ids(ids.device)
     return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-
-
-def _user_positions(batch: Mapping) -> torch.Tensor | None:
-    """Rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style
-    offsets included); only a user's explicit ``position_ids`` with their own mask are passed on."""
-    return None if batch.get("doc_lens") is not None else batch.get("position_ids")
 
 
 def _has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
@@ -230,7 +234,7 @@ def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[i
 
 def flat_inputs(
     model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
-) -> tuple[dict[str, Any], tuple]:
+) -> tuple[dict[str, Any], Placed]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
     (:mod:`foundry_attn.proof`) runs these very inputs: the layout that trains."""
     flat = layout.real_indices(ids.device)
@@ -258,7 +262,7 @@ def flat_inputs(
         else torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
     )
     inputs[DOCS_KEY] = docs
-    return inputs, (torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
+    return inputs, Placed(torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
 
 
 @functools.lru_cache(maxsize=64)
@@ -269,7 +273,7 @@ def _base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
 
 def one_per_row(
     model: Any, ids: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor | None, layout: Layout
-) -> tuple[dict[str, Any], tuple]:
+) -> tuple[dict[str, Any], Placed]:
     """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
     flat = layout.real_indices(ids.device)
     lengths = layout.lengths
@@ -292,7 +296,7 @@ def one_per_row(
     if positions is not None:
         inputs["position_ids"] = scatter(positions, 0)
     inputs["labels"] = row_labels
-    return inputs, (dst, flat, layout.rows, layout.width)
+    return inputs, Placed(dst, flat, layout.rows, layout.width)
 
 
 def pad_id(model: Any) -> int:

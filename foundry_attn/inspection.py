@@ -34,6 +34,7 @@ from torch import nn
 from foundry_attn.backends import backend_of
 from foundry_attn.comparison import proving
 from foundry_attn.documents import is_placeholder
+from foundry_attn.layout import Layout
 from foundry_attn.unwrap import find_inside
 
 __all__ = [
@@ -312,15 +313,15 @@ class BatchInfo:
 
     @classmethod
     def from_batch(cls, batch: Any) -> BatchInfo:
+        """Read by :class:`foundry_attn.layout.Layout` (``doc_lens``, else a 2-D mask, else every position); a mask
+        whose rows have gaps (the forward refuses it) is counted as it is."""
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
             return cls()
-        ids = batch["input_ids"]
-        real = None
-        if batch.get("total_tokens") is not None:
-            real = int(sum(batch["total_tokens"]))
-        elif isinstance(batch.get("attention_mask"), torch.Tensor) and batch["attention_mask"].dim() == 2:
+        try:
+            real = Layout.from_batch(batch).real_tokens
+        except ValueError:
             real = int(batch["attention_mask"].bool().sum())
-        return cls(tuple(ids.shape), real if real is not None else ids.numel())
+        return cls(tuple(batch["input_ids"].shape), real)
 
     @property
     def positions(self) -> int | None:

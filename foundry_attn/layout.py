@@ -1,10 +1,16 @@
-"""Where the documents of a batch are: built once per (micro)batch on the host, no device sync.
+"""Where the documents of a batch are: the one reader of a batch, on the host, no device sync.
+
+    layout = Layout.from_batch(batch)    # what the forward lays out: doc_lens, else a 2-D mask's real tokens
+    layout.bounds(), layout.real_tokens, layout.fill_ratio, layout.positions
+    packed_rows(batch)                   # rows the batch marks as holding 2+ documents (what the verdict judges)
 
 A batch from ``foundry_attn.packing`` carries ``doc_lens`` (per row, its documents' lengths, real
 tokens first and padding after); a user's 2-D ``attention_mask`` may pad on either side
 (``starts``). From that alone this module derives what the forward needs: the document ``bounds`` in the flat
 row (:class:`foundry_attn.documents.Documents` carries them to attention), ``max_length``, the flat indices of
-real tokens for unpad-once, and position ids that restart per document.
+real tokens for unpad-once, and position ids that restart per document. :func:`packed_rows` reads the documents a
+batch marks by other means too (LLM-Foundry's ``sequence_id``, restarting ``position_ids``), which stock models do
+not honour: the inspector's verdict judges those, the forward does not lay them out (it trains as stock does).
 Core module: torch only.
 """
 
@@ -14,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +32,9 @@ class Layout:
     doc_lens: tuple[tuple[int, ...], ...]
     width: int
     starts: tuple[int, ...] = ()  # per row, where its first real token sits (left padding); empty: all 0
+    # what else the forward reads of the batch (not part of the layout's identity)
+    marked: bool = dataclasses.field(default=False, compare=False)  # ``doc_lens``: positions restart per document
+    positions: torch.Tensor | None = dataclasses.field(default=None, compare=False)  # its own ``position_ids``
 
     @classmethod
     def from_batch(cls, batch: Mapping) -> Layout:
@@ -35,11 +45,12 @@ class Layout:
         """
         ids = batch["input_ids"]
         rows, width = ids.shape
+        positions = batch.get("position_ids")
         if batch.get("doc_lens") is not None:
-            return cls(tuple(tuple(int(n) for n in row) for row in batch["doc_lens"]), width)
+            return cls(tuple(tuple(int(n) for n in row) for row in batch["doc_lens"]), width, (), True, positions)
         mask = batch.get("attention_mask")
         if mask is None or mask.dim() != 2:
-            return cls(((width,),) * rows, width)
+            return cls(((width,),) * rows, width, positions=positions)
         real = mask.bool()
         pos = torch.arange(width, device=mask.device)
         first: list[int] = torch.where(real, pos, width).amin(-1).tolist()
@@ -55,6 +66,7 @@ class Layout:
             tuple((n,) if n else () for n in count),
             width,
             tuple(f if n else 0 for f, n in zip(first, count, strict=True)),
+            positions=positions,
         )
 
     @property
@@ -100,3 +112,47 @@ class Layout:
             sizes = [self.start(r), *row, self.width - self.start(r) - sum(row)]
             out[r] = torch.cat([torch.arange(n) for n in sizes])
         return out.to(device, non_blocking=True)
+
+
+def _runs(values: list[int]) -> list[int]:
+    return [len(list(group)) for _, group in itertools.groupby(values)]
+
+
+class DocumentRow(NamedTuple):
+    """A row of a batch that holds two documents or more: where its first real token sits, and their lengths."""
+
+    row: int
+    start: int
+    lengths: tuple[int, ...]
+
+
+def packed_rows(batch: Mapping) -> list[DocumentRow]:
+    """Every row the batch marks as holding two documents or more (one host sync).
+
+    Read from ``doc_lens`` (foundry_attn's collator), else ``sequence_id`` (LLM-Foundry's packing: -1 on padding),
+    else ``position_ids`` that restart inside a row (on real tokens when a 2-D ``attention_mask`` is given).
+    """
+    if batch.get("doc_lens") is not None:
+        rows = [DocumentRow(r, 0, tuple(int(n) for n in lens)) for r, lens in enumerate(batch["doc_lens"])]
+        return [row for row in rows if len(row[2]) > 1]
+    out: list[DocumentRow] = []
+    seq = batch.get("sequence_id")
+    if isinstance(seq, torch.Tensor) and seq.dim() == 2:
+        for r, ids in enumerate(seq.tolist()):
+            real = [i for i, v in enumerate(ids) if v >= 0]
+            if real:
+                out.append(DocumentRow(r, real[0], tuple(_runs([ids[i] for i in real]))))
+        return [row for row in out if len(row[2]) > 1]
+    pos = batch.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2:
+        return []
+    mask = batch.get("attention_mask")
+    real_mask = mask.bool().tolist() if isinstance(mask, torch.Tensor) and mask.shape == pos.shape else None
+    for r, p in enumerate(pos.tolist()):
+        real = [i for i in range(len(p)) if real_mask is None or real_mask[r][i]]
+        if not real:
+            continue
+        starts = [k for k in range(len(real)) if k == 0 or p[real[k]] <= p[real[k - 1]]]
+        lengths = tuple(b - a for a, b in itertools.pairwise([*starts, len(real)]))
+        out.append(DocumentRow(r, real[0], lengths))
+    return [row for row in out if len(row[2]) > 1]

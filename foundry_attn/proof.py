@@ -46,7 +46,6 @@ from foundry_attn.comparison import (
     hidden,
     limits_for,
     limits_note,
-    next_token_loss,
     run,
     training_noise,
 )
@@ -432,7 +431,8 @@ def _rows_run(
     index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
     lengths = tuple(e - s for s, e in spans)
     positions = inputs["position_ids"][:, index] if own_positions and "position_ids" in inputs else None
-    rows, (dst, *_) = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)))
+    rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)))
+    dst = where.src  # each document's tokens in the padded rows
     rows = {k: v for k, v in rows.items() if v is not None}
     try:
         with _implementation(hf, rows_name), kernel_context(rows_name, ids.device, reference):
@@ -444,10 +444,8 @@ def _rows_run(
     placed = logits.new_zeros(ids.shape[1], logits.shape[-1]).index_copy_(0, index, logits.detach())
     if not (grads and captured and captured[0].requires_grad):
         return Run(placed), ""
-    bounds = [0, *itertools.accumulate(lengths)]
-    mine = ids[0, index]
-    loss = torch.stack([next_token_loss(logits[a:b], mine[a:b]) for a, b in itertools.pairwise(bounds)]).sum()
-    (grad,) = torch.autograd.grad(loss, captured[0])
+    spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
+    (grad,) = torch.autograd.grad(documents_loss(logits, ids[0, index], spans), captured[0])
     grad = grad.reshape(-1, grad.shape[-1])[dst]
     return Run(placed, grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)), ""
 

@@ -1,6 +1,6 @@
 """Do the packed documents of a batch see each other? Measured on the real model, else read from its structure.
 
-    rows = packed_rows(batch)                        # (row, start, document lengths) of rows with 2+ documents
+    rows = packed_rows(batch)                        # (row, start, lengths) of rows marked with 2+ documents
     verdict = measure(hf_model, batch, logits)       # the first documents of one row alone vs the packed slice
     verdict = structural(hf_model, Features.of(batch))      # where a second forward is not possible
     verdict.line()  # 'documents isolated (measured: ...)' | 'documents LEAK (...)' | 'not packed (...)'
@@ -39,6 +39,7 @@ from foundry_attn.comparison import (
 )
 from foundry_attn.forward import path_state
 from foundry_attn.inspection import mpt_attn_impl
+from foundry_attn.layout import DocumentRow, Layout, packed_rows
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
 MEASURED, STRUCTURAL = "measured", "structural"
@@ -89,45 +90,6 @@ class Verdict:
         return out
 
 
-# ---- where the documents of a batch are ----------------------------------------------------------------------
-
-
-def _runs(values: list[int]) -> list[int]:
-    return [len(list(group)) for _, group in itertools.groupby(values)]
-
-
-def packed_rows(batch: Mapping) -> list[tuple[int, int, tuple[int, ...]]]:
-    """``(row, start, document lengths)`` of every row holding two documents or more (one host sync).
-
-    Read from ``doc_lens`` (foundry_attn's collator), else ``sequence_id`` (LLM-Foundry's packing: -1 on padding),
-    else ``position_ids`` that restart inside a row (on real tokens when a 2-D ``attention_mask`` is given).
-    """
-    if batch.get("doc_lens") is not None:
-        rows = [(r, 0, tuple(int(n) for n in lens)) for r, lens in enumerate(batch["doc_lens"])]
-        return [row for row in rows if len(row[2]) > 1]
-    out = []
-    seq = batch.get("sequence_id")
-    if isinstance(seq, torch.Tensor) and seq.dim() == 2:
-        for r, ids in enumerate(seq.tolist()):
-            real = [i for i, v in enumerate(ids) if v >= 0]
-            if real:
-                out.append((r, real[0], tuple(_runs([ids[i] for i in real]))))
-        return [row for row in out if len(row[2]) > 1]
-    pos = batch.get("position_ids")
-    if not isinstance(pos, torch.Tensor) or pos.dim() != 2:
-        return []
-    mask = batch.get("attention_mask")
-    real_mask = mask.bool().tolist() if isinstance(mask, torch.Tensor) and mask.shape == pos.shape else None
-    for r, p in enumerate(pos.tolist()):
-        real = [i for i in range(len(p)) if real_mask is None or real_mask[r][i]]
-        if not real:
-            continue
-        starts = [k for k in range(len(real)) if k == 0 or p[real[k]] <= p[real[k - 1]]]
-        lengths = tuple(b - a for a, b in itertools.pairwise([*starts, len(real)]))
-        out.append((r, real[0], lengths))
-    return [row for row in out if len(row[2]) > 1]
-
-
 @dataclasses.dataclass(frozen=True)
 class Features:
     """What a batch tells the model about its documents, for the structural reading."""
@@ -138,8 +100,8 @@ class Features:
     padding_mask: bool = False  # a 2-D attention_mask with zeros
 
     @classmethod
-    def of(cls, batch: Mapping, rows: list[tuple[int, int, tuple[int, ...]]] | None = None) -> Features:
-        """``rows``: :func:`packed_rows` of ``batch`` when the caller has them (it costs a host sync)."""
+    def of(cls, batch: Mapping, rows: list[DocumentRow] | None = None) -> Features:
+        """``rows``: :func:`foundry_attn.layout.packed_rows` of ``batch`` when the caller has them (a host sync)."""
         mask = batch.get("attention_mask")
         return cls(
             packed=bool(packed_rows(batch) if rows is None else rows),
@@ -228,9 +190,12 @@ def _packed_slice(logits: torch.Tensor, batch: Mapping, row: int, start: int, n:
         return None
     if tuple(logits.shape[:2]) == tuple(ids.shape[:2]):
         return logits[row, start : start + n]
-    totals = batch.get("total_tokens")
-    if logits.shape[0] == 1 and totals is not None and logits.shape[1] == sum(totals):
-        offset = sum(int(t) for t in totals[:row]) + start
+    try:
+        layout = Layout.from_batch(batch)
+    except ValueError:
+        return None
+    if logits.shape[0] == 1 and logits.shape[1] == layout.real_tokens:
+        offset = sum(sum(lengths) for lengths in layout.doc_lens[:row]) + start - layout.start(row)
         return logits[0, offset : offset + n]
     return None
 
@@ -241,17 +206,17 @@ def measure(
     logits: torch.Tensor,
     documents: int = DOCUMENTS,
     context: contextlib.AbstractContextManager | None = None,
-    rows: list[tuple[int, int, tuple[int, ...]]] | None = None,
+    rows: list[DocumentRow] | None = None,
 ) -> Verdict:
     """Run the first ``documents`` documents of the row with the most documents alone through ``hf`` (its own
     backend, eval mode, no grad, hidden from the tracers; ``context``: the run's precision) and compare their
     logits with ``logits``, the training forward's output for ``batch``. Training forwards with active dropout
-    cannot be compared: the caller reads the structure instead. ``rows``: :func:`packed_rows` of ``batch``, when
-    the caller has them."""
+    cannot be compared: the caller reads the structure instead. ``rows``: :func:`foundry_attn.layout.packed_rows`
+    of ``batch``, when the caller has them."""
     rows = packed_rows(batch) if rows is None else rows
     if not rows:
         return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
-    row, start, lengths = max(rows, key=lambda r: len(r[2]))
+    row, start, lengths = max(rows, key=lambda r: len(r.lengths))
     lengths = lengths[: max(2, documents)]
     packed = _packed_slice(logits, batch, row, start, sum(lengths))
     if packed is None:

@@ -89,7 +89,7 @@ def _logits(model, batch: dict) -> torch.Tensor:
 def _packed(batch: dict) -> list[tuple[int, int, list[int]]]:
     """(row, start, lengths) of the rows that hold two documents or more, read from the collator's own ``doc_lens``
     (ours: documents from the start of each row; LLM-Foundry's text collation gives no boundaries), not with the
-    code under test (``isolation.packed_rows``)."""
+    code under test (``layout.packed_rows``)."""
     return [(r, 0, list(lengths)) for r, lengths in enumerate(batch.get("doc_lens") or []) if len(lengths) >= 2]
 
 

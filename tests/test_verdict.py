@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foundry_attn.layout import packed_rows
 from foundry_attn.packing import PaddingCollator
-from foundry_attn.verdict import ISOLATED, LEAKS, NOT_PACKED, Features, Verdict, measure, packed_rows, structural
+from foundry_attn.verdict import ISOLATED, LEAKS, NOT_PACKED, Features, Verdict, measure, structural
 from tests.conftest import make_llama
 
 

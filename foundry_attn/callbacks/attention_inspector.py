@@ -34,6 +34,7 @@ from foundry_attn.inspection import (
     find_hf_model,
     format_table,
 )
+from foundry_attn.layout import packed_rows
 from foundry_attn.packing import PaddingCollator
 from foundry_attn.unwrap import compiled
 from foundry_attn.verdict import (
@@ -46,7 +47,6 @@ from foundry_attn.verdict import (
     active_dropout,
     fix_for,
     measure,
-    packed_rows,
     structural,
 )
 
@@ -173,8 +173,8 @@ class AttentionInspector(ReleasingCallback):
             (``cache_position``; a sliding window alone does not count). A ``BlockMask`` is not read.
           - Every sampled batch.
         * - ``attn/fill_ratio``
-          - Real tokens / positions of the collated batch (real tokens: ``total_tokens`` of our collator, else
-            the 2-D ``attention_mask``, else every position).
+          - Real tokens / positions of the collated batch (real tokens, as the forward reads them:
+            ``doc_lens`` of our collator, else the 2-D ``attention_mask``, else every position).
           - Sampled batches whose size is known (``input_ids`` in the batch, or a tensor input of the model).
         * - ``attn/real_tokens``
           - Real (non-padding) tokens of the collated batch, counted as for ``attn/fill_ratio``.
