@@ -243,7 +243,7 @@ def test_one_rank_falls_back_and_the_fleet_view_names_it(assets: Path, tmp_path:
 
 
 def test_rank_overrides_take_known_keys_only() -> None:
-    from foundry_attn.foundry.model import rank_override
+    from foundry_attn.foundry.keys import rank_override
 
     assert rank_override({1: {"attn_strict": True}}, 1) == {"attn_strict": True}
     assert rank_override({"1": {"attn_strict": True}}, 1) == {"attn_strict": True}

@@ -45,13 +45,13 @@ from transformers import AutoConfig
 
 from foundry_attn.backends import backend_of
 from foundry_attn.capability import probe
-from foundry_attn.deprecation import renamed_key
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.forward import ROWS, Prepared, finish_documents, has_layout, prepare_documents, run_prepared
+from foundry_attn.foundry.keys import RENAMED, AttnKeys
 from foundry_attn.loading import decide, load_name, model_class_for
 from foundry_attn.paths import AUTO as AUTO_PATH
-from foundry_attn.paths import PROOF_INTERVAL, PathState, attach, check_path
+from foundry_attn.paths import PROOF_INTERVAL, PathState, attach
 from foundry_attn.policy import (
     AUTO,
     DEFAULT_FALLBACK,
@@ -59,26 +59,10 @@ from foundry_attn.policy import (
     AttentionUnavailableError,
     Decision,
     summarize,
-    validate_names,
 )
 from foundry_attn.unwrap import compiled
 
 log = logging.getLogger(__name__)
-
-
-RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")
-
-
-def rank_override(overrides: dict | None, rank: int) -> dict:
-    """This rank's entry of ``attn_rank_overrides`` (keys: rank numbers), checked against what it may set."""
-    entry = (overrides or {}).get(rank, (overrides or {}).get(str(rank))) or {}
-    unknown = sorted(set(entry) - set(RANK_OVERRIDABLE))
-    if unknown:
-        raise ValueError(
-            f"attn_rank_overrides[{rank}]: unknown key(s) {', '.join(unknown)}; valid keys: "
-            f"{', '.join(RANK_OVERRIDABLE)}"
-        )
-    return dict(entry)
 
 
 class FoundryAttnCausalLM(ComposerHFCausalLM):
@@ -101,26 +85,23 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         use_flash_attention_2: bool = False,
         **kwargs: Any,
     ) -> None:
-        attn_prove_at_build = renamed_key(
-            "foundry_attn_causal_lm",
-            "attn_isolation_check",
-            "attn_prove_at_build",
-            kwargs.pop("attn_isolation_check", None),
-            attn_prove_at_build,
-            True,
-        )
         rank = dist.get_global_rank()
-        override = rank_override(attn_rank_overrides, rank)
-        attn_implementation = override.get("attn_implementation", attn_implementation)
-        attn_fallback = override.get("attn_fallback", attn_fallback)
-        attn_strict = override.get("attn_strict", attn_strict)
-        attn_compute_dtype = override.get("attn_compute_dtype", attn_compute_dtype)
-        requested = attn_implementation or AUTO
-        if use_flash_attention_2 and requested == AUTO:
-            requested = FA2
-        requested, fallback = validate_names(requested, list(attn_fallback))
-        check_path(attn_path)
-        self._path_request = (attn_path, attn_strict, int(attn_proof_interval))
+        renamed = {old: kwargs.pop(old) for old in RENAMED if old in kwargs}
+        keys = AttnKeys.parse(
+            rank,
+            attn_implementation,
+            attn_fallback,
+            attn_strict,
+            attn_compute_dtype,
+            attn_path,
+            attn_proof_interval,
+            attn_prove_at_build,
+            fa2_reference_kernel,
+            attn_rank_overrides,
+            use_flash_attention_2,
+            renamed,
+        )
+        self.attn_keys = keys
         cap = probe()
         launch = [uuid.uuid4().hex[:12]]  # one id for every rank of this launch: rank 0's
         dist.broadcast_object_list(launch, src=0)
@@ -135,24 +116,24 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         try:
             decision = decide(
                 pretrained_model_name_or_path,
-                requested,
-                fallback,
-                attn_strict,
-                attn_compute_dtype,
+                keys.requested,
+                keys.fallback,
+                keys.strict,
+                keys.compute_dtype,
                 cap,
-                fa2_reference=fa2_reference_kernel,
+                fa2_reference=keys.fa2_reference,
                 config=config,
             )
-            self._build(tokenizer, pretrained_model_name_or_path, config, decision, fa2_reference_kernel, kwargs)
-            decision = self._attach(decision, fa2_reference_kernel, attn_prove_at_build)
+            self._build(tokenizer, pretrained_model_name_or_path, config, decision, keys.fa2_reference, kwargs)
+            decision = self._attach(decision, keys.fa2_reference, keys.prove_at_build)
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
             self.attn_events.append(
                 "attn_impl",
-                requested=requested,
+                requested=keys.requested,
                 chosen=None,
                 fallback=True,
                 failed=True,
-                strict=attn_strict,
+                strict=keys.strict,
                 reason=str(exc),
             )
             if not self.attn_events.bound:  # no run will start: write it where the run's folder would be
@@ -160,7 +141,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             raise
         self.attn_decision = decision
         self.attn_capability = cap
-        self._fa2_reference = fa2_reference_kernel and decision.chosen == FA2
+        self._fa2_reference = keys.fa2_reference and decision.chosen == FA2
         self._dtype_checked = False
         self._record(decision, cap, rank)
 
@@ -178,15 +159,15 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
     def _attach(self, decision: Decision, reference: bool, at_build: bool) -> Decision:
         """Prove the flat path for the choice (``foundry_attn.paths``); rows where it does not hold. A backend
         whose rows would be another backend (torch_varlen: sdpa) moves down the chain instead."""
-        path, strict, interval = self._path_request
+        keys = self.attn_keys
         while True:
             state = attach(
                 self.model,
                 decision.chosen,
-                path,
+                keys.path,
                 fa2_reference=reference,
-                strict=strict,
-                interval=interval,
+                strict=keys.strict,
+                interval=keys.proof_interval,
                 prove_now=at_build and self._can_prove_at_build(decision, reference),
             )
             if state.path == ROWS and backend_of(state.rows_name) != decision.chosen:
