@@ -7,14 +7,14 @@ shape, what it hides beyond causality, read with the model's own alignment (``ha
 documents or other keys; ``window``: the model's sliding window; ``mask_hides``: both in words, see
 :func:`_describe_mask`), real tokens, fill ratio (real / positions), whether ``position_ids`` restart inside a
 row (packed), and the attention implementation that runs (:func:`attn_implementation`: HF's
-``_attn_implementation``, MPT's ``attn_impl``, ...). :func:`format_table` prints those records as a compact
-console table::
+``_attn_implementation``, MPT's ``attn_impl``, ...). :func:`foundry_attn.console_table.format_table` prints
+those records as a compact console table::
 
     with ModelInspector(hf_model).capture(BatchInfo.from_batch(batch)) as records:
         hf_model(input_ids=ids, attention_mask=mask)
     print(format_table(records))
 
-Imports torch and the core (transformers only when it looks for a ``PreTrainedModel``: :func:`find_hf_model`); the
+Imports torch and the core (:mod:`foundry_attn.discovery` finds the modules); the
 Composer callback built on it is :class:`foundry_attn.callbacks.attention_inspector.AttentionInspector`.
 """
 
@@ -24,18 +24,16 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from foundry_attn.backends import backend_of
 from foundry_attn.comparison import proving
+from foundry_attn.discovery import ModuleMap, attn_implementation, discover_modules
 from foundry_attn.documents import is_placeholder
 from foundry_attn.layout import Layout
-from foundry_attn.unwrap import find_inside
 
 __all__ = [
     "ATTENTION",
@@ -43,123 +41,9 @@ __all__ = [
     "MODEL",
     "BatchInfo",
     "ModelInspector",
-    "ModuleMap",
-    "attn_implementation",
-    "clean_name",
-    "discover_modules",
-    "find_hf_model",
-    "format_table",
-    "mpt_attn_impl",
 ]
 
-_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
 MODEL, LAYER, ATTENTION = "model", "layer", "attention"
-_ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
-
-
-# ---- finding the Hugging Face model inside wrappers ---------------------------------------------------------
-
-
-def clean_name(name: str) -> str:
-    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(module, PreTrainedModel)
-
-
-def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers), with its
-    name less the wrapper segments."""
-    found = find_inside(model, _is_hf_model)
-    return None if found is None else (clean_name(found[0]), found[1])
-
-
-def mpt_attn_impl(module: nn.Module | None) -> str | None:
-    """LLM-Foundry MPT's ``attn_config['attn_impl']`` (``torch``, ``flash``, ``flex``) of ``module``, or None.
-
-    MPT's config is a ``PretrainedConfig`` whose ``_attn_implementation`` stays ``eager`` whatever runs: its
-    attention is chosen by ``attn_config``, which is read first.
-    """
-    attn_config = getattr(getattr(module, "config", None), "attn_config", None)
-    impl = attn_config.get("attn_impl") if isinstance(attn_config, Mapping) else None
-    return impl if isinstance(impl, str) else None
-
-
-def attn_implementation(module: nn.Module | None) -> str | None:
-    """The attention implementation that really runs in ``module``; None without a module.
-
-    MPT's ``attn_impl`` (:func:`mpt_attn_impl`), else the config's ``_attn_implementation`` (``sdpa`` for our
-    registered ``foundry_sdpa``), else ``unknown (class X)``.
-    """
-    if module is None:
-        return None
-    mpt = mpt_attn_impl(module)
-    if mpt is not None:
-        return mpt
-    impl = backend_of(getattr(getattr(module, "config", None), "_attn_implementation", None))
-    return impl if impl else f"unknown (class {type(module).__name__})"
-
-
-# ---- model discovery ----------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ModuleMap:
-    """The modules inspected: decoder layers and attention modules (name, module), in model order."""
-
-    layers: list[tuple[str, nn.Module]]
-    attention: list[tuple[str, nn.Module]]
-    attention_like: dict[str, int]  # class name -> count, found by the heuristic
-    selector: str | None = None
-    selector_matched: bool = True
-
-
-def discover_modules(model: nn.Module, attention_selector: str | None = None) -> ModuleMap:
-    """Decoder layers (the largest ``ModuleList`` of blocks holding attention) and attention modules.
-
-    Attention modules are, by default, the outermost modules whose class name says attention
-    (``LlamaAttention``, ``Qwen2Attention``, ``GPTNeoXAttention``, ...); ``attention_selector`` (a regex
-    searched in the module path and the class name) replaces that rule.
-    """
-    named = [(clean_name(n), m) for n, m in model.named_modules() if m is not model]
-    heuristic: list[tuple[str, nn.Module]] = []
-    for name, module in named:
-        if _ATTENTION_LIKE.search(type(module).__name__) and not any(
-            name.startswith(parent + ".") for parent, _ in heuristic
-        ):
-            heuristic.append((name, module))
-    like: dict[str, int] = {}
-    for _, module in heuristic:
-        like[type(module).__name__] = like.get(type(module).__name__, 0) + 1
-    attention = heuristic
-    matched = True
-    if attention_selector:
-        pattern = re.compile(attention_selector)
-        attention = [(n, m) for n, m in named if pattern.search(n) or pattern.search(type(m).__name__)]
-        matched = bool(attention)
-    attn_ids = {id(m) for _, m in heuristic}
-    layers: list[tuple[str, nn.Module]] = []
-    for name, module in named:
-        if isinstance(module, nn.ModuleList) and len(module) > len(layers):
-            children = [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(module)]
-            if all(any(id(sub) in attn_ids for sub in child.modules()) for _, child in children):
-                layers = children
-    if not layers:  # no stack of blocks: the parents of the attention modules
-        by_name = dict(named)
-        for name, _ in heuristic:
-            parent = name.rpartition(".")[0]
-            if parent in by_name and all(parent != n for n, _ in layers):
-                layers.append((parent, by_name[parent]))
-    return ModuleMap(layers, attention, like, attention_selector, matched)
-
-
 # ---- what one module was given ------------------------------------------------------------------------------
 
 
@@ -459,72 +343,3 @@ class ModelInspector:
             }
         )
         return rec
-
-
-# ---- the console table --------------------------------------------------------------------------------------
-
-
-_COLUMNS = ("level", "modules", "mask", "dtype", "shape", "hides", "real", "fill", "packed", "impl")
-
-
-def _row(group: list[dict[str, Any]]) -> tuple[str, ...]:
-    r = group[0]
-    level = (
-        r["level"]
-        if r["level"] == MODEL
-        else f"{r['level']} {group[0]['index']}" + (f"-{group[-1]['index']}" if len(group) > 1 else "")
-    )
-    if "error" in r:
-        return (level, r["cls"], "error", r["error"], "", "", "", "", "", "")
-    yes_no = {True: "yes", False: "no", None: "-"}
-    return (
-        level,
-        r["cls"] + (f" x{len(group)}" if len(group) > 1 else ""),
-        r["mask"],
-        r["mask_dtype"] or "-",
-        "x".join(map(str, r["mask_shape"])) if r["mask_shape"] else "-",
-        r.get("mask_hides") or yes_no[r.get("has_zeros")],
-        "-" if r["real_tokens"] is None else f"{r['real_tokens']}/{r['positions']}",
-        "-" if r["fill_ratio"] is None else f"{r['fill_ratio']:.3f}",
-        yes_no[r["packed_positions"]],
-        r["attn_implementation"] or "-",
-    )
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    keys = (
-        "level",
-        "cls",
-        "mask",
-        "mask_dtype",
-        "mask_shape",
-        "has_zeros",
-        "window",
-        "mask_hides",
-        "real_tokens",
-        "positions",
-        "packed_positions",
-        "attn_implementation",
-        "error",
-    )
-    return all(a.get(k) == b.get(k) for k in keys)
-
-
-def format_table(records: list[dict[str, Any]], title: str = "attention_inspector") -> str:
-    """A compact text table; consecutive identical layers / attention modules share one row."""
-    order = {MODEL: 0, LAYER: 1, ATTENTION: 2}
-    groups: list[list[dict[str, Any]]] = []
-    for rec in sorted(records, key=lambda r: (order.get(r["level"], 3), r["index"])):
-        if groups and _same(groups[-1][-1], rec) and rec["level"] != MODEL:
-            groups[-1].append(rec)
-        else:
-            groups.append([rec])
-    rows = [_COLUMNS, *(_row(g) for g in groups)]
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(_COLUMNS))]
-    lines = [title] + ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.append(
-        "hides: what the mask hides beyond causality (padding, documents, other keys; window N: the model's "
-        "sliding window, on purpose); real: real tokens/positions at that level; packed: position_ids restart "
-        "inside a row"
-    )
-    return "\n".join(lines)

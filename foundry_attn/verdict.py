@@ -37,8 +37,8 @@ from foundry_attn.comparison import (
     run,
     training_noise,
 )
+from foundry_attn.discovery import mpt_attn_impl
 from foundry_attn.forward import path_state
-from foundry_attn.inspection import mpt_attn_impl
 from foundry_attn.layout import DocumentRow, Layout, packed_rows
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"

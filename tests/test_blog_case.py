@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from foundry_attn.console_table import format_table
 from foundry_attn.fa2_reference import reference_flash_attn
 from foundry_attn.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN, FlashCallTracer
 from foundry_attn.forward import forward_documents, repad_logits
-from foundry_attn.inspection import BatchInfo, ModelInspector, format_table
+from foundry_attn.inspection import BatchInfo, ModelInspector
 from foundry_attn.packing import PaddingCollator
 from foundry_attn.paths import attach
 

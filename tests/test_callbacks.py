@@ -66,7 +66,8 @@ def test_block_mask_attention_modules_are_counted() -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
     from foundry_attn.callbacks.attention_inspector import summarize
-    from foundry_attn.inspection import ModelInspector, format_table
+    from foundry_attn.console_table import format_table
+    from foundry_attn.inspection import ModelInspector
 
     class ToyAttention(torch.nn.Module):
         def forward(self, hidden_states: torch.Tensor, attention_mask: object = None) -> torch.Tensor:

@@ -32,7 +32,8 @@ class _DDPLike(torch.nn.Module):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt_neox"])
 def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
-    from foundry_attn.inspection import ModelInspector, discover_modules, find_hf_model
+    from foundry_attn.discovery import discover_modules, find_hf_model
+    from foundry_attn.inspection import ModelInspector
 
     model = _tiny(arch)
     name, hf = find_hf_model(_DDPLike(model))
@@ -209,7 +210,7 @@ def test_describe_mask_reads_windows_documents_and_other_holes() -> None:
 
 
 def test_attn_implementation_names_what_runs(llama) -> None:
-    from foundry_attn.inspection import attn_implementation, mpt_attn_impl
+    from foundry_attn.discovery import attn_implementation, mpt_attn_impl
 
     assert attn_implementation(llama("sdpa")) == "sdpa" and attn_implementation(None) is None
     assert attn_implementation(torch.nn.Linear(2, 2)) == "unknown (class Linear)"

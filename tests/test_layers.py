@@ -42,6 +42,8 @@ CORE = [
     "shapes",
     "cli",
     "inspection",
+    "discovery",
+    "console_table",
     "bench.timing",
     "bench.padding",
     "bench.proof",
@@ -64,7 +66,7 @@ def test_core_imports_without_composer_or_llmfoundry() -> None:
 def test_policy_and_the_probe_import_without_transformers() -> None:
     """policy.py says it is transformers-free (it reads the backend table, which holds no kernel code), and the
     probe in inspection.py imports transformers only when it looks for a model."""
-    modules = ("policy", "backends", "inspection", "documents", "block_masks", "unwrap")
+    modules = ("policy", "backends", "inspection", "discovery", "documents", "block_masks", "unwrap")
     code = "import sys\nsys.modules['transformers'] = None\n" + "".join(f"import foundry_attn.{m}\n" for m in modules)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

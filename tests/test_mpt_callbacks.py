@@ -137,7 +137,7 @@ def test_mpt_torch_is_named_torch_by_every_callback(tmp_path: Path, caplog) -> N
     from foundry_attn.callbacks.attention_inspector import AttentionInspector
     from foundry_attn.callbacks.attn_decision import AttnDecisionLogger
     from foundry_attn.callbacks.upad_tracer import UpadTracer
-    from foundry_attn.inspection import attn_implementation
+    from foundry_attn.discovery import attn_implementation
 
     model = _mpt("torch")
     assert model.model.config._attn_implementation == "eager"  # what the HF config says, and does not run

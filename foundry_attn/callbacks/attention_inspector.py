@@ -23,17 +23,11 @@ from foundry_attn.callbacks.common import (
     open_event_log,
     say_once,
 )
+from foundry_attn.console_table import format_table
 from foundry_attn.deprecation import renamed_key
+from foundry_attn.discovery import attn_implementation, find_hf_model
 from foundry_attn.events import EventLog
-from foundry_attn.inspection import (
-    ATTENTION,
-    MODEL,
-    BatchInfo,
-    ModelInspector,
-    attn_implementation,
-    find_hf_model,
-    format_table,
-)
+from foundry_attn.inspection import ATTENTION, MODEL, BatchInfo, ModelInspector
 from foundry_attn.layout import packed_rows
 from foundry_attn.packing import PaddingCollator
 from foundry_attn.unwrap import compiled
@@ -197,7 +191,7 @@ class AttentionInspector(ReleasingCallback):
           - Sampled batches where it was measured.
 
     It also appends an ``attn_inspect`` event (JSONL: the records of every module, the batch, the metrics) per
-    sampled batch to the event log, and prints the table of :func:`foundry_attn.inspection.format_table` on
+    sampled batch to the event log, and prints the table of :func:`foundry_attn.console_table.format_table` on
     the console the first time (rank 0).
 
     Packed documents: each sampled batch gets a verdict, logged as a line (``documents isolated (measured:

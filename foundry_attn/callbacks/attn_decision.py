@@ -11,14 +11,14 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from foundry_attn.callbacks.common import foundry_model
-from foundry_attn.inspection import attn_implementation, find_hf_model, mpt_attn_impl
+from foundry_attn.discovery import attn_implementation, find_hf_model, mpt_attn_impl
 
 __all__ = ["AttnDecisionLogger", "decision_hparams", "stock_hparams"]
 
 
 def stock_hparams(model: Any) -> dict[str, Any]:
     """``attn/chosen`` and ``attn/reason`` of a model that made no decision of ours: the implementation that runs
-    (:func:`foundry_attn.inspection.attn_implementation`) and where it was read; empty without a model."""
+    (:func:`foundry_attn.discovery.attn_implementation`) and where it was read; empty without a model."""
     found = find_hf_model(model)
     hf = found[1] if found is not None else model
     impl = attn_implementation(hf)

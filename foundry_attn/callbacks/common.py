@@ -13,8 +13,8 @@ from typing import Any
 from composer.core import Callback, State, Time, TimeUnit
 from composer.utils import dist
 
+from foundry_attn.discovery import attn_implementation, clean_name, find_hf_model
 from foundry_attn.events import EventLog, default_events_dir
-from foundry_attn.inspection import attn_implementation, clean_name, find_hf_model
 from foundry_attn.unwrap import find_inside
 
 __all__ = [

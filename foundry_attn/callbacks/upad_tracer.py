@@ -23,6 +23,7 @@ from foundry_attn.callbacks.common import (
     open_event_log,
     say_once,
 )
+from foundry_attn.discovery import attn_implementation, find_hf_model, mpt_attn_impl
 from foundry_attn.events import EventLog
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_symbols import (
@@ -39,7 +40,6 @@ from foundry_attn.flash_symbols import (
     discover_mpt,
     symbol_label,
 )
-from foundry_attn.inspection import attn_implementation, find_hf_model, mpt_attn_impl
 from foundry_attn.unwrap import compiled
 
 __all__ = ["UpadTracer"]
@@ -90,7 +90,7 @@ class UpadTracer(ReleasingCallback):
     instead (``flash_attn.flash_attn_interface.flash_attn_varlen_func`` / ``flash_attn_func``,
     ``flash_attn.bert_padding.pad_input``, see :func:`foundry_attn.flash_symbols.discover_mpt`); MPT unpads once
     per forward, so its ``upad`` / ``posids`` counts stay 0. The implementation named is the one that runs
-    (:func:`foundry_attn.inspection.attn_implementation`: HF's ``_attn_implementation``, MPT's ``attn_impl``).
+    (:func:`foundry_attn.discovery.attn_implementation`: HF's ``_attn_implementation``, MPT's ``attn_impl``).
 
     The wrappers are installed when the model's forward starts and removed when it ends, even when it raises
     (an ``always_call`` forward hook), and again at :attr:`.Event.BATCH_END`, :attr:`.Event.FIT_END` and
