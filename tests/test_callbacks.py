@@ -110,15 +110,17 @@ def test_every_logged_key_is_in_its_callback_docstring() -> None:
     import inspect
     import re
 
-    from foundry_attn.callbacks import attention_inspector, attn_decision, upad_tracer
+    from foundry_attn.callbacks import attention_inspector, attn_decision, document_verdict, upad_tracer
     from foundry_attn.flash_symbols import ROLES
 
-    for module, cls, computed in (
-        (attention_inspector, attention_inspector.AttentionInspector, set()),
-        (attn_decision, attn_decision.AttnDecisionLogger, set()),
-        (upad_tracer, upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
+    for modules, cls, computed in (
+        ((attention_inspector, document_verdict), attention_inspector.AttentionInspector, set()),
+        ((attn_decision,), attn_decision.AttnDecisionLogger, set()),
+        ((upad_tracer,), upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
     ):
-        logged = set(re.findall(r'"(attn/[a-z0-9_]+)"', inspect.getsource(module))) | computed
+        module = modules[0]
+        source = "".join(inspect.getsource(m) for m in modules)
+        logged = set(re.findall(r'"(attn/[a-z0-9_]+)"', source)) | computed
         documented = set(re.findall(r"``(attn/[a-z0-9_]+)``", cls.__doc__))
         assert logged and logged == documented, (cls.__name__, logged ^ documented)
         assert "from composer import Trainer" in cls.__doc__ and "callbacks:" in cls.__doc__

@@ -1,18 +1,16 @@
 """``attention_inspector``: what the attention of a sampled batch really sees (masks, fill, packing).
 
-See :class:`AttentionInspector`; the probe itself (no Composer) is :mod:`foundry_attn.inspection`.
+See :class:`AttentionInspector`; the probe itself (no Composer) is :mod:`foundry_attn.inspection`; the verdict on
+packed documents, the callback's second job, is :mod:`foundry_attn.callbacks.document_verdict`.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
 from typing import Any
 
-import torch
 from composer.core import State, Time
-from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 from composer.utils import dist
 
@@ -23,25 +21,16 @@ from foundry_attn.callbacks.common import (
     open_event_log,
     say_once,
 )
+from foundry_attn.callbacks.document_verdict import DocumentVerdicts
 from foundry_attn.console_table import format_table
 from foundry_attn.deprecation import renamed_key
 from foundry_attn.discovery import attn_implementation, find_hf_model
 from foundry_attn.events import EventLog
 from foundry_attn.inspection import ATTENTION, MODEL, BatchInfo, ModelInspector
-from foundry_attn.layout import packed_rows
-from foundry_attn.packing import PaddingCollator
 from foundry_attn.unwrap import compiled
 from foundry_attn.verdict import (
-    LEAKS,
-    NO_BOUNDARIES,
     NOT_PACKED,
-    UNKNOWN,
-    Features,
     Verdict,
-    active_dropout,
-    fix_for,
-    measure,
-    structural,
 )
 
 __all__ = ["AttentionInspector", "summarize"]
@@ -78,20 +67,6 @@ def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> 
     if model is not None and model.get("packed_positions") is not None:
         out["attn/packed_position_ids"] = float(model["packed_positions"])
     return out
-
-
-def _packing_features(dataloader: Any) -> Features | None:
-    """What the train loader's batches will carry when its collator packs documents (ours in ``pack`` mode,
-    LLM-Foundry's ``BinPackCollator``), else None: nothing is drawn from the loader."""
-    collate = getattr(dataloader, "collate_fn", None)
-    collate = getattr(collate, "collate", collate)  # our finetuning loader wraps the collator
-    if isinstance(collate, PaddingCollator):
-        return Features(packed=True, sequence_id=True, position_ids=True) if collate.mode == "pack" else None
-    try:
-        from llmfoundry.data.packing import BinPackCollator
-    except ImportError:  # pragma: no cover - the callbacks run under LLM-Foundry
-        return None
-    return Features(packed=True, sequence_id=True, padding_mask=True) if isinstance(collate, BinPackCollator) else None
 
 
 class AttentionInspector(ReleasingCallback):
@@ -250,9 +225,6 @@ class AttentionInspector(ReleasingCallback):
         self.attention_selector = attention_selector
         self.print_table = print_table
         self.verdict = verdict
-        self.last_verdict: Verdict | None = None
-        self._pending: Verdict | None = None  # this batch's verdict, reported at BATCH_END
-        self._measure = False
         self.events: EventLog | None = None
         self.last_records: list[dict[str, Any]] = []
         self.last_metrics: dict[str, float] = {}
@@ -260,11 +232,15 @@ class AttentionInspector(ReleasingCallback):
         self._model_id: int | None = None
         self._hf_name: str | None = None
         self._sampled = False
-        self._judged = False
         self._step = 0
         self._batch = BatchInfo()
         self._printed = False
         self._warned: set[str] = set()
+        self.verdicts = DocumentVerdicts(self.verdict_interval, self._warned)  # the second job: document_verdict
+
+    @property
+    def last_verdict(self) -> Verdict | None:
+        return self.verdicts.last
 
     # -- helpers
     def _warn_once(self, key: str, message: str) -> None:
@@ -309,89 +285,24 @@ class AttentionInspector(ReleasingCallback):
         if self._inspector is not None:
             self._inspector.disarm()
 
-    # -- the verdict on packed documents
-    def _judge(self, state: State) -> Verdict:
-        """The verdict on this microbatch: measured (:func:`foundry_attn.verdict.measure`) where a second
-        forward is possible, else the structural reading, labelled so; never a guess shown as a measurement."""
-        found = find_hf_model(state.model)
-        batch = state.batch
-        if found is None:
-            return Verdict(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
-        if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
-            return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
-        hf = found[1]
-        rows = packed_rows(batch)  # one host sync, shared by the reading and the measurement
-        features = Features.of(batch, rows)
-        if not features.packed:
-            return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
-        blocked = (
-            "the model is compiled (a second forward would recompile it)"
-            if compiled(state.model)
-            else "FSDP shards the weights (a second forward on one rank would hang the others)"
-            if state.fsdp_enabled
-            else active_dropout(hf)
-        )
-        if blocked:
-            reading = structural(hf, features)
-            return Verdict(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
-        outputs = state.outputs
-        logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
-        if not isinstance(logits, torch.Tensor):
-            return Verdict(UNKNOWN, reason=f"the model's output ({type(outputs).__name__}) carries no logits")
-        try:
-            return measure(hf, batch, logits, context=get_precision_context(state.precision), rows=rows)
-        except Exception as exc:  # the check never breaks training
-            return Verdict(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
-
-    def _predict(self, state: State) -> None:
-        """At fit start: when the train loader packs documents and the model cannot keep them apart, say so."""
-        features = _packing_features(getattr(state, "train_dataloader", None))
-        found = find_hf_model(state.model)
-        if features is None or found is None:
-            return
-        reading = structural(found[1], features)
-        if reading.state == LEAKS:
-            self._warn_once(
-                "leak_predicted",
-                f"attention_inspector: the train loader packs documents and this model cannot keep them apart "
-                f"({reading.reason}); fix: {fix_for(found[1])}",
-            )
-
-    def _report(self, verdict: Verdict, state: State, logger: Logger) -> None:
-        metrics: dict[str, float] = {}
-        if verdict.isolated is not None:
-            metrics["attn/documents_isolated"] = float(verdict.isolated)
-        if verdict.worst is not None and verdict.worst == verdict.worst:
-            metrics["attn/verdict_worst_diff"] = float(verdict.worst)
-        if metrics:
-            logger.log_metrics(metrics)
-        if self.events is not None:
-            self.events.append("attn_verdict", step=self._step, **verdict.as_dict())
-        log.info("attention_inspector: batch %d: %s", self._step, verdict.line())
-        if verdict.state == LEAKS:
-            found = find_hf_model(state.model)
-            self._warn_once(
-                "leak",
-                f"attention_inspector: batch {self._step}: packed documents attend to each other: {verdict.line()}; "
-                f"fix: {fix_for(found[1] if found else None)}",
-            )
-
     # -- events
     def fit_start(self, state: State, logger: Logger) -> None:
         if self.events is None:
             self.events = open_event_log(state, self.events_dir)
+        self.verdicts.events = self.events
         self._resolve(state)
         if self.verdict:
-            self._predict(state)
+            self.verdicts.predict(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._step = int(state.timestamp.batch)
         self._sampled = self._step % self.log_interval == 0
-        self._judged = self.verdict and self._step % self.verdict_interval == 0
+        if self.verdict:
+            self.verdicts.batch_start(self._step)
         self.release()
 
     def before_forward(self, state: State, logger: Logger) -> None:
-        self._measure, self._judged = self._judged, False  # the first microbatch only
+        self.verdicts.before_forward()
         if not self._sampled:
             return
         self._sampled = False
@@ -402,16 +313,11 @@ class AttentionInspector(ReleasingCallback):
 
     def after_forward(self, state: State, logger: Logger) -> None:
         self.release()
-        if self._measure:  # before the backward: the forwards of the documents alone see the weights trained on
-            self._measure = False
-            self._pending = self._judge(state)
+        self.verdicts.after_forward(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self.release()
-        verdict, self._pending = self._pending, None
-        if verdict is not None:
-            self.last_verdict = verdict
-            self._report(verdict, state, logger)
+        verdict = self.verdicts.batch_end(state, logger, self._step)
         inspector = self._inspector
         if inspector is None or not inspector.records:
             return
