@@ -54,3 +54,64 @@ def test_docs_point_at_files_that_exist() -> None:
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
+
+
+def _docs() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_module_paths_the_docs_and_code_name_exist() -> None:
+    """``foundry_attn/x.py`` paths in the docs, and dotted ``foundry_attn.x`` names in docs and docstrings, name
+    modules (or their attributes) that are there: a renamed module leaves no stale name behind."""
+    for doc in _files():
+        text = doc.read_text()
+        for path in re.findall(r"\bfoundry_attn/[\w/]+\.py\b", text):
+            assert (REPO / path).exists(), f"{doc.name} names {path}, which does not exist"
+        for dotted in set(re.findall(r"\bfoundry_attn(?:\.\w+)+", text)):
+            assert _exists(dotted.split(".")), f"{doc.relative_to(REPO)} names {dotted}, which does not exist"
+
+
+def _exists(parts: list[str]) -> bool:
+    """The longest importable prefix of ``parts`` has the rest as attributes."""
+    import importlib
+
+    for cut in range(len(parts), 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        return _has_path(module, parts[cut:])
+    return False
+
+
+def _has_path(obj: object, attrs: list[str]) -> bool:
+    for attr in attrs:
+        if not hasattr(obj, attr):
+            return False
+        obj = getattr(obj, attr)
+    return True
+
+
+def test_the_readme_tree_lists_files_that_exist() -> None:
+    """The module tree in README.md names files of the package."""
+    tree = (REPO / "README.md").read_text().split("foundry_attn/              the core", 1)[1].split("```", 1)[0]
+    files = {p.name for p in (REPO / "foundry_attn").rglob("*.py")}
+    named = set(re.findall(r"\b(\w+\.py)\b", tree))
+    assert named and named <= files, sorted(named - files)
+
+
+def test_commands_the_docs_name_exist() -> None:
+    """``foundry-attn <command>``, ``foundry-attn bench <name>`` and ``make <target>`` in the docs are real."""
+    from foundry_attn.bench import BENCHES
+
+    cli = (REPO / "foundry_attn" / "cli.py").read_text()
+    commands = set(re.findall(r'sub\.add_parser\("([\w-]+)"', cli))
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.MULTILINE))
+    for doc in _docs():
+        text = doc.read_text()
+        for command in re.findall(r"foundry-attn (\w[\w-]*)", text):
+            assert command in commands, f"{doc.name}: foundry-attn {command} is not a command ({commands})"
+        for bench in re.findall(r"foundry-attn bench (\w[\w-]*)", text):
+            assert bench in BENCHES, f"{doc.name}: foundry-attn bench {bench} is not a benchmark ({BENCHES})"
+        for target in re.findall(r"`make ([\w-]+)", text):
+            assert target in targets, f"{doc.name}: make {target} is not a Makefile target"
