@@ -40,10 +40,6 @@ class Documents:
         host = torch.tensor(bounds, dtype=torch.int32)
         return cls(tuple(bounds), host.to(device, non_blocking=True), host)
 
-    @classmethod
-    def from_lengths(cls, lengths: list[int]) -> Documents:
-        return cls((0, *itertools.accumulate(lengths)))
-
     @functools.cached_property
     def spans(self) -> list[tuple[int, int]]:
         return list(itertools.pairwise(self.bounds))

@@ -177,8 +177,3 @@ def _parse(line: bytes, path: Path, skipped: Skipped | None) -> dict | None:
         skipped.lines += 1
         skipped.files.add(str(path))
     return None
-
-
-def read_events(directory: str | os.PathLike, kind: str | None = None) -> list[dict]:
-    """All events in ``directory`` (every rank, rank 0 first), optionally of one ``kind``, in file order per rank."""
-    return list(iter_events(event_files(directory), kind))

@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import importlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -406,12 +406,3 @@ class FlashCallTracer:
 def symbol_label(symbols: FlashSymbols, role: str) -> str:
     """A short human name for a role in this transformers, e.g. ``_upad_input``."""
     return symbols.found.get(role) or f"{CANDIDATES[role][0]} (missing)"
-
-
-def iter_traced(module: ModuleType | None = None) -> Iterator[tuple[str, str]]:
-    """``(attribute, role)`` of every currently traced attribute of the flash-attention module (diagnosis)."""
-    mod = module if module is not None else importlib.import_module(FA_UTILS)
-    for name, value in list(vars(mod).items()):
-        role = getattr(value, "__foundry_attn_traced__", None)
-        if role is not None:
-            yield name, role

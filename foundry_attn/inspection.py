@@ -5,7 +5,7 @@ compile wrapper names), every decoder layer and every attention module found by 
 and records, per module, for one forward: the mask (None, 2-D, 4-D, a flex ``BlockMask``), its dtype and
 shape, what it hides beyond causality, read with the model's own alignment (``has_zeros``: padding, other
 documents or other keys; ``window``: the model's sliding window; ``mask_hides``: both in words, see
-:func:`_describe_mask`), real tokens, fill ratio (real / positions), whether ``position_ids`` restart inside a
+:func:`describe_mask`), real tokens, fill ratio (real / positions), whether ``position_ids`` restart inside a
 row (packed), and the attention implementation that runs (:func:`attn_implementation`: HF's
 ``_attn_implementation``, MPT's ``attn_impl``, ...). :func:`foundry_attn.console_table.format_table` prints
 those records as a compact console table::
@@ -142,7 +142,7 @@ def _read_4d(mask: torch.Tensor, cache_position: Any, cached: bool, window_hint:
     }
 
 
-def _describe_mask(
+def describe_mask(
     mask: Any, cache_position: Any = None, cached: bool = False, window_hint: int | None = None
 ) -> dict[str, Any]:
     """Kind, dtype, shape and what the mask hides (reads device values: sampled batches only).
@@ -277,13 +277,13 @@ class ModelInspector:
 
     def _mask_info(self, mask: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:
         if mask is None:
-            return _describe_mask(None)
+            return describe_mask(None)
         cache_position = arguments.get("cache_position")
         cached = any(arguments.get(key) is not None for key in ("past_key_value", "past_key_values"))
         key = (id(mask), id(cache_position), cached)
         hit = self._masks.get(key)
         if hit is None or hit[0] is not mask or hit[1] is not cache_position:
-            info = _describe_mask(mask, cache_position, cached, self._window_hint)
+            info = describe_mask(mask, cache_position, cached, self._window_hint)
             hit = self._masks[key] = (mask, cache_position, info)
         return hit[2]
 

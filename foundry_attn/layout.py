@@ -1,7 +1,7 @@
 """Where the documents of a batch are: the one reader of a batch, on the host, no device sync.
 
     layout = Layout.from_batch(batch)    # what the forward lays out: doc_lens, else a 2-D mask's real tokens
-    layout.bounds(), layout.real_tokens, layout.fill_ratio, layout.positions
+    layout.bounds(), layout.real_tokens, layout.max_length, layout.positions
     packed_rows(batch)                   # rows the batch marks as holding 2+ documents (what the verdict judges)
 
 A batch from ``foundry_attn.packing`` carries ``doc_lens`` (per row, its documents' lengths, real
@@ -88,10 +88,6 @@ class Layout:
     @property
     def max_length(self) -> int:
         return max(self.lengths, default=0)
-
-    @property
-    def fill_ratio(self) -> float:
-        return self.real_tokens / max(1, self.rows * self.width)
 
     def bounds(self) -> list[int]:
         """``[0, l0, l0+l1, ...]``: where each document starts and ends in the flat row of real tokens."""

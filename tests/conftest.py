@@ -127,9 +127,7 @@ def assert_restored(before: dict[str, dict[str, object]], *, traced: bool = Fals
         changed = [k for k in before[name] if after[name][k] is not before[name][k]]
         assert not changed, (name, changed)
     if traced:
-        from foundry_attn import flash_symbols
-
-        assert not list(flash_symbols.iter_traced())
+        assert not traced_attributes()
 
 
 def leaky_attention(genuine=None, threshold: int = 0):
@@ -166,3 +164,18 @@ def registered_attention(name: str, wrap):
         yield
     finally:
         table[name] = genuine
+
+
+def read_events(directory, kind: str | None = None) -> list[dict]:
+    """Every event in ``directory`` (every rank, rank 0 first), optionally of one ``kind``."""
+    from foundry_attn.events import event_files, iter_events
+
+    return list(iter_events(event_files(directory), kind))
+
+
+def traced_attributes(module=None) -> list[tuple[str, str]]:
+    """``(attribute, role)`` of every attribute the flash tracer wraps in the flash-attention module now."""
+    from foundry_attn import flash_symbols
+
+    mod = module if module is not None else importlib.import_module(flash_symbols.FA_UTILS)
+    return [(n, r) for n, v in list(vars(mod).items()) if (r := getattr(v, "__foundry_attn_traced__", None))]

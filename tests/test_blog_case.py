@@ -23,8 +23,9 @@ from foundry_attn.forward import forward_documents, repad_logits
 from foundry_attn.inspection import BatchInfo, ModelInspector
 from foundry_attn.packing import PaddingCollator
 from foundry_attn.paths import attach
+from foundry_attn.shapes import BLOG_LENGTHS
 
-LENGTHS = (220, 217, 295, 183, 130, 350)
+LENGTHS = BLOG_LENGTHS
 MAX_SEQ_LEN = 2048
 CU_SEQLENS = [0, 220, 437, 732, 915, 1045, 1395]
 PAD_ID, VOCAB, LAYERS = 0, 64, 2

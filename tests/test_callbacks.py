@@ -13,7 +13,7 @@ import torch
 from foundry_attn import flash_symbols as fs
 from foundry_attn.flash_symbols import UPAD, discover
 
-from .conftest import assert_restored, snapshot
+from .conftest import assert_restored, snapshot, traced_attributes
 
 # ---- construction -------------------------------------------------------------------------------------------
 
@@ -236,7 +236,8 @@ def _series(memory, key: str) -> list[float]:
 def test_trainer_fa2_reference_both_callbacks(assets: Path, tokenizer, tmp_path: Path, capsys) -> None:
     from foundry_attn.callbacks.attention_inspector import AttentionInspector
     from foundry_attn.callbacks.upad_tracer import UpadTracer
-    from foundry_attn.events import read_events
+
+    from .conftest import read_events
 
     before = snapshot()
     events = tmp_path / "cb-events"
@@ -287,7 +288,8 @@ def test_trainer_not_fa2_says_nothing_to_trace_once(assets: Path, tokenizer, tmp
 @pytest.mark.slow
 def test_trainer_selector_matching_nothing_warns_once(assets: Path, tokenizer, tmp_path: Path, caplog) -> None:
     from foundry_attn.callbacks.attention_inspector import AttentionInspector
-    from foundry_attn.events import read_events
+
+    from .conftest import read_events
 
     inspector = AttentionInspector(log_interval=1, attention_selector="NoSuchAttn", print_table=False)
     trainer, memory = _trainer(assets, tokenizer, tmp_path, [inspector], impl="sdpa", batches=2)
@@ -325,7 +327,7 @@ def test_originals_restored_when_training_raises(assets: Path, tokenizer, tmp_pa
         if calls["n"] == 2:  # the second batch, in the middle of the traced forward
             import transformers.modeling_flash_attention_utils as fa_utils
 
-            assert list(fs.iter_traced(fa_utils))  # the tracer really is installed at this point
+            assert traced_attributes(fa_utils)  # the tracer really is installed at this point
             raise RuntimeError("boom in layer 1")
         return real_forward(*args, **kwargs)
 

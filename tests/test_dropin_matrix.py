@@ -57,14 +57,14 @@ def write_icl(folder: Path, n: int = 8) -> Path:
     logits where the LM task's exact-match accuracy stays 0 on a tiny model)."""
     import random
 
-    from foundry_attn.foundry.assets import _sentence
+    from foundry_attn.foundry.assets import sentence
 
     rng = random.Random(5)
     with open(folder / "tiny_lm.jsonl", "w") as lm, open(folder / "tiny_mc.jsonl", "w") as mc:
         for i in range(n):
-            words = _sentence(rng).split()
+            words = sentence(rng).split()
             lm.write(json.dumps({"context": " ".join(words[:4]), "continuation": " " + " ".join(words[4:])}) + "\n")
-            choices = [" ".join(words[4:]), " ".join(_sentence(rng).split()[4:])]
+            choices = [" ".join(words[4:]), " ".join(sentence(rng).split()[4:])]
             mc.write(json.dumps({"query": " ".join(words[:4]), "choices": choices, "gold": i % 2}) + "\n")
     return folder
 

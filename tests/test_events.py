@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from foundry_attn.capability import Capability
-from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, read_events
+from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir
+
+from .conftest import read_events
 
 T4 = Capability(True, "Tesla T4", (7, 5), "2.7.0+cu126", "4.51.3", None, "flash-attn is not installed", None, "node-7")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from foundry_attn.paths import attach
+from foundry_attn.shapes import BLOG_LENGTHS
 
 from .conftest import make_llama
 
@@ -26,7 +27,7 @@ def test_real_flash_attn_varlen_matches_the_reference() -> None:
     from foundry_attn.fa2_reference import flash_attn_varlen_func as reference
 
     torch.manual_seed(0)
-    lens = [220, 217, 295, 183, 130, 350]
+    lens = list(BLOG_LENGTHS)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(sum(lens), 9, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(sum(lens), 3, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))

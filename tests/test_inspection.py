@@ -182,7 +182,7 @@ def test_packed_position_ids_are_documents_only_where_the_mask_keeps_them_apart(
 
 def test_describe_mask_reads_windows_documents_and_other_holes() -> None:
     """Hand-made 4-D masks (bool and additive float) cover what no stock tiny model builds here."""
-    from foundry_attn.inspection import _describe_mask
+    from foundry_attn.inspection import describe_mask
 
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     docs = causal.clone()
@@ -197,13 +197,13 @@ def test_describe_mask_reads_windows_documents_and_other_holes() -> None:
         (hole, "other keys", True, None),
     ):
         for mask in (allowed[None, None], torch.zeros(1, 1, 6, 6).masked_fill(~allowed, torch.finfo(torch.float).min)):
-            info = _describe_mask(mask)
+            info = describe_mask(mask)
             assert (info["mask_hides"], info["has_zeros"], info["window"]) == (hides, zeros, w)
     # a static cache (4.51): the mask is wider than the keys used; cache_position places the queries
     wide = torch.zeros(1, 1, 2, 16, dtype=torch.bool)
     wide[..., :5] = True
     wide[0, 0, 0, 4] = False
-    assert _describe_mask(wide, cache_position=torch.tensor([3, 4]))["mask_hides"] == "nothing"
+    assert describe_mask(wide, cache_position=torch.tensor([3, 4]))["mask_hides"] == "nothing"
 
 
 # ---- the implementation that runs --------------------------------------------------------------------------

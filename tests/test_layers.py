@@ -95,3 +95,16 @@ def test_doctor_json_runs_without_composer() -> None:
     else:
         assert '"chosen": "sdpa"' in proc.stdout
     assert {"flash_kernel", "flash_symbols", "environment"} <= report.keys() and not report["flash_symbols"]["missing"]
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    """``from foundry_attn.x import _y`` nowhere, in the package or its tests: what another module needs is public."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [*sorted((root / "foundry_attn").rglob("*.py")), *sorted((root / "tests").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("foundry_attn"):
+                found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not found, found

@@ -160,7 +160,8 @@ def test_upad_tracer_counts_mpt_flash_calls_on_the_reference_kernel(
     reference_flash_attn_package: types.ModuleType, tmp_path: Path, capsys
 ) -> None:
     from foundry_attn.callbacks.upad_tracer import UpadTracer
-    from foundry_attn.events import read_events
+
+    from .conftest import read_events
 
     interface = reference_flash_attn_package
     padding = sys.modules["flash_attn.bert_padding"]

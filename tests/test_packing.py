@@ -67,7 +67,8 @@ def test_mask_mode_with_tokenizer_pad_eq_eos(tokenizer) -> None:
     assert batch["labels"][1].tolist() == [IGNORE_INDEX, docs[1][1], EOS] + [IGNORE_INDEX] * 4
     assert (batch["labels"][2] == IGNORE_INDEX).all()
     assert batch["total_tokens"] == [7, 3, 0] and batch["loss_generating_tokens"] == [6, 2, 0]
-    assert Layout.from_batch(batch).fill_ratio == pytest.approx(10 / 21)
+    layout = Layout.from_batch(batch)
+    assert layout.real_tokens / (layout.rows * layout.width) == pytest.approx(10 / 21)
 
 
 def test_mask_mode_pad_differs_from_eos() -> None:

@@ -130,7 +130,7 @@ def test_flex_block_masks_live_on_the_query_device_one_per_device() -> None:
     from foundry_attn.block_masks import BLOCK_MASKS
     from foundry_attn.documents import Documents
 
-    docs = Documents.from_lengths([5, 11, 3])
+    docs = Documents.of([0, 5, 16, 19])
     devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(min(2, torch.cuda.device_count()))]
     masks = {str(d): BLOCK_MASKS.get(docs, None, d) for d in devices}
     assert len({id(m) for m in masks.values()}) == len(devices)  # one per device

@@ -82,23 +82,15 @@ from foundry_attn.forward import forward_documents
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.paths import attach
 from foundry_attn.reference_kernels import flash_attn_func_via_sdpa, flash_varlen_from_torch, reference_varlen_attn
-from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
+from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 from foundry_attn.torch_varlen import torch_varlen_kernel
 
 COMMAND = "foundry-attn bench gpu --json"
-REPORT_LENGTHS: tuple[int, ...] = (220, 217, 295, 183, 130, 350)
+REPORT_LENGTHS = BLOG_LENGTHS
 ROWS, WIDTH, CPU_WIDTH, CPU_VOCAB = 6, 2048, 128, 512
 PAD_ID, SEED = 0, 0
 MIX_MEDIAN, MIX_SIGMA, MIX_MIN = 0.15, 1.0, 64  # lognormal: median 15% of a row, clipped to 64..width (at 2048)
 BASELINE, REFERENCE = "padded_dense", "sdpa_per_document"
-TIERS = (
-    "padded_dense",
-    "stock_unpad_per_layer",
-    "ours_torch_varlen",
-    "ours_flash_attn",
-    "flex_document_mask",
-    "sdpa_per_document",
-)
 OURS = ("ours_torch_varlen", "ours_flash_attn")
 TARGETS: dict[str, tuple[str, float]] = {
     "a_report": ("ours_vs_padded_dense_a_report", 3.0),

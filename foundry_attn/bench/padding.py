@@ -72,11 +72,12 @@ from foundry_attn.forward import forward_documents, repad_logits
 from foundry_attn.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.paths import attach, path_of
 from foundry_attn.policy import FA2, SDPA
+from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-LENGTHS: tuple[int, ...] = (220, 217, 295, 183, 130, 350)
+LENGTHS = BLOG_LENGTHS
 MAX_SEQ_LEN = 2048
 PAD_ID = EOS_ID = 0
 SEED = 0
@@ -95,11 +96,11 @@ SLOW_MODE = "pad_max"
 class Settings:
     """How big and how long one run is."""
 
-    hidden_size: int = 576  # SmolLM2-135M's layer shapes ...
-    intermediate_size: int = 1536
-    num_attention_heads: int = 9
-    num_key_value_heads: int = 3
-    head_dim: int = 64
+    hidden_size: int = SMOLLM2_135M_SHAPE["hidden_size"]  # SmolLM2-135M's layer shapes ...
+    intermediate_size: int = SMOLLM2_135M_SHAPE["intermediate_size"]
+    num_attention_heads: int = SMOLLM2_135M_SHAPE["num_attention_heads"]
+    num_key_value_heads: int = SMOLLM2_135M_SHAPE["num_key_value_heads"]
+    head_dim: int = SMOLLM2_135M_SHAPE["hidden_size"] // SMOLLM2_135M_SHAPE["num_attention_heads"]
     layers: int = 2  # ... fewer layers (SmolLM2: 30) and a smaller vocab (SmolLM2: 49152)
     vocab: int = 8192
     warmup: int = 1

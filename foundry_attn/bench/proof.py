@@ -34,14 +34,14 @@ from foundry_attn.forward import flat_inputs, forward_documents
 from foundry_attn.layout import Layout
 from foundry_attn.paths import PROOF_INTERVAL, attach, proofs_in_run
 from foundry_attn.proof import step_blocker
-from foundry_attn.shapes import SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
+from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench proof --json"
 #: a run of RUN_BATCHES batches on two mixes: the blog mix at one length throughout, and a mix whose flat rows grow
 #: from GROWING[0] to GROWING[1] tokens over the run (a long-context curriculum)
 RUN_BATCHES = 10_000
 GROWING = (256, 8192)
-LENGTHS = (220, 217, 295, 183, 130, 350)
+LENGTHS = BLOG_LENGTHS
 MODELS = {"tiny": (64, TINY_SHAPE), "smollm2_135m": (SMOLLM2_VOCAB, SMOLLM2_135M_SHAPE)}
 
 

@@ -23,10 +23,10 @@ UNK = "<unk>"
 _NOUNS = "cat dog bird fox owl cow pig hen bee ant frog fish bear wolf deer goat duck lamb mole seal".split()
 _ADJS = "red big old shy odd calm quick slow tall small warm cold dark pale loud soft".split()
 _VERBS = "sees likes chases finds meets helps follows hears feeds greets watches calls".split()
-_WORDS = ["the", "a", "and", ".", "?", "what", "who", "does", "answer", ":", *_NOUNS, *_ADJS, *_VERBS]
+WORDS = ["the", "a", "and", ".", "?", "what", "who", "does", "answer", ":", *_NOUNS, *_ADJS, *_VERBS]
 
 
-def _sentence(rng: random.Random) -> str:
+def sentence(rng: random.Random) -> str:
     return (
         f"the {rng.choice(_ADJS)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} "
         f"a {rng.choice(_ADJS)} {rng.choice(_NOUNS)} ."
@@ -34,7 +34,7 @@ def _sentence(rng: random.Random) -> str:
 
 
 def _document(rng: random.Random, max_sentences: int) -> str:
-    return " ".join(_sentence(rng) for _ in range(rng.randint(1, max_sentences)))
+    return " ".join(sentence(rng) for _ in range(rng.randint(1, max_sentences)))
 
 
 def build_tokenizer(out: Path):
@@ -42,7 +42,7 @@ def build_tokenizer(out: Path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([EOS, UNK, *_WORDS])}
+    vocab = {tok: i for i, tok in enumerate([EOS, UNK, *WORDS])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=UNK)
