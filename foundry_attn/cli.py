@@ -158,7 +158,7 @@ def conformance(args: argparse.Namespace) -> int:
 
 
 def zoo_conformance(args: argparse.Namespace) -> int:
-    from foundry_attn.conformance import run_zoo, zoo_counts, zoo_table
+    from foundry_attn.sweep import run_zoo, zoo_counts, zoo_table
 
     cells = run_zoo(tuple(args.family) if args.family else None)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(zoo_counts(cells).items()))

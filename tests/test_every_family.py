@@ -62,8 +62,8 @@ def test_auto_trains_what_stock_trains(tmp_path: Path, model_type: str, override
     assert decision.path in ("flat", "rows") and decision.path_reason
     if path is not None:
         assert decision.path == path, decision.path_reason
-    docs = conformance._documents()
-    batch = conformance._batch(docs, "pack")
+    docs = conformance.sample_documents()
+    batch = conformance.collated(docs, "pack")
     want = _stock_rows_loss(model.model, model.model.foundry_path.rows_name, docs)
     loss = model.loss(model(batch), batch)
     loss.backward()
@@ -97,8 +97,8 @@ def test_a_leak_after_the_build_moves_the_registered_model_to_rows(tmp_path: Pat
     genuine = AttentionInterface._global_mapping["foundry_sdpa"]
     AttentionInterface._global_mapping["foundry_sdpa"] = leaky
     try:
-        docs = conformance._documents()
-        batch = conformance._batch(docs, "pack")
+        docs = conformance.sample_documents()
+        batch = conformance.collated(docs, "pack")
         want = _stock_rows_loss(model.model, "sdpa", docs)
         loss = model.loss(model(batch), batch)
     finally:

@@ -32,6 +32,7 @@ CORE = [
     "paths",
     "zoo",
     "conformance",
+    "sweep",
     "patching",
     "fa2_reference",
     "flash_symbols",

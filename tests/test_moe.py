@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn import conformance, zoo
+from foundry_attn import conformance, sweep, zoo
 from foundry_attn.forward import forward_documents
 from foundry_attn.paths import attach
 
@@ -46,18 +46,18 @@ def _stock_rows(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float
     out = model(**conformance.rows_inputs(docs), use_cache=False)
     out.loss.backward()
     aux = None if getattr(out, "aux_loss", None) is None else float(out.aux_loss)
-    return out.loss.item(), aux, conformance._grads(model)
+    return out.loss.item(), aux, conformance.grads_of(model)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", MOE)
 def test_router_loss_equals_stock(model_type: str) -> None:
-    docs = conformance._documents()
+    docs = conformance.sample_documents()
     stock = _moe_model(model_type)
     try:
         want_loss, want_aux, want_grad = _stock_rows(stock, docs)
     except Exception as exc:  # not ours to train: stock itself fails with output_router_logits on this config
-        if conformance.raised_by_us(exc):
+        if sweep.raised_by_us(exc):
             raise
         pytest.skip(f"{model_type}: stock fails with output_router_logits: {type(exc).__name__}: {exc}")
     if want_aux is None:
@@ -66,9 +66,9 @@ def test_router_loss_equals_stock(model_type: str) -> None:
     for mode in conformance.MODES:
         model = _moe_model(model_type)
         state = attach(model, "eager")
-        out = forward_documents(model, conformance._batch(docs, mode))
+        out = forward_documents(model, conformance.collated(docs, mode))
         out.loss.backward()
-        grad = conformance._grads(model)
+        grad = conformance.grads_of(model)
         where = f"{model_type}/{mode} ({state.path}: {state.reason})"
         assert abs(out.loss.item() - want_loss) <= conformance.LOSS_TOL, where
         assert abs(float(out.aux_loss) - want_aux) <= conformance.LOSS_TOL, where

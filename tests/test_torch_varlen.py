@@ -97,12 +97,12 @@ def test_torch_varlen_documents_are_exact(kernel: Any, family: str) -> None:
         assert model.config._attn_implementation == "sdpa"
         return
     state = attach(model, TORCH_VARLEN)
-    batch = conformance._batch(conformance._documents(), "pack")
+    batch = conformance.collated(conformance.sample_documents(), "pack")
     assert state.path == "flat", state.reason
     out = forward_documents(model, batch)  # the first training batch: proven at its length, then run
     out.loss.backward()
-    want_loss, want_grad = conformance._truth(family, "sdpa")
-    grad = conformance._grads(model)
+    want_loss, want_grad = conformance.truth_alone(family, "sdpa")
+    grad = conformance.grads_of(model)
     assert abs(out.loss.item() - want_loss) <= conformance.LOSS_TOL
     assert ((grad - want_grad).norm() / want_grad.norm()).item() <= conformance.GRAD_TOL
     layers = model.config.num_hidden_layers

@@ -1,6 +1,6 @@
 """Exact under the wrappers people train with: torch.compile, DDP and FSDP2 (CPU, gloo), with checkpointing.
 
-Each run is compared with stock transformers running each document alone (``conformance._truth``), and
+Each run is compared with stock transformers running each document alone (``conformance.truth_alone``), and
 every attention call is recorded: it must get the ``[1, 1, 1, 1]`` placeholder and the documents, so the
 fast path stays on (no L x L mask) whatever wraps the model.
 """
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow  # torch.compile and torchrun subprocesses: 1.5-16
 
 
 def _errors(family: str, backend: str, loss: torch.Tensor, model: torch.nn.Module) -> tuple[float, float]:
-    want_loss, want_grad = conformance._truth(family, backend)
-    grad = conformance._grads(model)
+    want_loss, want_grad = conformance.truth_alone(family, backend)
+    grad = conformance.grads_of(model)
     return abs(loss.item() - want_loss), ((grad - want_grad).norm() / want_grad.norm()).item()
 
 
@@ -56,7 +56,7 @@ def test_compiled_model_is_exact(
     recorded(name, calls)  # undone by monkeypatch after the test
     conformance.enable_checkpointing(model, checkpointing)
     out = forward_documents(
-        torch.compile(model, backend=compiler), conformance._batch(conformance._documents(), "pack")
+        torch.compile(model, backend=compiler), conformance.collated(conformance.sample_documents(), "pack")
     )
     out.loss.backward()
     loss_err, grad_err = _errors(family, backend, out.loss, model)
@@ -143,13 +143,13 @@ def _compiled_steps(family: str, backend: str, steps: int) -> tuple[list[int], d
     compiled_by_step = []
     for _ in range(steps):
         docs = [torch.randint(1, conformance.VOCAB, (rng.randint(2, 12),)) for _ in range(rng.randint(2, 5))]
-        batch = conformance._batch(docs, "pack")
+        batch = conformance.collated(docs, "pack")
         results = []
         for runner in (model, compiled):
             model.zero_grad(set_to_none=True)
             loss = forward_documents(runner, batch).loss
             loss.backward()
-            results.append((loss.detach(), conformance._grads(model)))
+            results.append((loss.detach(), conformance.grads_of(model)))
         (want_loss, want_grad), (loss, grad) = results
         torch.testing.assert_close(loss, want_loss, atol=conformance.LOSS_TOL, rtol=0)
         assert ((grad - want_grad).norm() / want_grad.norm()).item() <= conformance.GRAD_TOL

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from foundry_attn import conformance, zoo
+from foundry_attn import sweep, zoo
 
 #: outcomes that are not ours to train: stock cannot build or run the pair here, or stock's own padded rows differ
 #: from each document alone (rows then equals stock's padded training exactly; conformance checks that)
@@ -38,11 +38,11 @@ def documented() -> dict[tuple[str, str], str]:
     return cells
 
 
-def _as_documented(cell: conformance.ZooCell) -> None:
+def _as_documented(cell: sweep.ZooCell) -> None:
     """The computed cell opens as ``docs/zoo.md`` says (path included): regenerate the doc when this moves."""
     want = documented().get((cell.model_type, cell.requested))
-    assert conformance.zoo_label(cell) == want, (
-        f"{cell.model_type} / {cell.requested}: computed {conformance.zoo_label(cell)!r} ({cell.detail}), "
+    assert sweep.zoo_label(cell) == want, (
+        f"{cell.model_type} / {cell.requested}: computed {sweep.zoo_label(cell)!r} ({cell.detail}), "
         f"docs/zoo.md says {want!r}; regenerate it with foundry-attn conformance --zoo --markdown"
     )
 
@@ -50,8 +50,8 @@ def _as_documented(cell: conformance.ZooCell) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", zoo.model_types())
 def test_every_model_type_is_exact_or_refused(model_type: str) -> None:
-    for requested in conformance.ZOO_BACKENDS:
-        cell = conformance.zoo_cell(model_type, requested)
+    for requested in sweep.ZOO_BACKENDS:
+        cell = sweep.zoo_cell(model_type, requested)
         assert cell.status in ("exact", "refused", *NOT_OURS), cell
         if requested == "auto":
             assert cell.status != "refused", cell  # auto never fails to train what stock trains
@@ -67,8 +67,8 @@ def test_every_model_type_is_exact_or_refused(model_type: str) -> None:
 def test_every_model_type_as_a_core_user_attaches_it(model_type: str) -> None:
     """``attach(model, backend)`` on the model as ``from_pretrained`` builds it: exact, or refused where stock cannot
     train the pair either; never wrong, never a crash, never a refusal of what stock trains."""
-    for backend in conformance.CORE_BACKENDS:
-        cell = conformance.core_cell(model_type, backend)
+    for backend in sweep.CORE_BACKENDS:
+        cell = sweep.core_cell(model_type, backend)
         assert cell.status in ("exact", "refused", *NOT_OURS), cell
         if cell.status == "exact":
             assert cell.path in ("flat", "rows") and cell.detail, cell
@@ -84,8 +84,8 @@ def test_an_exception_raised_in_our_code_is_ours() -> None:
     try:
         flash_attn_func(q, q, q, dropout_p=0.1)
     except NotImplementedError as exc:
-        assert conformance.raised_by_us(exc)
+        assert sweep.raised_by_us(exc)
     try:
         torch.zeros(2).view(3)
     except RuntimeError as exc:
-        assert not conformance.raised_by_us(exc)
+        assert not sweep.raised_by_us(exc)

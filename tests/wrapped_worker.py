@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/wrapped_worker.py llama sdpa fsdp2 out.json [checkpoint_wrapper]
 
-Each rank gets every other document of ``conformance._documents()``, packed. Its loss is scaled by its share
+Each rank gets every other document of ``conformance.sample_documents()``, packed. Its loss is scaled by its share
 of the targets, so the gradients the wrapper averages are those of the mean loss over all documents, which
 rank 0 compares with stock transformers running each document alone. Every attention call is recorded:
 the mask it got (the [1, 1, 1, 1] placeholder, never an L x L mask) and whether the documents came with it.
@@ -59,10 +59,10 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
         for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
             fully_shard(layer)
         wrapped = fully_shard(model)
-    docs = conformance._documents()
+    docs = conformance.sample_documents()
     mine = docs[rank::world]
     targets = sum(d.numel() - 1 for d in docs)
-    loss = forward_documents(wrapped, conformance._batch(mine, "pack")).loss
+    loss = forward_documents(wrapped, conformance.collated(mine, "pack")).loss
     share = sum(d.numel() - 1 for d in mine) * world / targets
     (loss * share).backward()
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
@@ -72,7 +72,7 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
     total = (loss.detach() * share / world).clone()
     dist.all_reduce(total)
     if rank == 0:
-        want_loss, want_grad = conformance._truth(family, backend)
+        want_loss, want_grad = conformance.truth_alone(family, backend)
         result = dict(
             loss_err=abs(total.item() - want_loss),
             grad_err=((grad - want_grad).norm() / want_grad.norm()).item(),
