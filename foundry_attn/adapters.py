@@ -158,7 +158,7 @@ def _compiled(
             "supported; set attention_dropout: 0, or train uncompiled"
         )
     return document_attention(
-        query, key, value, docs.host(), kind, window or 0, _scale(query, scaling), softcap or 0.0
+        query, key, value, docs.bounds_on("cpu"), kind, window or 0, _scale(query, scaling), softcap or 0.0
     )[0]
 
 
@@ -341,7 +341,7 @@ def _fa2(
         return _flash_forward(
             module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs, padding
         ), None
-    cu, longest = docs.cu_seq_lens(query.device), _longest(docs, query)
+    cu, longest = docs.bounds_on(query.device), _longest(docs, query)
     kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     if kwargs.get("position_ids") is None:  # 4.51 takes the varlen path only when position_ids is given
         kwargs["position_ids"] = docs.positions(query.device)
@@ -443,7 +443,7 @@ def torch_varlen_documents(
     kernel = torch_varlen_kernel()
     if kernel is None:
         raise ValueError(f"foundry_attn: torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
-    cu, longest = docs.cu_seq_lens(query.device), _longest(docs, query)
+    cu, longest = docs.bounds_on(query.device), _longest(docs, query)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [1, H, T, D] -> [T, H, D]
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     out = call_varlen(kernel, q, k, v, cu, cu, longest, longest, scale=_scale(query, scaling), window=window)

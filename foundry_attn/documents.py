@@ -20,16 +20,20 @@ class Documents:
     """Where each document sits in the flat row of one forward.
 
     ``bounds = (0, l0, l0 + l1, ...)`` as Python ints for the eager paths, and the same bounds as int32 tensors
-    made once per forward (:meth:`of`): ``cu`` on the model's device (FA2, flex), ``host_bounds`` on the CPU
-    (:mod:`foundry_attn.document_op` reads it without a device sync). Under ``torch.compile`` only the tensors
+    made once per forward (:meth:`of`): ``device_bounds`` on the model's device (FA2's ``cu_seqlens``, flex),
+    ``host_bounds`` on the CPU (:mod:`foundry_attn.document_op` reads it without a device sync). One word,
+    ``bounds``, in every form. Under ``torch.compile`` only the tensors
     are read, so a new layout is new data for the same graph, not a new graph. (A plain class, not a dataclass:
     Dynamo guards every field of a dataclass it meets, and only the attributes read of a plain object.)
     """
 
     def __init__(
-        self, bounds: tuple[int, ...], cu: torch.Tensor | None = None, host_bounds: torch.Tensor | None = None
+        self,
+        bounds: tuple[int, ...],
+        device_bounds: torch.Tensor | None = None,
+        host_bounds: torch.Tensor | None = None,
     ) -> None:
-        self.bounds, self.cu, self.host_bounds = tuple(bounds), cu, host_bounds
+        self.bounds, self.device_bounds, self.host_bounds = tuple(bounds), device_bounds, host_bounds
         self.calls = 0  # attention calls that received these documents (uncompiled; the proof reads it)
 
     def __repr__(self) -> str:
@@ -48,13 +52,13 @@ class Documents:
     def max_length(self) -> int:
         return max((e - s for s, e in self.spans), default=0)
 
-    def cu_seq_lens(self, device: torch.device) -> torch.Tensor:
-        if self.cu is not None and self.cu.device == torch.device(device):
-            return self.cu
+    def bounds_on(self, device: torch.device | str) -> torch.Tensor:
+        """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there)."""
+        if self.device_bounds is not None and self.device_bounds.device == torch.device(device):
+            return self.device_bounds
+        if self.host_bounds is not None and torch.device(device).type == "cpu":
+            return self.host_bounds
         return torch.tensor(self.bounds, dtype=torch.int32, device=device)
-
-    def host(self) -> torch.Tensor:
-        return self.host_bounds if self.host_bounds is not None else torch.tensor(self.bounds, dtype=torch.int32)
 
     def document_ids(self, device: torch.device) -> torch.Tensor:
         lengths = torch.tensor([e - s for s, e in self.spans])

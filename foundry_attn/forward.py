@@ -246,7 +246,7 @@ def flat_inputs(
         labels=_flat_labels(labels, flat, list(docs.bounds[:-1])),
     )
     # under torch.compile: the row length and the document count vary from batch to batch; one dynamic graph
-    for value in (*inputs.values(), docs.cu, docs.host_bounds):
+    for value in (*inputs.values(), docs.device_bounds, docs.host_bounds):
         if value is not None:
             torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
     hf = unwrapped(model)

@@ -387,7 +387,7 @@ def _flat_run(
         base = type(getattr(hf, "base_model", hf)).__name__
         return None, f"{base}.forward takes no **kwargs: the documents cannot reach attention"
     docs: Documents = inputs[DOCS_KEY]
-    fresh = Documents(docs.bounds, docs.cu, docs.host_bounds)
+    fresh = Documents(docs.bounds, docs.device_bounds, docs.host_bounds)
     try:
         flat = run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads)
     except DocumentsDropped as exc:
