@@ -32,7 +32,7 @@ import torch
 from foundry_attn.backends import config_value
 from foundry_attn.documents import DOCS_KEY, Documents
 from foundry_attn.fa2_reference import reference_flash_attn
-from foundry_attn.layout import Layout
+from foundry_attn.layout import Layout, flattened_lengths
 from foundry_attn.packing import IGNORE_INDEX
 from foundry_attn.policy import FA2
 from foundry_attn.unwrap import compiled, unwrapped
@@ -195,6 +195,55 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
     # included); only a user's explicit position_ids with their own mask are passed on
     inputs, placed = one_per_row(model, ids, None if layout.marked else layout.positions, labels, layout)
     return Prepared(inputs, placed, no_targets)
+
+
+#: what the ecosystem's packed batches carry that our documents stand for (everything else passes on to the model)
+FLATTENED_KEYS = frozenset(
+    {"input_ids", "labels", "position_ids", "attention_mask", "use_cache", "cu_seq_lens_q", "cu_seq_lens_k"}
+    | {"max_length_q", "max_length_k", "seq_idx"}
+)
+
+
+class FlattenedForward:
+    """An attached model's ``forward`` (:func:`foundry_attn.paths.attach` sets it on the instance): a batch the
+    ecosystem packed into one row (transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free``:
+    restarting ``position_ids``, ``cu_seq_lens_*``, ``seq_idx``; :func:`foundry_attn.layout.flattened_lengths`)
+    runs the proven path, flat or rows, with the proof, exactly as :func:`forward_documents` runs ours; every other
+    call (a 2-D mask, generation, our own flat inputs) runs the model's own ``forward`` unchanged.
+
+        attach(model, "sdpa")
+        SFTTrainer(model=model, args=SFTConfig(padding_free=True), ...)    # model(**batch) takes this path
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model  # a deep copy of the model copies this too, bound to the copy
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's own (the Trainer reads it to keep the dataset's columns)."""
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        inner = type(model).forward.__get__(model)
+        lengths = None if args or DOCS_KEY in kwargs else flattened_lengths(kwargs)
+        if lengths is None:
+            return inner(*args, **kwargs)
+        batch: dict[str, Any] = {"input_ids": kwargs["input_ids"], "doc_lens": [lengths]}
+        for key in ("labels", "position_ids"):
+            if kwargs.get(key) is not None:
+                batch[key] = kwargs[key]
+        extra = {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
+        prepared = prepare_documents(model, batch, in_step=not torch.compiler.is_compiling())
+        out, prepared = run_prepared(lambda inputs: inner(**inputs, use_cache=False, **extra), model, batch, prepared)
+        return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
+
+
+def takes_flattened_batches(model: Any) -> None:
+    """Set :class:`FlattenedForward` as ``model``'s forward (once; the HF model inside a wrapper)."""
+    hf = unwrapped(model)
+    if not isinstance(vars(hf).get("forward"), FlattenedForward):
+        hf.forward = FlattenedForward(hf)
 
 
 @functools.cache

@@ -152,3 +152,28 @@ def packed_rows(batch: Mapping) -> list[DocumentRow]:
         lengths = tuple(b - a for a, b in itertools.pairwise([*starts, len(real)]))
         out.append(DocumentRow(r, real[0], lengths))
     return [row for row in out if len(row[2]) > 1]
+
+
+def flattened_lengths(batch: Mapping) -> list[int] | None:
+    """The document lengths of one flat row as the ecosystem packs it (transformers' ``DataCollatorWithFlattening``,
+    TRL's padding-free collator): ``cu_seq_lens_q``, else ``seq_idx``, else ``position_ids`` that restart, in a
+    ``[1, tokens]`` batch without a mask or a cache; None for anything else (one host sync when it reads a tensor)."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        return None
+    if batch.get("attention_mask") is not None or batch.get("past_key_values") is not None:
+        return None
+    cu = batch.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor) and cu.numel() > 1:
+        bounds = [int(b) for b in cu.reshape(-1).tolist()]
+        return [b - a for a, b in itertools.pairwise(bounds) if b > a] if bounds[-1] == ids.shape[1] else None
+    seq = batch.get("seq_idx")
+    if isinstance(seq, torch.Tensor) and seq.shape == ids.shape:
+        return _runs(seq[0].tolist())
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.shape == ids.shape and ids.shape[1] > 1:
+        p = pos[0].tolist()
+        starts = [k for k in range(len(p)) if k == 0 or p[k] <= p[k - 1]]
+        if len(starts) > 1:
+            return [b - a for a, b in itertools.pairwise([*starts, len(p)])]
+    return None

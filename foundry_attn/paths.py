@@ -49,7 +49,7 @@ from foundry_attn.backends import (
 )
 from foundry_attn.comparison import embeddings
 from foundry_attn.documents import DOCS_KEY, Documents
-from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, flat_inputs, path_state
+from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, flat_inputs, path_state, takes_flattened_batches
 from foundry_attn.layout import Layout
 from foundry_attn.policy import (
     AttentionUnavailableError,
@@ -432,6 +432,7 @@ def attach(
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     _refuse_unsupported(hf, backend, fa2_reference)
+    takes_flattened_batches(hf)  # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
     rows_name = built if backend_of(built) == backend and built not in REGISTERED else ROWS_NAME[backend]
     if backend == FA2 and fa2_reference and built != FA2:  # our function's stock branch installs the reference
         rows_name = PREFIX + FA2_REFERENCE

@@ -1,0 +1,106 @@
+"""The ecosystem's packed batches on an attached model: ``model(**batch)`` with a batch from transformers'
+``DataCollatorWithFlattening`` (what TRL's ``padding_free=True`` builds on) trains exactly, as each document alone,
+where stock padding-free does not (sinks, SSM state); any other call runs the model's own forward."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import DataCollatorWithFlattening
+
+from foundry_attn import conformance, zoo
+from foundry_attn.forward import FlattenedForward
+from foundry_attn.layout import flattened_lengths
+from foundry_attn.paths import attach
+from foundry_attn.proof import synthetic_documents
+
+LENGTHS = (5, 11, 3, 9)
+COLLATOR_KEYS = set(inspect.signature(DataCollatorWithFlattening.__init__).parameters)
+
+
+def _truth(stock: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Stock on each document alone: the mean loss over every target and its parameter gradients."""
+    stock.zero_grad(set_to_none=True)
+    targets = sum(d.numel() - 1 for d in docs)
+    loss = sum(F.cross_entropy(stock(input_ids=d[None]).logits[0, :-1].float(), d[1:], reduction="sum") for d in docs)
+    (loss / targets).backward()
+    return (loss / targets).item(), {n: p.grad.clone() for n, p in stock.named_parameters() if p.grad is not None}
+
+
+def _collate(docs: list[torch.Tensor], **options: bool) -> dict:
+    return DataCollatorWithFlattening(**options)([{"input_ids": d.tolist()} for d in docs])
+
+
+def _grad_err(model: torch.nn.Module, want: dict[str, torch.Tensor]) -> float:
+    return max(
+        ((p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-12)).item()
+        for n, p in model.named_parameters()
+        if n in want
+    )
+
+
+@pytest.mark.parametrize("options", ["position_ids", "cu_seq_lens", "seq_idx"])
+def test_a_flattened_batch_trains_as_each_document_alone_and_is_proven(options: str) -> None:
+    wanted = {"cu_seq_lens": "return_flash_attn_kwargs", "seq_idx": "return_seq_idx"}.get(options)
+    if wanted is not None and wanted not in COLLATOR_KEYS:
+        pytest.skip(f"DataCollatorWithFlattening has no {wanted} in transformers {transformers.__version__}")
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model)
+    docs = conformance.sample_documents()
+    state = attach(model, "sdpa")
+    batch = _collate(docs, **({wanted: True} if wanted else {}))
+    assert flattened_lengths(batch) == [d.numel() for d in docs]
+    out = model(**batch)
+    out.loss.backward()
+    loss, grads = _truth(stock, docs)
+    assert abs(out.loss.item() - loss) <= conformance.LOSS_TOL and _grad_err(model, grads) <= conformance.GRAD_TOL
+    assert out.logits.shape[:2] == batch["input_ids"].shape
+    assert [at for at, _ in state.proofs] == ["attach", "batch 1 (the first training batch)"]
+    assert state.path == "flat" and all(p.ok for _, p in state.proofs)
+
+
+@pytest.mark.parametrize(("model_type", "backend"), [("gpt_oss", "eager"), ("jamba", "sdpa"), ("jamba", "eager")])
+def test_families_whose_stock_padding_free_leaks_train_exactly_attached(model_type: str, backend: str) -> None:
+    """gpt-oss's sinks and Jamba's SSM state cross documents in stock padding-free batches; attached, the flat
+    proof fails and the documents run one per row: exact."""
+    if model_type not in zoo.model_types():
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config, model_class = zoo.tiny(model_type)
+    torch.manual_seed(0)
+    model = zoo.build(config, model_class, backend).train()
+    stock = copy.deepcopy(model)
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    batch = _collate(docs)
+    loss, grads = _truth(stock, docs)
+    with torch.no_grad():
+        leak = abs(stock(**batch).loss.item() - loss)
+    assert leak > conformance.LOSS_TOL, leak  # stock padding-free: documents see each other
+    attach(model, backend)
+    out = model(**batch)
+    out.loss.backward()
+    assert abs(out.loss.item() - loss) <= conformance.LOSS_TOL and _grad_err(model, grads) <= conformance.GRAD_TOL
+
+
+def test_other_calls_run_the_models_own_forward() -> None:
+    """A 2-D mask, plain ids, and a deep copy: the model's own forward, its signature kept for the Trainer."""
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).eval()
+    attach(model, "sdpa")
+    model.eval()
+    ids = torch.randint(1, conformance.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        assert torch.equal(
+            model(input_ids=ids, attention_mask=mask).logits, stock(input_ids=ids, attention_mask=mask).logits
+        )
+        assert torch.equal(model(input_ids=ids[:1]).logits, stock(input_ids=ids[:1]).logits)
+    assert isinstance(vars(model)["forward"], FlattenedForward)
+    assert "labels" in inspect.signature(model.forward).parameters
+    copied = copy.deepcopy(model)
+    assert copied.forward.model is copied
