@@ -5,7 +5,7 @@ foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash
 foundry-attn assets build/tiny
 foundry-attn bench padding|callbacks|compile|proof|events|train --json [--device cuda] [--quick]
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
-foundry-attn conformance [--markdown] [--family mistral] [--zoo]
+foundry-attn conformance [--markdown] [--family mistral] [--zoo | --padding-free]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
 foundry-attn report runs/ -o report/
 """
@@ -143,6 +143,8 @@ def conformance(args: argparse.Namespace) -> int:
     (``attach(model, backend)``, not strict)."""
     if args.zoo:
         return zoo_conformance(args)
+    if args.padding_free:
+        return padding_free_conformance(args)
     from foundry_attn.conformance import FAMILIES, run_all, table
 
     cells = run_all(tuple(args.family or FAMILIES))
@@ -155,6 +157,22 @@ def conformance(args: argparse.Namespace) -> int:
                 f"{c.detail or f'loss {c.loss_err:.1e}, grad {c.grad_err:.1e} (relative)'}"
             )
     return 1 if any(c.status == "WRONG" for c in cells) else 0
+
+
+def padding_free_conformance(args: argparse.Namespace) -> int:
+    """Every causal-LM type as a Trainer / TRL ``padding_free`` user meets it: stock, and attached."""
+    import collections
+
+    from foundry_attn import zoo
+    from foundry_attn.sweep import LOSS_TOL, padding_free_cell, padding_free_table
+
+    cells = [padding_free_cell(t) for t in (args.family or zoo.model_types())]
+    leaks = sum(c.stock_err is not None and c.stock_err > LOSS_TOL for c in cells)
+    ours = collections.Counter(f"exact {c.path}" if c.status == "exact" else c.status for c in cells)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(ours.items()))
+    print(f"{len(cells)} model types: stock padding-free leaks in {leaks}; attached: {counts}\n")
+    print(padding_free_table(cells))
+    return 1 if any(c.status in ("WRONG", "crash") for c in cells) else 0
 
 
 def zoo_conformance(args: argparse.Namespace) -> int:
@@ -265,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--family", action="append", help="only this family (repeatable; with --zoo: a model type)")
     p.add_argument("--zoo", action="store_true", help="every causal-LM type of this transformers (tiny configs)")
+    p.add_argument(
+        "--padding-free",
+        action="store_true",
+        help="every causal-LM type on one DataCollatorWithFlattening batch: stock, and attached (markdown)",
+    )
     p.set_defaults(func=conformance)
     p = sub.add_parser("events", help="events of a run or a tree of runs: --fell-back ranks, --summary by device")
     p.add_argument("path", help="a run's events folder, a file, or a tree of runs")

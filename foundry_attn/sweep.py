@@ -265,6 +265,90 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     return done(status, state.reason, chosen=backend, path=state.path, loss_err=loss_err, grad_err=grad_err)
 
 
+@dataclasses.dataclass(frozen=True)
+class PaddingFreeCell:
+    """One model type as a Trainer / TRL ``padding_free`` user meets it: the loss of one flattened batch
+    (``DataCollatorWithFlattening``) against each document alone, stock (``stock_err``, or why stock cannot run it)
+    and attached (``status``: ``exact`` on ``path``, ``WRONG``, ``crash``, ``unbuildable``, ``stock fails``)."""
+
+    model_type: str
+    backend: str
+    status: str
+    path: str = ""
+    stock_err: float | None = None
+    stock_error: str = ""
+    loss_err: float | None = None
+    grad_err: float | None = None
+    detail: str = ""
+
+
+def padding_free_cell(model_type: str) -> PaddingFreeCell:
+    """The model built as ``from_pretrained`` builds it (sdpa where its class has it, else eager); one flattened batch
+    of the zoo's documents through stock, then through ``attach(model, backend)`` and ``model(**batch)``."""
+    from transformers import DataCollatorWithFlattening
+
+    from foundry_attn import zoo
+    from foundry_attn.proof import synthetic_documents
+
+    try:
+        config, model_class = zoo.tiny(model_type)
+        backend = SDPA if getattr(model_class, "_supports_sdpa", False) else EAGER
+        model = _zoo_model(config, model_class, backend)
+        stock = _zoo_model(config, model_class, backend)
+    except zoo.Unbuildable as exc:
+        return PaddingFreeCell(model_type, "", "unbuildable", detail=str(exc).splitlines()[0][:200])
+    except Exception as exc:  # stock cannot build its own default here
+        return PaddingFreeCell(model_type, "", "stock fails", detail=f"{type(exc).__name__}: {exc}"[:200])
+    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
+    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
+    try:
+        truth = _zoo_truth(config, model_class, backend, docs)
+    except Exception as exc:
+        return PaddingFreeCell(model_type, backend, "stock fails", detail=f"{type(exc).__name__}: {exc}"[:200])
+    targets = sum(d.numel() - 1 for d in docs)
+    starts = list(itertools.accumulate((d.numel() for d in docs), initial=0))
+
+    def loss_of(out: Any) -> torch.Tensor:  # next-token loss from the logits (some classes' own loss is not)
+        logits = out.logits[0]
+        return torch.stack(
+            [document_loss(logits[s : s + d.numel()], d, targets) for s, d in zip(starts, docs, strict=False)]
+        ).sum()
+
+    stock_err, stock_error = None, ""
+    try:
+        with torch.no_grad():
+            stock_err = abs(loss_of(stock(**batch, use_cache=False)).item() - truth[0])
+    except Exception as exc:  # a model whose forward takes no position_ids, say
+        stock_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+    try:
+        state = attach(model, backend)
+        model.train()
+        loss = loss_of(model(**batch, use_cache=False))
+        loss.backward()
+    except Exception as exc:
+        return PaddingFreeCell(
+            model_type, backend, "crash", "", stock_err, stock_error, detail=f"{type(exc).__name__}: {exc}"[:200]
+        )
+    loss_err, grad_err = abs(loss.item() - truth[0]), grad_error(grads_of(model), truth[1])
+    status = "exact" if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL else "WRONG"
+    return PaddingFreeCell(
+        model_type, backend, status, state.path, stock_err, stock_error, loss_err, grad_err, state.reason[:200]
+    )
+
+
+def padding_free_table(cells: list[PaddingFreeCell]) -> str:
+    """Markdown: per model type, stock padding-free against each document alone, and ours attached."""
+    lines = ["| model type | backend | stock padding-free | attached |", "| --- | --- | --- | --- |"]
+    for c in cells:
+        if c.stock_err is not None:
+            stock = "exact" if c.stock_err <= LOSS_TOL else f"**leaks**: loss {c.stock_err:.1e} off"
+        else:
+            stock = f"fails: {c.stock_error}".replace("|", "/") if c.stock_error else ""
+        ours = f"exact {c.path}" if c.status == "exact" else f"{c.status}: {c.detail}".replace("|", "/")[:160]
+        lines.append(f"| {c.model_type} | {c.backend} | {stock} | {ours} |")
+    return "\n".join(lines)
+
+
 def run_zoo(
     model_types: tuple[str, ...] | None = None,
     backends: tuple[str, ...] = ZOO_BACKENDS,
