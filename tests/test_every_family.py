@@ -88,7 +88,7 @@ def test_a_leak_after_the_build_moves_the_registered_model_to_rows(tmp_path: Pat
     first training batch, before that batch trains: the decision, its event and the path say rows, and why."""
     from transformers.modeling_utils import AttentionInterface
 
-    from foundry_attn.events import read_events
+    from .conftest import read_events
 
     model = _build(_model_dir(tmp_path, "llama"), tmp_path, attn_implementation="sdpa")
     assert model.attn_decision.path == "flat"

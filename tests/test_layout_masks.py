@@ -57,7 +57,8 @@ def test_real_indices_and_positions() -> None:
     assert LAYOUT.position_ids().tolist() == [[0, 1, 0, 0], [0, 1, 2, 0], [0, 1, 2, 3]]
     hidden = torch.arange(12.0).reshape(3, 4)
     assert hidden.flatten()[idx].tolist() == [0.0, 1.0, 2.0, 4.0, 5.0, 6.0]
-    assert Layout(((4,), (2, 2)), 4).fill_ratio == 1.0
+    full = Layout(((4,), (2, 2)), 4)
+    assert full.real_tokens == full.rows * full.width
 
 
 def test_left_padded_mask() -> None:

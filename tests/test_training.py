@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from foundry_attn.capability import probe
-from foundry_attn.events import read_events
 from foundry_attn.policy import AttentionUnavailableError
 
-from .conftest import REPO
+from .conftest import REPO, read_events
 
 pytestmark = pytest.mark.foundry  # composer train.py and the registry
 
