@@ -224,18 +224,21 @@ class FlattenedForward:
         return inspect.signature(type(self.model).forward.__get__(self.model))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model = self.model
-        inner = type(model).forward.__get__(model)
-        lengths = None if args or DOCS_KEY in kwargs else flattened_lengths(kwargs)
+        model, forward = self.model, type(self.model).forward  # no bound method made: nothing for Dynamo to guard
+        if args or DOCS_KEY in kwargs:  # ours (flat inputs) or a positional call: the model's own forward
+            return forward(model, *args, **kwargs)
+        lengths = flattened_lengths(kwargs)
         if lengths is None:
-            return inner(*args, **kwargs)
+            return forward(model, **kwargs)
         batch: dict[str, Any] = {"input_ids": kwargs["input_ids"], "doc_lens": [lengths]}
         for key in ("labels", "position_ids"):
             if kwargs.get(key) is not None:
                 batch[key] = kwargs[key]
         extra = {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
         prepared = prepare_documents(model, batch, in_step=not torch.compiler.is_compiling())
-        out, prepared = run_prepared(lambda inputs: inner(**inputs, use_cache=False, **extra), model, batch, prepared)
+        out, prepared = run_prepared(
+            lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, batch, prepared
+        )
         return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
 
 

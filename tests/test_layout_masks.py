@@ -9,6 +9,11 @@ import torch.nn.functional as F
 from foundry_attn.layout import Layout
 from foundry_attn.packing import PaddingCollator
 
+
+def _bounds(lengths: list[int]) -> list[int]:
+    return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+
+
 LAYOUT = Layout(((2, 1), (3,), ()), 4)  # row 0: two documents + 1 pad; row 1: one + 1 pad; row 2: all padding
 
 
@@ -39,7 +44,7 @@ def test_from_batch_attention_mask() -> None:
 
 def test_from_batch_plain_input_ids() -> None:
     layout = Layout.from_batch({"input_ids": torch.zeros(2, 5, dtype=torch.long)})
-    assert layout.doc_lens == ((5,), (5,)) and layout.fill_ratio == 1.0
+    assert layout.doc_lens == ((5,), (5,)) and layout.real_tokens == layout.rows * layout.width
     assert torch.equal(layout.position_ids(), torch.arange(5).expand(2, 5))
 
 
@@ -47,7 +52,7 @@ def test_properties() -> None:
     assert LAYOUT.rows == 3 and LAYOUT.lengths == [2, 1, 3]
     assert LAYOUT.bounds() == [0, 2, 3, 6]
     assert LAYOUT.real_tokens == 6 and LAYOUT.max_length == 3
-    assert LAYOUT.fill_ratio == 0.5
+    assert LAYOUT.real_tokens / (LAYOUT.rows * LAYOUT.width) == 0.5
     assert Layout((), 4).max_length == 0
 
 
@@ -90,7 +95,7 @@ def test_adapters_match_each_document_alone(backend: str, window: int | None) ->
     from foundry_attn.adapters import FUNCTIONS
     from foundry_attn.documents import Documents
 
-    docs = Documents.from_lengths([5, 1, 8, 2])
+    docs = Documents.of(_bounds([5, 1, 8, 2]))
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 16, 8, generator=gen)
     k, v = torch.randn(1, 2, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen)
@@ -126,9 +131,9 @@ def test_block_masks_cached_per_documents_window_and_device() -> None:
     from foundry_attn.block_masks import BLOCK_MASKS
     from foundry_attn.documents import Documents
 
-    docs = Documents.from_lengths([3, 4])
+    docs = Documents.of(_bounds([3, 4]))
     first = BLOCK_MASKS.get(docs, None, torch.device("cpu"))
-    assert BLOCK_MASKS.get(Documents.from_lengths([3, 4]), None, torch.device("cpu")) is first
+    assert BLOCK_MASKS.get(Documents.of(_bounds([3, 4])), None, torch.device("cpu")) is first
     assert BLOCK_MASKS.get(docs, 2, torch.device("cpu")) is not first
 
 
