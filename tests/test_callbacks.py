@@ -366,6 +366,7 @@ def test_trainer_missing_symbol_said_once_and_training_goes_on(
     trainer.close()
 
 
+@pytest.mark.foundry
 def test_the_inspectors_old_key_names_still_work_with_a_warning() -> None:
     from foundry_attn.callbacks.attention_inspector import AttentionInspector
 
