@@ -50,8 +50,9 @@ class StepProof(Protocol):
         """Around the training forward."""
         ...
 
-    def settle(self, out: Any) -> bool:
-        """Prove on the forward's ``out`` (None: it raised); whether the flat forward stands (False: rows now)."""
+    def settle(self, out: Any, error: BaseException | None = None) -> bool:
+        """Prove on the forward's ``out`` (or the ``error`` it raised); whether the flat forward stands (False: rows
+        now, the batch runs again there)."""
         ...
 
 
@@ -138,8 +139,8 @@ def _proven(
     try:
         with proof.capturing():
             out = forward(prepared.inputs)
-    except Exception:
-        if proof.settle(None):  # the flat path holds: the error is the forward's own
+    except Exception as exc:  # the flat row does not run in training: rows, where the batch runs again
+        if proof.settle(None, exc):
             raise
     else:
         if proof.settle(out):

@@ -340,8 +340,10 @@ class PathState:
 class StepProof:
     """A proof due on a training batch that takes the batch's own forward as its packed side, so the flat row runs
     once: :func:`foundry_attn.forward.forward_documents` runs the forward inside :meth:`capturing`, then
-    :meth:`settle`. A failure there is judged again by the full proof (its own forward in eval mode): it decides,
-    and a difference only training mode shows moves the run to rows too."""
+    :meth:`settle`. A difference there is judged again by the full proof (its own forward in eval mode): it decides,
+    and a difference only training mode shows moves the run to rows too. A training forward that raises on the flat
+    row (a model's own loss reading the mask, a layer refusing an argument) moves the run to rows, where the batch
+    runs again: never worse than stock."""
 
     state: PathState
     hf: Any
@@ -358,10 +360,16 @@ class StepProof:
             self.captured = captured
             yield
 
-    def settle(self, out: Any) -> bool:
-        """Prove on the forward's ``out`` (None: the forward raised); whether the batch's flat forward stands
+    def settle(self, out: Any, error: BaseException | None = None) -> bool:
+        """Prove on the forward's ``out`` (or the ``error`` it raised); whether the batch's flat forward stands
         (False: the run is on rows now and the batch runs again there)."""
         state, hf = self.state, self.hf
+        if error is not None:
+            text = str(error).strip().splitlines()
+            reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
+            failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1])
+            state._judge(hf, self.inputs, self.at, failed, self.grads, self.own_positions)
+            return state.path == FLAT
         proof = None
         if out is not None:
             proof = prove_step(

@@ -5,7 +5,10 @@ where stock padding-free does not (sinks, SSM state); any other call runs the mo
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import DataCollatorWithFlattening
 
-from foundry_attn import conformance, zoo
+from foundry_attn import conformance, sweep, zoo
 from foundry_attn.forward import FlattenedForward
 from foundry_attn.layout import flattened_lengths
 from foundry_attn.paths import attach
@@ -104,3 +107,28 @@ def test_other_calls_run_the_models_own_forward() -> None:
     assert "labels" in inspect.signature(model.forward).parameters
     copied = copy.deepcopy(model)
     assert copied.forward.model is copied
+
+
+TRAINER_DOC = Path(__file__).parents[1] / "docs" / "trainer.md"
+
+
+@functools.cache
+def _documented() -> dict[str, tuple[str, str]]:
+    """``docs/trainer.md``'s table for this transformers: model type -> (stock padding-free, attached), each the
+    outcome its cell opens with."""
+    section = TRAINER_DOC.read_text().split(f"### transformers {transformers.__version__},", 1)
+    assert len(section) == 2, f"docs/trainer.md has no section for transformers {transformers.__version__}"
+    rows = [line for line in section[1].split("\n### ", 1)[0].splitlines() if line.startswith("| ")][2:]
+    opens = [[re.sub(r"\*\*", "", c.strip()).split(":", 1)[0] for c in line.strip("|").split("|")] for line in rows]
+    return {cells[0]: (cells[2], cells[3]) for cells in opens}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", zoo.model_types())
+def test_every_model_type_trains_padding_free_exactly_attached(model_type: str) -> None:
+    """``foundry-attn conformance --padding-free``, cell by cell: attached, never wrong and never a crash; stock's
+    leak and ours as docs/trainer.md says (regenerate it when this moves)."""
+    cell = sweep.padding_free_cell(model_type)
+    assert cell.status in ("exact", "refused", "stock differs", "unbuildable", "stock fails"), cell
+    stock, ours = sweep.padding_free_labels(cell)
+    assert _documented().get(model_type) == (stock, ours), (model_type, stock, ours, cell.detail)
