@@ -434,3 +434,22 @@ def test_a_leak_only_training_mode_shows_is_caught_on_its_batch() -> None:
     errors = _train(model, stock, [_batch(0), _batch(1)], leak, 0)
     assert _exact(errors), errors
     assert state.path == "rows" and "proof at batch 1 (the first training batch), in training mode" in state.reason
+
+
+def test_a_flat_row_that_raises_in_training_moves_the_batch_to_rows() -> None:
+    """A model whose training forward fails on the flat row (as Gemma3's own loss does, reading the mask): the
+    batch runs again on rows, exactly, and the run stays there."""
+    from foundry_attn.documents import is_placeholder
+
+    model = conformance.build("llama", "sdpa")
+    stock = copy.deepcopy(model).train()
+    state = attach(model, "sdpa")
+
+    def refuse_flat_in_training(module, args, kwargs):
+        if module.training and is_placeholder(kwargs.get("attention_mask")):
+            raise IndexError("too many indices for tensor of dimension 3")
+
+    model.model.register_forward_pre_hook(refuse_flat_in_training, with_kwargs=True)
+    errors = _train(model, stock, [_batch(0), _batch(1)])
+    assert _exact(errors), errors
+    assert state.path == "rows" and "does not run in training: IndexError" in state.reason, state.reason
