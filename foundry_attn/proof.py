@@ -220,6 +220,8 @@ def step_blocker(model: Any) -> str | None:
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
     if getattr(hf, "is_gradient_checkpointing", False):
         return "HF gradient checkpointing"
+    if not passes_kwargs(hf):  # the documents cannot reach attention: the proof says so without a training forward
+        return "its base model's forward takes no **kwargs"
     if not hasattr(hf, "get_input_embeddings") or hf.get_input_embeddings() is None:
         return "no input embedding module"
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
