@@ -121,6 +121,31 @@ def _zoo_stock_rows(
     return loss.item(), grads_of(model)
 
 
+def _outcome(
+    loss: float,
+    grad: torch.Tensor,
+    truth: tuple[float, torch.Tensor],
+    path: str,
+    built: tuple[Any, type, str, list[torch.Tensor]],
+) -> tuple[str, float, float]:
+    """``exact`` or ``WRONG`` against each document alone, or ``stock differs`` where a rows result that is not
+    exact equals stock's own padded rows (``built``: config, class, backend, documents); with the loss and
+    gradient errors."""
+    loss_err, grad_err = abs(loss - truth[0]), grad_error(grad, truth[1])
+    if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL:
+        return "exact", loss_err, grad_err
+    if path == "rows":
+        rows_loss, rows_grad = _zoo_stock_rows(*built)
+        if abs(loss - rows_loss) <= LOSS_TOL and grad_error(grad, rows_grad) <= GRAD_TOL:
+            return "stock differs", loss_err, grad_err
+    return "WRONG", loss_err, grad_err
+
+
+def _default_backend(model_class: type) -> str:
+    """What ``from_pretrained`` builds: sdpa where the class has it, else eager."""
+    return SDPA if getattr(model_class, "_supports_sdpa", False) else EAGER
+
+
 def _zoo_ours(model: Any, docs: list[torch.Tensor]) -> float:
     """Ours on the packed batch (no labels: the loss is :func:`document_loss` on the re-padded logits)."""
     batch = collated(docs, "pack")
@@ -193,15 +218,10 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
             loss = _zoo_ours(model, docs)
     except Exception as exc:
         return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
-    grad = grads_of(model)
-    loss_err = abs(loss - want_loss)
-    grad_err = grad_error(grad, want_grad)
-    ok = loss_err <= LOSS_TOL and grad_err <= GRAD_TOL
-    status = "exact" if ok else "WRONG"
-    if not ok and state.path == "rows":  # is it stock's own padded rows that differ from each document alone?
-        rows_loss, rows_grad = _zoo_stock_rows(config, model_class, backend, docs)
-        if abs(loss - rows_loss) <= LOSS_TOL and grad_error(grad, rows_grad) <= GRAD_TOL:
-            status = "stock differs"
+    truth = (want_loss, want_grad)
+    status, loss_err, grad_err = _outcome(
+        loss, grads_of(model), truth, state.path, (config, model_class, backend, docs)
+    )
     return done(
         status,
         state.reason,
@@ -231,8 +251,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
 
     try:
         config, model_class = zoo.tiny(model_type)
-        built = SDPA if getattr(model_class, "_supports_sdpa", False) else EAGER
-        model = _zoo_model(config, model_class, built)
+        model = _zoo_model(config, model_class, _default_backend(model_class))
     except zoo.Unbuildable as exc:
         return done("unbuildable", str(exc))
     except Exception as exc:  # stock cannot build its own default here
@@ -255,13 +274,8 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
         return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
     if truth is None:
         return done("crash" if ours else "stock fails", stock_error, chosen=backend, path=state.path)
-    grad = grads_of(model)
-    loss_err, grad_err = abs(loss - truth[0]), grad_error(grad, truth[1])
-    status = "exact" if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL else "WRONG"
-    if status == "WRONG" and state.path == "rows":
-        rows_loss, rows_grad = _zoo_stock_rows(config, model_class, backend, docs)
-        if abs(loss - rows_loss) <= LOSS_TOL and grad_error(grad, rows_grad) <= GRAD_TOL:
-            status = "stock differs"
+    built = (config, model_class, backend, docs)
+    status, loss_err, grad_err = _outcome(loss, grads_of(model), truth, state.path, built)
     return done(status, state.reason, chosen=backend, path=state.path, loss_err=loss_err, grad_err=grad_err)
 
 
@@ -294,7 +308,7 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
 
     try:
         config, model_class = zoo.tiny(model_type)
-        backend = SDPA if getattr(model_class, "_supports_sdpa", False) else EAGER
+        backend = _default_backend(model_class)
         model = _zoo_model(config, model_class, backend)
         stock = _zoo_model(config, model_class, backend)
     except zoo.Unbuildable as exc:
@@ -334,13 +348,8 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
         status = "crash" if raised_by_us(exc) or not stock_error else "stock fails"
         detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         return PaddingFreeCell(model_type, backend, status, "", stock_err, stock_error, detail=detail)
-    grad = grads_of(model)
-    loss_err, grad_err = abs(loss.item() - truth[0]), grad_error(grad, truth[1])
-    status = "exact" if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL else "WRONG"
-    if status == "WRONG" and state.path == "rows":  # as stock's own padded rows, which differ from each alone
-        rows_loss, rows_grad = _zoo_stock_rows(config, model_class, backend, docs)
-        if abs(loss.item() - rows_loss) <= LOSS_TOL and grad_error(grad, rows_grad) <= GRAD_TOL:
-            status = "stock differs"
+    built = (config, model_class, backend, docs)
+    status, loss_err, grad_err = _outcome(loss.item(), grads_of(model), truth, state.path, built)
     return PaddingFreeCell(
         model_type, backend, status, state.path, stock_err, stock_error, loss_err, grad_err, state.reason[:200]
     )
