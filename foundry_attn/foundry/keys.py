@@ -19,8 +19,8 @@ unknown path.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from foundry_attn.deprecation import renamed_key
 from foundry_attn.paths import AUTO as AUTO_PATH
@@ -28,8 +28,6 @@ from foundry_attn.paths import PROOF_INTERVAL, check_path
 from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, FA2, validate_names
 
 RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")
-#: old name -> new name, read with a FutureWarning (:func:`foundry_attn.deprecation.renamed_key`)
-RENAMED = {"attn_isolation_check": "attn_prove_at_build"}
 OWNER = "foundry_attn_causal_lm"
 
 
@@ -72,17 +70,11 @@ class AttnKeys:
         fa2_reference_kernel: bool = False,
         attn_rank_overrides: Mapping | None = None,
         use_flash_attention_2: bool = False,
-        renamed: Mapping[str, Any] | None = None,
+        attn_isolation_check: bool | None = None,  # renamed attn_prove_at_build: read, with a warning
     ) -> AttnKeys:
-        """The keys as the model got them (``renamed``: the values given under an old name, popped from the rest)."""
-        old = dict(renamed or {})
+        """The keys as the model got them; :data:`KEYS` names them, the model passes on the rest."""
         prove_at_build = renamed_key(
-            OWNER,
-            "attn_isolation_check",
-            "attn_prove_at_build",
-            old.get("attn_isolation_check"),
-            attn_prove_at_build,
-            True,
+            OWNER, "attn_isolation_check", "attn_prove_at_build", attn_isolation_check, attn_prove_at_build, True
         )
         override = rank_override(attn_rank_overrides, rank)
         requested = override.get("attn_implementation", attn_implementation) or AUTO
@@ -99,3 +91,7 @@ class AttnKeys:
             bool(prove_at_build),
             bool(fa2_reference_kernel),
         )
+
+
+#: the model keys :meth:`AttnKeys.parse` takes (every other key of the model goes on to ``hf_causal_lm``)
+KEYS: tuple[str, ...] = tuple(inspect.signature(AttnKeys.parse).parameters)[1:]

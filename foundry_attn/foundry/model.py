@@ -48,13 +48,10 @@ from foundry_attn.capability import probe
 from foundry_attn.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.forward import ROWS, Prepared, finish_documents, has_layout, prepare_documents, run_prepared
-from foundry_attn.foundry.keys import RENAMED, AttnKeys
+from foundry_attn.foundry.keys import KEYS, AttnKeys
 from foundry_attn.loading import decide, load_name, model_class_for
-from foundry_attn.paths import AUTO as AUTO_PATH
-from foundry_attn.paths import PROOF_INTERVAL, PathState, attach
+from foundry_attn.paths import PathState, attach
 from foundry_attn.policy import (
-    AUTO,
-    DEFAULT_FALLBACK,
     FA2,
     AttentionUnavailableError,
     Decision,
@@ -72,35 +69,12 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self,
         tokenizer: Any,
         pretrained_model_name_or_path: str,
-        attn_implementation: str | None = AUTO,
-        attn_fallback: list[str] | tuple[str, ...] = DEFAULT_FALLBACK,
-        attn_strict: bool = False,
-        attn_compute_dtype: str = "auto",
         events_dir: str | None = None,
-        fa2_reference_kernel: bool = False,
-        attn_prove_at_build: bool = True,
-        attn_path: str = AUTO_PATH,
-        attn_proof_interval: int = PROOF_INTERVAL,
-        attn_rank_overrides: dict | None = None,
-        use_flash_attention_2: bool = False,
         **kwargs: Any,
     ) -> None:
         rank = dist.get_global_rank()
-        renamed = {old: kwargs.pop(old) for old in RENAMED if old in kwargs}
-        keys = AttnKeys.parse(
-            rank,
-            attn_implementation,
-            attn_fallback,
-            attn_strict,
-            attn_compute_dtype,
-            attn_path,
-            attn_proof_interval,
-            attn_prove_at_build,
-            fa2_reference_kernel,
-            attn_rank_overrides,
-            use_flash_attention_2,
-            renamed,
-        )
+        # the attention keys (foundry.keys.KEYS, their defaults there) parsed once; the rest is hf_causal_lm's
+        keys = AttnKeys.parse(rank, **{key: kwargs.pop(key) for key in KEYS if key in kwargs})
         self.attn_keys = keys
         cap = probe()
         launch = [uuid.uuid4().hex[:12]]  # one id for every rank of this launch: rank 0's
