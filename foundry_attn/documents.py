@@ -54,10 +54,10 @@ class Documents:
 
     def bounds_on(self, device: torch.device | str) -> torch.Tensor:
         """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there)."""
-        if self.device_bounds is not None and self.device_bounds.device == torch.device(device):
-            return self.device_bounds
-        if self.host_bounds is not None and torch.device(device).type == "cpu":
-            return self.host_bounds
+        device = torch.device(device)
+        for made in (self.device_bounds, self.host_bounds):
+            if made is not None and made.device == device:
+                return made
         return torch.tensor(self.bounds, dtype=torch.int32, device=device)
 
     def document_ids(self, device: torch.device) -> torch.Tensor:
