@@ -165,6 +165,13 @@ def _compiled(
 # ---- sdpa and eager: one call per document ----------------------------------------------------------------
 
 
+def per_document(docs: Documents, *tensors: torch.Tensor) -> zip:
+    """Each document's ``[B, H, n, D]`` piece of every tensor, as ``(q, k, v)`` per document. ``torch.split``, not
+    a slice per document: its backward writes each gradient once into one tensor, where a slice's backward fills
+    a zero tensor of the whole row per document (a backward quadratic in the number of documents)."""
+    return zip(*(t.split(docs.lengths, dim=2) for t in tensors), strict=True)
+
+
 def sdpa_documents(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -191,8 +198,8 @@ def sdpa_documents(
     else:
         out = torch.cat(
             [
-                sdpa_document(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], sliding_window, scaling, dropout)
-                for s, e in docs.spans
+                sdpa_document(q, k, v, sliding_window, scaling, dropout)
+                for q, k, v in per_document(docs, query, key, value)
             ],
             dim=2,
         )
@@ -250,17 +257,8 @@ def eager_documents(
         scale = _scale(query, scaling)
         out = torch.cat(
             [
-                eager_document(
-                    query[:, :, s:e],
-                    key[:, :, s:e],
-                    value[:, :, s:e],
-                    sliding_window,
-                    scale,
-                    softcap,
-                    dropout,
-                    module.training,
-                )
-                for s, e in docs.spans
+                eager_document(q, k, v, sliding_window, scale, softcap, dropout, module.training)
+                for q, k, v in per_document(docs, query, key, value)
             ],
             dim=2,
         )

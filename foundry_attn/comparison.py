@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -159,6 +160,26 @@ def embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
+#: one call of a plain ``nn.Linear`` output layer: its input, its output and its weight
+HeadCall = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@contextlib.contextmanager
+def head_calls(hf: Any, grads: bool) -> Iterator[list[HeadCall]]:
+    """The calls of the model's output layer in the block, where it is a plain ``nn.Linear`` (no adapter, no
+    quantised subclass): :func:`documents_grad` carries the loss's gradient through it on the compared rows."""
+    calls: list[HeadCall] = []
+    module = hf.get_output_embeddings() if grads and hasattr(hf, "get_output_embeddings") else None
+    if type(module) is not torch.nn.Linear:
+        yield calls
+        return
+    handle = module.register_forward_hook(lambda m, args, out: calls.append((args[0], out, m.weight)))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids."""
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
@@ -167,6 +188,36 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits."""
     return torch.stack([next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
+
+
+def documents_grad(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    embeds: torch.Tensor,
+    head: Sequence[HeadCall] = (),
+    retain_graph: bool = False,
+) -> torch.Tensor:
+    """The gradient of :func:`documents_loss` (the documents at ``spans`` of one row: ``[1, tokens, vocab]``
+    ``logits``, ``[tokens]`` ``ids``) with respect to the input embeddings ``embeds`` ``[1, tokens, hidden]``.
+    The loss's gradient is taken on the documents' rows alone and, where the logits are the output of a plain
+    linear output layer (``head``, :func:`head_calls`), carried through it on those rows: the same gradient, with
+    no ``[tokens, vocab]`` backward for the rows outside the documents."""
+    index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
+    rows = logits[0, index].detach().requires_grad_()
+    local = list(itertools.pairwise(itertools.accumulate((e - s for s, e in spans), initial=0)))
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(documents_loss(rows, ids[index], local), rows)
+    call = next((c for c in head if c[1] is logits and c[0].shape[:2] == logits.shape[:2]), None)
+    if call is None:
+        start, upstream = logits, torch.zeros_like(logits)
+        upstream[0, index] = grad.to(logits.dtype)
+    else:
+        start, weight = call[0], call[2]
+        upstream = torch.zeros_like(start)
+        upstream[0, index] = (grad.to(weight.dtype) @ weight).to(start.dtype)
+    (out,) = torch.autograd.grad(start, embeds, upstream, retain_graph=retain_graph)
+    return out[0]
 
 
 @dataclasses.dataclass
@@ -179,13 +230,11 @@ class Run:
 
 
 def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
-    ids = inputs["input_ids"][0]
-    with embeddings(hf, grads) as captured:
-        logits = hf(**inputs, use_cache=False).logits[0]
+    with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
+        logits = hf(**inputs, use_cache=False).logits
     if not (grads and captured and captured[0].requires_grad):
-        return Run(logits.detach())
-    (grad,) = torch.autograd.grad(documents_loss(logits, ids, spans), captured[0])
-    return Run(logits.detach(), grad[0])
+        return Run(logits[0].detach())
+    return Run(logits[0].detach(), documents_grad(logits, inputs["input_ids"][0], spans, captured[0], head))
 
 
 def training_noise(hf: Any) -> str | None:

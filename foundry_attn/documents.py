@@ -49,8 +49,12 @@ class Documents:
         return list(itertools.pairwise(self.bounds))
 
     @functools.cached_property
+    def lengths(self) -> list[int]:
+        return [e - s for s, e in self.spans]
+
+    @functools.cached_property
     def max_length(self) -> int:
-        return max((e - s for s, e in self.spans), default=0)
+        return max(self.lengths, default=0)
 
     def bounds_on(self, device: torch.device | str) -> torch.Tensor:
         """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there)."""

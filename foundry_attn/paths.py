@@ -47,7 +47,7 @@ from foundry_attn.backends import (
     backend_of,
     set_implementation,
 )
-from foundry_attn.comparison import embeddings
+from foundry_attn.comparison import HeadCall, embeddings, head_calls
 from foundry_attn.documents import DOCS_KEY, Documents
 from foundry_attn.forward import FLAT, PATH_ATTR, ROWS, flat_inputs, path_state, takes_flattened_batches
 from foundry_attn.layout import Layout
@@ -63,7 +63,6 @@ from foundry_attn.proof import (
     prove_flat,
     prove_rows,
     prove_step,
-    shortest_window,
     step_blocker,
     synthetic_documents,
 )
@@ -188,7 +187,7 @@ class PathState:
             hf,
             inputs,
             TRUTH[self.backend],
-            pick(inputs[DOCS_KEY], shortest_window(hf.config)),
+            pick(inputs[DOCS_KEY]),
             reference=self.reference,
             grads=grads,
             own_positions=own_positions,
@@ -217,7 +216,7 @@ class PathState:
         """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.proof.prove_rows`). A failure is
         said, once, and not refused: stock's own padded batches train the same (never worse than stock)."""
         hf = unwrapped(model)
-        compare = pick(inputs[DOCS_KEY], shortest_window(hf.config))
+        compare = pick(inputs[DOCS_KEY])
         proof = prove_rows(
             hf,
             inputs,
@@ -352,12 +351,13 @@ class StepProof:
     grads: bool
     own_positions: bool
     captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    head: list[HeadCall] = dataclasses.field(default_factory=list)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around the training forward: its input embeddings, for the gradient part."""
-        with embeddings(self.hf, self.grads) as captured:
-            self.captured = captured
+        """Around the training forward: its input embeddings and output layer's calls, for the gradient part."""
+        with embeddings(self.hf, self.grads) as captured, head_calls(self.hf, self.grads) as head:
+            self.captured, self.head = captured, head
             yield
 
     def settle(self, out: Any, error: BaseException | None = None) -> bool:
@@ -378,7 +378,8 @@ class StepProof:
                 out,
                 self.captured,
                 TRUTH[state.backend],
-                pick(self.inputs[DOCS_KEY], shortest_window(hf.config)),
+                pick(self.inputs[DOCS_KEY]),
+                head=self.head,
                 reference=state.reference,
                 grads=self.grads,
                 own_positions=self.own_positions,

@@ -36,10 +36,12 @@ import torch
 
 from foundry_attn.backends import config_value, set_implementation
 from foundry_attn.comparison import (
+    HeadCall,
     Limits,
     Run,
     against_alone,
     alone_inputs,
+    documents_grad,
     documents_loss,
     embeddings,
     evaluating,
@@ -112,16 +114,21 @@ def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
     return max(first, 9), 13
 
 
-def pick(docs: Documents, window: int | None = None) -> tuple[int, int]:
-    """The two documents of a flat row to run alone: the last (the one most exposed to what precedes it, ending at
-    the row's full length) and the longest other (longer than ``window`` when one is). A row of one document runs
-    it twice: always two forwards alone, so FSDP ranks proving the same batch all-gather the same number of times."""
-    lengths = [e - s for s, e in docs.spans]
+def pick(docs: Documents) -> tuple[int, int]:
+    """The two documents of a flat row to run alone: the longest (the length a kernel picks its code path by,
+    past a window where any document is) and the last (the most exposed to what precedes it, ending at the row's
+    full length); where the last is the longest, the shortest other of two tokens or more (another place in the
+    row, at the least cost). A row of one document runs it twice: always two forwards alone, so FSDP ranks
+    proving the same batch all-gather the same number of times."""
+    lengths = docs.lengths
     last = len(lengths) - 1
     if last == 0:
         return 0, 0
-    others = sorted(range(last), key=lambda i: -lengths[i])
-    return next((i for i in others if window and lengths[i] > window), others[0]), last
+    longest = max(range(last + 1), key=lambda i: (lengths[i], i))
+    if longest != last:
+        return longest, last
+    others = [i for i in range(last) if lengths[i] > 1] or list(range(last))
+    return min(others, key=lambda i: lengths[i]), last
 
 
 @contextlib.contextmanager
@@ -187,14 +194,16 @@ def prove_step(
     stock: str,
     compare: Sequence[int] | None = None,
     *,
+    head: Sequence[HeadCall] = (),
     reference: bool = False,
     grads: bool = True,
     own_positions: bool = False,
 ) -> Proof:
     """:func:`prove_flat` with the batch's own training forward as the packed side: ``out`` is what the model
-    returned for ``inputs`` (the flat row, in training mode) and ``captured`` its input embeddings
-    (:func:`embeddings`). With ``grads`` the compared documents' loss is differentiated through the training graph,
-    which is kept for the training backward. Only the documents alone run here: the forward is paid once.
+    returned for ``inputs`` (the flat row, in training mode), ``captured`` its input embeddings
+    (:func:`embeddings`) and ``head`` its output layer's calls (:func:`head_calls`). With ``grads`` the compared
+    documents' loss is differentiated through the training graph (:func:`documents_grad`), which is kept for the
+    training backward. Only the documents alone run here: the forward is paid once.
     Valid where training mode computes what eval mode does (:func:`step_blocker`)."""
 
     def packed(hf: Any, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
@@ -205,9 +214,8 @@ def prove_step(
             return None, "the training forward returned no logits for the flat row"
         if not (grads and captured and captured[0].requires_grad and logits.requires_grad):
             return Run(logits[0].detach()), ""
-        loss = documents_loss(logits[0], inputs["input_ids"][0], spans)
-        (grad,) = torch.autograd.grad(loss, captured[0], retain_graph=True)
-        return Run(logits[0].detach(), grad[0]), ""
+        grad = documents_grad(logits, inputs["input_ids"][0], spans, captured[0], head, retain_graph=True)
+        return Run(logits[0].detach(), grad), ""
 
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, packed)
 
