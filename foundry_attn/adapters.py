@@ -72,6 +72,7 @@ IGNORED_KWARGS = frozenset(
         "max_length_k",
         "position_embeddings",
         "attn_implementation",
+        "num_items_in_batch",  # the Trainer's loss normaliser (transformers 5.x passes it down to attention)
     )
 )
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 
+from foundry_attn import fa2_reference
 from foundry_attn.comparison import proving
 from foundry_attn.patching import Patch, original, patch_attribute  # noqa: F401 - original is re-exported
 
@@ -406,3 +408,31 @@ class FlashCallTracer:
 def symbol_label(symbols: FlashSymbols, role: str) -> str:
     """A short human name for a role in this transformers, e.g. ``_upad_input``."""
     return symbols.found.get(role) or f"{CANDIDATES[role][0]} (missing)"
+
+
+def is_flash(impl: str | None) -> bool:
+    """Implementations that run transformers' flash-attention utilities (FA2, FA3, flash kernels)."""
+    return impl is not None and "flash" in impl
+
+
+def short_list(values: list[int] | None, keep: int = 8) -> str:
+    if values is None:
+        return "-"
+    if len(values) <= keep:
+        return str(values)
+    head = ", ".join(map(str, values[: keep - 2]))
+    return f"[{head}, ..., {values[-1]}] ({len(values)} entries)"
+
+
+def is_reference(symbols: FlashSymbols) -> bool:
+    """The varlen kernel that ``symbols`` names is the pure-PyTorch reference (installed in flash-attn's place)."""
+    name = symbols.found.get(VARLEN)
+    if name is None or name.startswith(LAZY_IMPORT):
+        return False
+    try:
+        fn = vars(importlib.import_module(symbols.module_of(VARLEN))).get(name)
+    except Exception:  # the kernel's module went away: not the reference
+        return False
+    if not callable(fn):
+        return False
+    return getattr(inspect.unwrap(fn), "__module__", None) == fa2_reference.__name__

@@ -41,6 +41,7 @@ __all__ = [
     "MODEL",
     "BatchInfo",
     "ModelInspector",
+    "summarize",
 ]
 
 MODEL, LAYER, ATTENTION = "model", "layer", "attention"
@@ -233,7 +234,7 @@ class ModelInspector:
         self.records: list[dict[str, Any]] = []
         self._handles: list[Any] = []
         self._done = False
-        self._batch = BatchInfo()
+        self.batch = BatchInfo()
         self._masks: dict[tuple[int, int, bool], tuple[Any, Any, dict[str, Any]]] = {}
         self._positions: dict[tuple[int, int], tuple[Any, Any, int | None]] = {}
 
@@ -250,7 +251,7 @@ class ModelInspector:
     def arm(self, batch: BatchInfo | None = None) -> None:
         self.disarm()
         self.records, self._done, self._masks, self._positions = [], False, {}, {}
-        self._batch = batch or BatchInfo()
+        self.batch = batch or BatchInfo()
         for level, index, name, module in self.targets():
             hook = functools.partial(self._pre, level, index, name)
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -325,8 +326,8 @@ class ModelInspector:
             real, source = mask_real, "mask"
         elif isinstance(cu, torch.Tensor) and cu.numel():
             real, source = int(cu[-1]), "cu_seq_lens"
-        elif rows_width is not None and rows_width == self._batch.shape and self._batch.real_tokens is not None:
-            real, source = self._batch.real_tokens, "batch"
+        elif rows_width is not None and rows_width == self.batch.shape and self.batch.real_tokens is not None:
+            real, source = self.batch.real_tokens, "batch"
         else:
             real, source = positions, "assumed"
         restarts = self._restarts(arguments.get("position_ids"), mask)
@@ -343,3 +344,34 @@ class ModelInspector:
             }
         )
         return rec
+
+
+def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> dict[str, float]:
+    """The ``attn/*`` metrics of one forward's records (see :class:`AttentionInspector` for each key); the
+    ``attn/mask_*_modules`` keys count attention modules by the mask they were given."""
+    attn = [r for r in records if r["level"] == ATTENTION and "error" not in r]
+    model = next((r for r in records if r["level"] == MODEL and "error" not in r), None)
+    out: dict[str, float] = {
+        "attn/inspected_modules": float(len(records)),
+        "attn/mask_none_modules": float(sum(r["mask"] == "none" for r in attn)),
+        "attn/mask_2d_modules": float(sum(r["mask"] == "2-D" for r in attn)),
+        "attn/mask_4d_modules": float(sum(r["mask"] == "4-D" for r in attn)),
+        "attn/mask_block_modules": float(sum(r["mask"] == "BlockMask" for r in attn)),
+        "attn/mask_with_zeros_modules": float(sum(bool(r["has_zeros"]) for r in attn)),
+    }
+    fill = batch.fill_ratio if batch is not None else None
+    if fill is None and model is not None:
+        fill = model["fill_ratio"]
+    if fill is not None:
+        out["attn/fill_ratio"] = float(fill)
+    real = batch.real_tokens if batch is not None else None
+    if real is None and model is not None:
+        real = model["real_tokens"]
+    if real is not None:
+        out["attn/real_tokens"] = float(real)
+    fills = [r["fill_ratio"] for r in attn if r.get("fill_ratio") is not None]
+    if fills:
+        out["attn/compute_fill_ratio"] = float(sum(fills) / len(fills))
+    if model is not None and model.get("packed_positions") is not None:
+        out["attn/packed_position_ids"] = float(model["packed_positions"])
+    return out

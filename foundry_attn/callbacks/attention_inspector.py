@@ -26,7 +26,7 @@ from foundry_attn.console_table import format_table
 from foundry_attn.deprecation import renamed_key
 from foundry_attn.discovery import attn_implementation, find_hf_model
 from foundry_attn.events import EventLog
-from foundry_attn.inspection import ATTENTION, MODEL, BatchInfo, ModelInspector
+from foundry_attn.inspection import BatchInfo, ModelInspector, summarize
 from foundry_attn.unwrap import compiled
 from foundry_attn.verdict import (
     NOT_PACKED,
@@ -36,37 +36,6 @@ from foundry_attn.verdict import (
 __all__ = ["AttentionInspector", "summarize"]
 
 log = logging.getLogger(__name__)
-
-
-def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> dict[str, float]:
-    """The ``attn/*`` metrics of one forward's records (see :class:`AttentionInspector` for each key); the
-    ``attn/mask_*_modules`` keys count attention modules by the mask they were given."""
-    attn = [r for r in records if r["level"] == ATTENTION and "error" not in r]
-    model = next((r for r in records if r["level"] == MODEL and "error" not in r), None)
-    out: dict[str, float] = {
-        "attn/inspected_modules": float(len(records)),
-        "attn/mask_none_modules": float(sum(r["mask"] == "none" for r in attn)),
-        "attn/mask_2d_modules": float(sum(r["mask"] == "2-D" for r in attn)),
-        "attn/mask_4d_modules": float(sum(r["mask"] == "4-D" for r in attn)),
-        "attn/mask_block_modules": float(sum(r["mask"] == "BlockMask" for r in attn)),
-        "attn/mask_with_zeros_modules": float(sum(bool(r["has_zeros"]) for r in attn)),
-    }
-    fill = batch.fill_ratio if batch is not None else None
-    if fill is None and model is not None:
-        fill = model["fill_ratio"]
-    if fill is not None:
-        out["attn/fill_ratio"] = float(fill)
-    real = batch.real_tokens if batch is not None else None
-    if real is None and model is not None:
-        real = model["real_tokens"]
-    if real is not None:
-        out["attn/real_tokens"] = float(real)
-    fills = [r["fill_ratio"] for r in attn if r.get("fill_ratio") is not None]
-    if fills:
-        out["attn/compute_fill_ratio"] = float(sum(fills) / len(fills))
-    if model is not None and model.get("packed_positions") is not None:
-        out["attn/packed_position_ids"] = float(model["packed_positions"])
-    return out
 
 
 class AttentionInspector(ReleasingCallback):

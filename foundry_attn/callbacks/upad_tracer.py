@@ -5,8 +5,6 @@ See :class:`UpadTracer`.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import Any
 
 from composer.core import State, Time
@@ -14,7 +12,6 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
-from foundry_attn import fa2_reference
 from foundry_attn.callbacks.common import (
     COMPILED,
     ReleasingCallback,
@@ -28,7 +25,6 @@ from foundry_attn.events import EventLog
 from foundry_attn.fa2_reference import REFERENCE_NAME
 from foundry_attn.flash_symbols import (
     DENSE,
-    LAZY_IMPORT,
     PAD,
     POSIDS,
     ROLES,
@@ -38,6 +34,9 @@ from foundry_attn.flash_symbols import (
     FlashSymbols,
     discover,
     discover_mpt,
+    is_flash,
+    is_reference,
+    short_list,
     symbol_label,
 )
 from foundry_attn.unwrap import compiled
@@ -45,37 +44,9 @@ from foundry_attn.unwrap import compiled
 __all__ = ["UpadTracer"]
 
 
-def is_flash(impl: str | None) -> bool:
-    """Implementations that run transformers' flash-attention utilities (FA2, FA3, flash kernels)."""
-    return impl is not None and "flash" in impl
-
-
-def short_list(values: list[int] | None, keep: int = 8) -> str:
-    if values is None:
-        return "-"
-    if len(values) <= keep:
-        return str(values)
-    head = ", ".join(map(str, values[: keep - 2]))
-    return f"[{head}, ..., {values[-1]}] ({len(values)} entries)"
-
-
 def uses_reference_kernel(model: nn.Module) -> bool:
     """Our registered model running FA2 on the pure-PyTorch reference kernel (through DDP)."""
     return bool(getattr(foundry_model(model), "_fa2_reference", False))
-
-
-def is_reference(symbols: FlashSymbols) -> bool:
-    """The varlen kernel that ``symbols`` names is the pure-PyTorch reference (installed in flash-attn's place)."""
-    name = symbols.found.get(VARLEN)
-    if name is None or name.startswith(LAZY_IMPORT):
-        return False
-    try:
-        fn = vars(importlib.import_module(symbols.module_of(VARLEN))).get(name)
-    except Exception:  # the kernel's module went away: not the reference
-        return False
-    if not callable(fn):
-        return False
-    return getattr(inspect.unwrap(fn), "__module__", None) == fa2_reference.__name__
 
 
 class UpadTracer(ReleasingCallback):
