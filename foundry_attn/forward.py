@@ -243,11 +243,52 @@ class FlattenedForward:
         return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
 
 
+class FlattenedBackbone:
+    """An attached model's base model ``forward``: a packed batch that reaches the backbone itself (TRL's fused LM
+    head calls ``model.base_model`` and projects the hidden states in chunks, so the model's own ``forward`` never
+    runs) takes the proven path too, flat or rows (proven on the causal LM, its own forward), and its
+    ``last_hidden_state`` comes back in the batch's one row. Calls that carry our documents (the causal LM's own
+    flat path), a mask, or no packed documents run the base model's forward unchanged."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model  # the causal LM; its base model is model.base_model
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        base = self.model.base_model
+        return inspect.signature(type(base).forward.__get__(base))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        base = self.model.base_model
+        forward = type(base).forward
+        lengths = None if args or DOCS_KEY in kwargs else flattened_lengths(kwargs)
+        if lengths is None or torch.compiler.is_compiling():
+            return forward(base, *args, **kwargs)
+        batch: dict[str, Any] = {"input_ids": kwargs["input_ids"], "doc_lens": [lengths]}
+        if kwargs.get("position_ids") is not None:
+            batch["position_ids"] = kwargs["position_ids"]
+        extra = {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
+        prepared = prepare_documents(self.model, batch)  # a proof due runs its own forward of the causal LM
+        inputs = {k: v for k, v in prepared.inputs.items() if k != "labels"}
+        out = forward(base, **inputs, **{"use_cache": False, **extra})
+        src, _, rows, width = prepared.placed
+        hidden = out.last_hidden_state
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if src.numel() != flat.shape[0]:  # the rows path pads its own rows
+            flat = flat[src]
+        out.last_hidden_state = flat.view(rows, width, -1)
+        return out
+
+
 def takes_flattened_batches(model: Any) -> None:
-    """Set :class:`FlattenedForward` as ``model``'s forward (once; the HF model inside a wrapper)."""
+    """Set :class:`FlattenedForward` as ``model``'s forward, and :class:`FlattenedBackbone` as its base model's
+    (once; the HF model inside a wrapper)."""
     hf = unwrapped(model)
     if not isinstance(vars(hf).get("forward"), FlattenedForward):
         hf.forward = FlattenedForward(hf)
+    base = getattr(hf, "base_model", hf)
+    if base is not hf and not isinstance(vars(base).get("forward"), FlattenedBackbone):
+        base.forward = FlattenedBackbone(hf)
 
 
 @functools.cache

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from foundry_attn.comparison import proving
+from foundry_attn.comparison import evaluating, hidden, proving
 from foundry_attn.console_table import format_table
 from foundry_attn.discovery import attn_implementation, find_hf_model
 from foundry_attn.events import EventLog
@@ -61,6 +61,10 @@ FIX = (
     "call foundry_attn.paths.attach(model, backend) before building the Trainer (padding-free batches then train "
     "on the proven path), or train without padding_free"
 )
+
+
+#: what a training call passes for its loss alone (TRL's fused LM head among them): left out of the verdict's forward
+LOSS_ONLY = frozenset({"labels", "shift_labels", "num_items_in_batch", "fused_lm_head"})
 
 
 def _distributed() -> bool:
@@ -336,9 +340,11 @@ class AttentionInspector(_Callback):
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, Mapping):
             logits = output.get("logits")
-        if not isinstance(logits, torch.Tensor):
-            return Verdict(UNKNOWN, reason=f"the model's output ({type(output).__name__}) carries no logits")
         try:
+            if not isinstance(logits, torch.Tensor):  # TRL's fused LM head returns none: the batch's own, eval mode
+                inputs = {k: v for k, v in batch.items() if k not in LOSS_ONLY}
+                with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]):
+                    logits = hf(**{**inputs, "use_cache": False}).logits
             return measure(hf, batch, logits.detach(), rows=rows)
         except Exception as exc:  # the check never breaks training
             return Verdict(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")

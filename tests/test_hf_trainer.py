@@ -1,0 +1,232 @@
+"""transformers ``Trainer`` and TRL ``SFTTrainer(padding_free=True)`` runs, real ones: an attached model trains the
+padding-free batch exactly as each document alone (loss of the first step against stock on each document, no
+rounding), and :mod:`foundry_attn.hf`'s callbacks report what attention did: the decision, the inspector's table and
+its measured verdict (the leak of stock padding-free named, as an independent measurement says), metrics through
+``trainer.log``, events that ``foundry-attn events`` and ``report`` read, and no hook left on the model."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+from foundry_attn import cli, conformance, hf, zoo
+from foundry_attn.events import event_files, iter_events
+from foundry_attn.paths import attach
+from foundry_attn.proof import synthetic_documents
+
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+pytestmark = pytest.mark.slow
+
+LENGTHS = (5, 11, 3, 9, 7, 13, 4, 8)  # two steps of four documents
+
+
+def _model(model_type: str, backend: str) -> torch.nn.Module:
+    if model_type not in zoo.model_types():
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config, model_class = zoo.tiny(model_type)
+    torch.manual_seed(0)
+    return zoo.build(config, model_class, backend).train()
+
+
+def _truth(stock: torch.nn.Module, docs: list[torch.Tensor]) -> float:
+    """Stock on each document alone: the summed next-token loss over every target, divided by their number (the
+    Trainer's normalisation: ``num_items_in_batch``)."""
+    with torch.no_grad():
+        total = sum(
+            F.cross_entropy(stock(input_ids=d[None]).logits[0, :-1].float(), d[1:], reduction="sum") for d in docs
+        )
+    return float(total) / sum(d.numel() - 1 for d in docs)
+
+
+class FirstBatch:
+    """The model's first training forward: its loss as computed (the Trainer's logs round it) and its documents,
+    read from the restarting ``position_ids`` (the Trainer shuffles: the truth is computed on what it drew)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.loss: float | None = None
+        self.docs: list[torch.Tensor] = []
+        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, _: Any, __: Any, kwargs: dict, out: Any) -> None:
+        if self.loss is None and getattr(out, "loss", None) is not None:
+            # TRL's fused LM head: the next-token part alone (its loss adds MoE routers' balance, a batch statistic)
+            log_probs = getattr(out, "log_probs", None)
+            targets = (kwargs["labels"][:, 1:] != -100).sum()
+            self.loss = out.loss.item() if log_probs is None else (-log_probs.sum() / targets).item()
+            ids, starts = kwargs["input_ids"][0], (kwargs["position_ids"][0] == 0).nonzero()[:, 0].tolist()
+            self.docs = [ids[a:b] for a, b in zip(starts, [*starts[1:], ids.numel()], strict=True)]
+            self.handle.remove()
+
+
+def _train(model: torch.nn.Module, docs: list[torch.Tensor], out: Path, **options: Any) -> tuple[Trainer, list]:
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+    )
+    data = [{"input_ids": d.tolist()} for d in docs]
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorWithFlattening())
+    added = hf.install(trainer, log_interval=1, verdict_interval=1, **options)
+    trainer.train()
+    return trainer, added
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize(("model_type", "backend"), [("llama", "sdpa"), ("gpt_oss", "eager"), ("jamba", "sdpa")])
+def test_a_stock_trainer_run_is_observed_and_its_leak_named(
+    model_type: str, backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No attach: the callbacks still observe, and the verdict agrees with stock's own loss on the flattened batch
+    against each document alone (measured here, independently of the verdict's code)."""
+    model = _model(model_type, backend)
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    stock = copy.deepcopy(model)
+    hooks = _hooks(model)
+    first = FirstBatch(model)
+    with caplog.at_level(logging.INFO, logger="foundry_attn.hf"):
+        trainer, (_, inspector, _) = _train(model, docs, tmp_path)
+    assert first.loss is not None
+    leak = abs(first.loss - _truth(stock, first.docs))
+    verdict = inspector.last_verdict
+    assert verdict is not None and verdict.how == "measured", verdict
+    first = next(e for e in iter_events(event_files(tmp_path / "attn_events"), "attn_verdict") if e["step"] == 0)
+    assert first["state"] == ("leaks" if leak > conformance.LOSS_TOL else "isolated"), (leak, first["line"])
+    if leak > conformance.LOSS_TOL:
+        said = [r.message for r in caplog.records if "packed documents attend to each other" in r.message]
+        assert said and "attach(model" in said[0], said
+    logged = [h for h in trainer.state.log_history if "attn/documents_isolated" in h]
+    assert len(logged) == 2 and "loss" in {
+        k for h in trainer.state.log_history for k in h
+    }  # the Trainer's own line too
+    assert _hooks(model) == hooks  # nothing left on the model
+    assert any(r.message.startswith("attention: 1/1 ranks") for r in caplog.records)
+
+
+@pytest.mark.parametrize(("model_type", "backend"), [("llama", "sdpa"), ("gpt_oss", "eager"), ("jamba", "sdpa")])
+def test_an_attached_trainer_run_trains_as_each_document_alone(model_type: str, backend: str, tmp_path: Path) -> None:
+    model = _model(model_type, backend)
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    stock = copy.deepcopy(model)
+    state = attach(model, backend)
+    first = FirstBatch(model)
+    _, (_, inspector, _) = _train(model, docs, tmp_path)
+    truth = _truth(stock, first.docs)
+    assert first.loss is not None and abs(first.loss - truth) <= conformance.LOSS_TOL, (first.loss, truth)
+    assert state.path == ("flat" if model_type == "llama" else "rows"), state.reason  # sinks, SSM state: rows
+    assert inspector.last_verdict is not None and inspector.last_verdict.isolated, inspector.last_verdict
+    decisions = list(iter_events(event_files(tmp_path / "attn_events"), "attn_impl"))
+    assert decisions[0]["chosen"] == backend and decisions[0]["reason"] == f"attach(model, {backend!r})"
+    assert decisions[-1]["path"] == state.path
+
+
+def test_the_events_of_a_trainer_run_read_as_a_composer_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model = _model("llama", "sdpa")
+    attach(model, "sdpa")
+    _train(model, synthetic_documents(model.config, LENGTHS, torch.device("cpu")), tmp_path / "run")
+    kinds = {e["kind"] for e in iter_events(event_files(tmp_path / "run"))}
+    assert {"attn_impl", "attn_inspect", "attn_verdict", "upad_trace_idle"} <= kinds, kinds
+    capsys.readouterr()  # the run's own output
+    assert cli.main(["events", str(tmp_path / "run"), "--summary", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ranks"] == 1 and summary["fell_back"] == 0, summary
+    assert cli.main(["report", str(tmp_path / "run"), "-o", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "report.html").exists()
+
+
+def test_without_the_trainer_the_metrics_join_the_trainers_next_logs(tmp_path: Path) -> None:
+    model = _model("llama", "sdpa")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+    )
+    docs = synthetic_documents(model.config, LENGTHS[:4], torch.device("cpu"))
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": d.tolist()} for d in docs],
+        data_collator=DataCollatorWithFlattening(),
+        callbacks=hf.callbacks(log_interval=1, verdict_interval=1),
+    )
+    seen: list[dict] = []
+
+    class Reporter(transformers.TrainerCallback):  # a reporter after ours, as the progress bar is
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            seen.append(dict(logs or {}))
+
+    trainer.add_callback(Reporter())
+    trainer.train()
+    assert any("loss" in logs and "attn/fill_ratio" in logs for logs in seen), seen
+
+
+def test_a_forward_that_raises_leaves_no_hook(tmp_path: Path) -> None:
+    model = _model("llama", "sdpa")
+    hooks = _hooks(model)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    model.model.layers[1].mlp.forward = broken
+    with pytest.raises(RuntimeError, match="boom"):
+        _train(model, synthetic_documents(model.config, LENGTHS, torch.device("cpu")), tmp_path)
+    assert _hooks(model) == hooks
+
+
+def test_sft_trainer_padding_free_attached_is_exact(tmp_path: Path) -> None:
+    """TRL's ``SFTTrainer(padding_free=True)``: stock gpt-oss (eager) leaks through its sinks; attached it trains the
+    first step's loss exactly as each document alone, and the callbacks name the stock leak."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from foundry_attn.foundry.assets import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    results = {}
+    for attached in (False, True):
+        model = _model("gpt_oss", "eager")
+        docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+        stock = copy.deepcopy(model)
+        if attached:
+            attach(model, "eager")
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / str(attached)),
+            padding_free=True,
+            max_length=None,
+            bf16=False,  # TRL's default is bf16 (autocast on this CPU too): the truth here is fp32
+            gradient_checkpointing=False,
+            per_device_train_batch_size=4,
+            max_steps=1,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            dataset_num_proc=None,
+        )
+        data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        _, inspector, _ = hf.install(trainer, log_interval=1, verdict_interval=1)
+        first = FirstBatch(model)
+        trainer.train()
+        assert first.loss is not None
+        results[attached] = (abs(first.loss - _truth(stock, first.docs)), inspector.last_verdict)
+    assert results[False][0] > conformance.LOSS_TOL and results[False][1].state == "leaks", results
+    assert results[True][0] <= conformance.LOSS_TOL and results[True][1].isolated, results
