@@ -27,7 +27,7 @@ LATEST := .venv-latest
 $(LATEST)/.installed: pyproject.toml constraints-latest.txt
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
-	$(LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[dev]'
+	$(LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[dev,hf]'
 	touch $@
 
 $(ASSETS)/.done: $(STAMP)
@@ -69,7 +69,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
-## the core's tests on today's stack (transformers 5.x, torch 2.13 CPU, no Composer) in .venv-latest
+## the core's tests on today's stack (transformers 5.x, torch 2.13 CPU, TRL, no Composer) in .venv-latest
 ## (tests marked `foundry` skip there and say why)
 test-latest: $(LATEST)/.installed
 	$(LATEST)/bin/python -m pytest -q

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +232,23 @@ def test_sft_trainer_padding_free_attached_is_exact(tmp_path: Path) -> None:
         results[attached] = (abs(first.loss - _truth(stock, first.docs)), inspector.last_verdict)
     assert results[False][0] > conformance.LOSS_TOL and results[False][1].state == "leaks", results
     assert results[True][0] <= conformance.LOSS_TOL and results[True][1].isolated, results
+
+
+def test_a_ddp_trainer_run_reports_every_rank(tmp_path: Path) -> None:
+    """torchrun, two CPU ranks (gloo), accelerate's DDP: each rank's decision, one launch id, the rank-0 line."""
+    worker = str(Path(__file__).parent / "trainer_worker.py")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*launch, worker, str(tmp_path), "attach"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert json.loads((tmp_path / "result.json").read_text()) == {"world": 2, "wrapped": "DistributedDataParallel"}
+    decisions = list(iter_events(event_files(tmp_path / "attn_events"), "attn_impl"))
+    assert sorted(d["rank"] for d in decisions) == [0, 1] and len({d["launch"] for d in decisions}) == 1, decisions
+    assert all(d["chosen"] == "sdpa" and d["path"] == "flat" for d in decisions), decisions
+    assert "attention: 2/2 ranks sdpa; path flat" in proc.stdout + proc.stderr
+    verdicts = list(iter_events(event_files(tmp_path / "attn_events"), "attn_verdict"))
+    assert {v["rank"] for v in verdicts} == {0, 1} and all(v["state"] == "isolated" for v in verdicts), verdicts
