@@ -252,3 +252,12 @@ def test_a_ddp_trainer_run_reports_every_rank(tmp_path: Path) -> None:
     assert "attention: 2/2 ranks sdpa; path flat" in proc.stdout + proc.stderr
     verdicts = list(iter_events(event_files(tmp_path / "attn_events"), "attn_verdict"))
     assert {v["rank"] for v in verdicts} == {0, 1} and all(v["state"] == "isolated" for v in verdicts), verdicts
+
+
+def test_the_trainer_bench_runs_stock_and_attached(capsys: pytest.CaptureFixture) -> None:
+    """``foundry-attn bench trainer --quick``: every variant trains, ours is exact against the per-document truth."""
+    pytest.importorskip("trl")
+    assert cli.main(["bench", "trainer", "--json", "--quick"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["correct"] and result["families"][0]["exact"], result["families"]
+    assert set(result["speed"]["step_ms"]) == {"stock", "ours", "ours_inspect", "ours_verdict"}
