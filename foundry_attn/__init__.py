@@ -6,7 +6,7 @@ The core (``capability``, ``policy``, ``backends``, ``loading``, ``packing``, ``
 ``shapes``, ``fa2_reference``, ``reference_kernels``, ``flash_symbols``, ``flash_compat``, ``patching``,
 ``discovery``, ``inspection``, ``console_table``, ``cli``, ``bench``) imports only torch and transformers
 (``report`` draws with matplotlib when asked); ``foundry_attn.foundry`` and ``foundry_attn.callbacks`` hold the
-LLM-Foundry / Composer glue.
+LLM-Foundry / Composer glue, ``foundry_attn.hf`` the transformers ``Trainer`` / TRL glue (the same callbacks).
 """
 
 __version__ = "0.1.0"

@@ -69,11 +69,12 @@ class FirstBatch:
             self.handle.remove()
 
 
-def _train(model: torch.nn.Module, docs: list[torch.Tensor], out: Path, **options: Any) -> tuple[Trainer, list]:
+def _trainer(model: torch.nn.Module, docs: list[torch.Tensor], out: Path, steps: int = 2, **options: Any) -> Trainer:
+    """A Trainer on padding-free batches of four documents (``options``: its other keywords)."""
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=4,
-        max_steps=2,
+        max_steps=steps,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
@@ -81,8 +82,12 @@ def _train(model: torch.nn.Module, docs: list[torch.Tensor], out: Path, **option
         learning_rate=1e-3,
     )
     data = [{"input_ids": d.tolist()} for d in docs]
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorWithFlattening())
-    added = hf.install(trainer, log_interval=1, verdict_interval=1, **options)
+    return Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorWithFlattening(), **options)
+
+
+def _train(model: torch.nn.Module, docs: list[torch.Tensor], out: Path) -> tuple[Trainer, list]:
+    trainer = _trainer(model, docs, out)
+    added = hf.install(trainer, log_interval=1, verdict_interval=1)
     trainer.train()
     return trainer, added
 
@@ -154,22 +159,8 @@ def test_the_events_of_a_trainer_run_read_as_a_composer_runs(tmp_path: Path, cap
 
 def test_without_the_trainer_the_metrics_join_the_trainers_next_logs(tmp_path: Path) -> None:
     model = _model("llama", "sdpa")
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_steps=1,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-    )
     docs = synthetic_documents(model.config, LENGTHS[:4], torch.device("cpu"))
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=[{"input_ids": d.tolist()} for d in docs],
-        data_collator=DataCollatorWithFlattening(),
-        callbacks=hf.callbacks(log_interval=1, verdict_interval=1),
-    )
+    trainer = _trainer(model, docs, tmp_path, steps=1, callbacks=hf.callbacks(log_interval=1, verdict_interval=1))
     seen: list[dict] = []
 
     class Reporter(transformers.TrainerCallback):  # a reporter after ours, as the progress bar is
