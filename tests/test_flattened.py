@@ -132,3 +132,26 @@ def test_every_model_type_trains_padding_free_exactly_attached(model_type: str) 
     assert cell.status in ("exact", "refused", "stock differs", "unbuildable", "stock fails"), cell
     stock, ours = sweep.padding_free_labels(cell)
     assert _documented().get(model_type) == (stock, ours), (model_type, stock, ours, cell.detail)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "backend"), [("llama", "sdpa"), ("mistral", "sdpa"), ("gpt_oss", "eager"), ("jamba", "sdpa")]
+)
+def test_the_backbone_called_alone_takes_the_proven_path(model_type: str, backend: str) -> None:
+    """TRL's fused LM head calls ``model.base_model`` with the packed batch: attached, its hidden states are each
+    document's alone (stock's backbone on each), on the path proven on that first training call."""
+    if model_type not in zoo.model_types():
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config, model_class = zoo.tiny(model_type)
+    torch.manual_seed(0)
+    model = zoo.build(config, model_class, backend).train()
+    stock = copy.deepcopy(model)
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    batch = _collate(docs)
+    packed = {k: batch[k] for k in ("input_ids", "position_ids")}
+    with torch.no_grad():
+        alone = torch.cat([stock.base_model(input_ids=d[None]).last_hidden_state for d in docs], dim=1)
+    state = attach(model, backend)
+    ours = model.base_model(**packed, use_cache=False).last_hidden_state.detach()  # a training call: proven first
+    assert ours.shape == alone.shape and (ours - alone).abs().max().item() <= 1e-5 * max(1.0, alone.abs().max().item())
+    assert [at for at, _ in state.proofs][-1].endswith("batch 1 (the first training batch)"), state.proofs
