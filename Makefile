@@ -93,14 +93,15 @@ lint: $(STAMP)
 doctor: $(STAMP)
 	$(BIN)/foundry-attn doctor
 
-## every CPU benchmark, each printing ratios measured side by side (about 25 minutes)
-bench: $(STAMP)
+## every CPU benchmark, each printing ratios measured side by side (about 30 minutes; bench trainer on .venv-latest)
+bench: $(STAMP) $(LATEST)/.installed
 	$(BIN)/foundry-attn bench padding --json
 	$(BIN)/foundry-attn bench callbacks --json
 	$(BIN)/foundry-attn bench compile --json
 	$(BIN)/foundry-attn bench proof --json
 	$(BIN)/foundry-attn bench events --json
 	$(BIN)/foundry-attn bench train --json
+	$(LATEST)/bin/foundry-attn bench trainer --json
 
 ## remove the tiny assets, the demo runs and pytest's cache
 clean:
