@@ -4,9 +4,9 @@ The core (``capability``, ``policy``, ``backends``, ``loading``, ``packing``, ``
 ``adapters``, ``block_masks``, ``torch_varlen``, ``document_op``, ``forward``, ``paths``, ``comparison``, ``proof``,
 ``unwrap``, ``verdict``, ``deprecation``, ``conformance``, ``sweep``, ``zoo``, ``events``, ``fleet``, ``report``,
 ``shapes``, ``fa2_reference``, ``reference_kernels``, ``flash_symbols``, ``flash_compat``, ``patching``,
-``discovery``, ``inspection``, ``console_table``, ``cli``, ``bench``) imports only torch and transformers
+``discovery``, ``inspection``, ``console_table``, ``hf``, ``cli``, ``bench``) imports only torch and transformers
 (``report`` draws with matplotlib when asked); ``foundry_attn.foundry`` and ``foundry_attn.callbacks`` hold the
-LLM-Foundry / Composer glue, ``foundry_attn.hf`` the transformers ``Trainer`` / TRL glue (the same callbacks).
+LLM-Foundry / Composer glue; ``hf`` holds the same callbacks for transformers' ``Trainer`` and TRL.
 """
 
 __version__ = "0.1.0"

@@ -270,7 +270,9 @@ class FlattenedBackbone:
         extra = {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
         prepared = prepare_documents(self.model, batch)  # a proof due runs its own forward of the causal LM
         inputs = {k: v for k, v in prepared.inputs.items() if k != "labels"}
-        out = forward(base, **inputs, **{"use_cache": False, **extra})
+        if "use_cache" in _base_parameters(type(base)):  # type: ignore[arg-type]  # (see flat_inputs)
+            extra["use_cache"] = False
+        out = forward(base, **inputs, **extra)
         src, _, rows, width = prepared.placed
         hidden = out.last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1])

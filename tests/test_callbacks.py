@@ -110,11 +110,12 @@ def test_every_logged_key_is_in_its_callback_docstring() -> None:
     import inspect
     import re
 
+    from foundry_attn import inspection
     from foundry_attn.callbacks import attention_inspector, attn_decision, document_verdict, upad_tracer
     from foundry_attn.flash_symbols import ROLES
 
-    for modules, cls, computed in (
-        ((attention_inspector, document_verdict), attention_inspector.AttentionInspector, set()),
+    for modules, cls, computed in (  # the inspector's metrics are summed in the core (inspection.summarize)
+        ((attention_inspector, document_verdict, inspection), attention_inspector.AttentionInspector, set()),
         ((attn_decision,), attn_decision.AttnDecisionLogger, set()),
         ((upad_tracer,), upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
     ):

@@ -17,6 +17,7 @@ import transformers
 from transformers import DataCollatorWithFlattening
 
 from foundry_attn import conformance, sweep, zoo
+from foundry_attn.comparison import alone_inputs
 from foundry_attn.forward import FlattenedForward
 from foundry_attn.layout import flattened_lengths
 from foundry_attn.paths import attach
@@ -155,3 +156,32 @@ def test_the_backbone_called_alone_takes_the_proven_path(model_type: str, backen
     ours = model.base_model(**packed, use_cache=False).last_hidden_state.detach()  # a training call: proven first
     assert ours.shape == alone.shape and (ours - alone).abs().max().item() <= 1e-5 * max(1.0, alone.abs().max().item())
     assert [at for at, _ in state.proofs][-1].endswith("batch 1 (the first training batch)"), state.proofs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", zoo.model_types())
+def test_every_model_types_backbone_takes_the_packed_batch_exactly_attached(model_type: str) -> None:
+    """What TRL's fused LM head runs (``model.base_model`` on the padding-free batch), type by type: where
+    docs/trainer.md says the attached model trains exactly, its backbone's hidden states are each document's alone."""
+    attached = _documented().get(model_type, ("", ""))[1]
+    if not attached.startswith("exact"):
+        pytest.skip(f"{model_type}: attached is {attached!r} in docs/trainer.md")
+    config, model_class = zoo.tiny(model_type)
+    backend = sweep._default_backend(model_class)
+    model, stock = (sweep._zoo_model(config, model_class, backend) for _ in range(2))
+    if getattr(model, "base_model", model) is model:
+        pytest.skip(f"{model_type}: the causal LM is its own base model")
+    docs = synthetic_documents(config, LENGTHS, torch.device("cpu"))
+    batch = _collate(docs)
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(stock.base_model.forward).parameters else {}
+    with torch.no_grad():
+        outs = [stock.base_model(**alone_inputs(d[None]), **no_cache) for d in docs]
+    if not all(hasattr(out, "last_hidden_state") for out in outs):
+        pytest.skip(f"{model_type}: its base model is not a backbone ({type(outs[0]).__name__})")
+    alone = torch.cat([out.last_hidden_state for out in outs], 1)
+    attach(model, backend)
+    model.train()
+    ours = model.base_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **no_cache)
+    ours = ours.last_hidden_state.detach()
+    assert ours.shape == alone.shape
+    assert (ours - alone).abs().max().item() <= 1e-4 * max(1.0, alone.abs().max().item())

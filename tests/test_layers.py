@@ -45,6 +45,7 @@ CORE = [
     "inspection",
     "discovery",
     "console_table",
+    "hf",
     "bench.timing",
     "bench.padding",
     "bench.proof",
