@@ -45,6 +45,9 @@ def main(out: Path, attached: bool) -> None:
     if args.process_index == 0:
         wrapped = type(trainer.model_wrapped).__name__
         (out / "result.json").write_text(json.dumps({"world": args.world_size, "wrapped": wrapped}))
+    if torch.distributed.is_initialized():  # gloo's threads left to the interpreter's exit can abort it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
