@@ -68,18 +68,22 @@ def test_a_flattened_batch_trains_as_each_document_alone_and_is_proven(options: 
     assert state.path == "flat" and all(p.ok for _, p in state.proofs)
 
 
-@pytest.mark.parametrize(("model_type", "backend"), [("gpt_oss", "eager"), ("jamba", "sdpa"), ("jamba", "eager")])
-def test_families_whose_stock_padding_free_leaks_train_exactly_attached(model_type: str, backend: str) -> None:
-    """gpt-oss's sinks and Jamba's SSM state cross documents in stock padding-free batches; attached, the flat
-    proof fails and the documents run one per row: exact."""
+def _leaky_family(model_type: str, backend: str) -> tuple[torch.nn.Module, torch.nn.Module, list, dict]:
+    """The zoo's tiny ``model_type`` in training mode, a stock copy, the documents and their flattened batch."""
     if model_type not in zoo.model_types():
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     config, model_class = zoo.tiny(model_type)
     torch.manual_seed(0)
     model = zoo.build(config, model_class, backend).train()
-    stock = copy.deepcopy(model)
     docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
-    batch = _collate(docs)
+    return model, copy.deepcopy(model), docs, _collate(docs)
+
+
+@pytest.mark.parametrize(("model_type", "backend"), [("gpt_oss", "eager"), ("jamba", "sdpa"), ("jamba", "eager")])
+def test_families_whose_stock_padding_free_leaks_train_exactly_attached(model_type: str, backend: str) -> None:
+    """gpt-oss's sinks and Jamba's SSM state cross documents in stock padding-free batches; attached, the flat
+    proof fails and the documents run one per row: exact."""
+    model, stock, docs, batch = _leaky_family(model_type, backend)
     loss, grads = _truth(stock, docs)
     with torch.no_grad():
         leak = abs(stock(**batch).loss.item() - loss)
@@ -141,14 +145,7 @@ def test_every_model_type_trains_padding_free_exactly_attached(model_type: str) 
 def test_the_backbone_called_alone_takes_the_proven_path(model_type: str, backend: str) -> None:
     """TRL's fused LM head calls ``model.base_model`` with the packed batch: attached, its hidden states are each
     document's alone (stock's backbone on each), on the path proven on that first training call."""
-    if model_type not in zoo.model_types():
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    config, model_class = zoo.tiny(model_type)
-    torch.manual_seed(0)
-    model = zoo.build(config, model_class, backend).train()
-    stock = copy.deepcopy(model)
-    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
-    batch = _collate(docs)
+    model, stock, docs, batch = _leaky_family(model_type, backend)
     packed = {k: batch[k] for k in ("input_ids", "position_ids")}
     with torch.no_grad():
         alone = torch.cat([stock.base_model(input_ids=d[None]).last_hidden_state for d in docs], dim=1)
