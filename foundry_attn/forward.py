@@ -228,14 +228,10 @@ class FlattenedForward:
         model, forward = self.model, type(self.model).forward  # no bound method made: nothing for Dynamo to guard
         if args or DOCS_KEY in kwargs:  # ours (flat inputs) or a positional call: the model's own forward
             return forward(model, *args, **kwargs)
-        lengths = flattened_lengths(kwargs)
-        if lengths is None:
+        packed = packed_call(kwargs)
+        if packed is None:
             return forward(model, **kwargs)
-        batch: dict[str, Any] = {"input_ids": kwargs["input_ids"], "doc_lens": [lengths]}
-        for key in ("labels", "position_ids"):
-            if kwargs.get(key) is not None:
-                batch[key] = kwargs[key]
-        extra = {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
+        batch, extra = packed
         prepared = prepare_documents(model, batch, in_step=not torch.compiler.is_compiling())
         out, prepared = run_prepared(
             lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, batch, prepared
@@ -261,25 +257,31 @@ class FlattenedBackbone:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         base = self.model.base_model
         forward = type(base).forward
-        lengths = None if args or DOCS_KEY in kwargs else flattened_lengths(kwargs)
-        if lengths is None or torch.compiler.is_compiling():
+        packed = None if args or DOCS_KEY in kwargs or torch.compiler.is_compiling() else packed_call(kwargs)
+        if packed is None:
             return forward(base, *args, **kwargs)
-        batch: dict[str, Any] = {"input_ids": kwargs["input_ids"], "doc_lens": [lengths]}
-        if kwargs.get("position_ids") is not None:
-            batch["position_ids"] = kwargs["position_ids"]
-        extra = {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
+        batch, extra = packed
         prepared = prepare_documents(self.model, batch)  # a proof due runs its own forward of the causal LM
         inputs = {k: v for k, v in prepared.inputs.items() if k != "labels"}
         if "use_cache" in _base_parameters(type(base)):  # type: ignore[arg-type]  # (see flat_inputs)
             extra["use_cache"] = False
         out = forward(base, **inputs, **extra)
-        src, _, rows, width = prepared.placed
-        hidden = out.last_hidden_state
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        if src.numel() != flat.shape[0]:  # the rows path pads its own rows
-            flat = flat[src]
-        out.last_hidden_state = flat.view(rows, width, -1)
+        out.last_hidden_state = placed_back(out.last_hidden_state, prepared.placed)
         return out
+
+
+def packed_call(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A call's keywords as the batch :func:`prepare_documents` lays out (``doc_lens`` read by
+    :func:`foundry_attn.layout.flattened_lengths`, its ``labels`` and ``position_ids``) and the keywords that pass
+    on to the model; None for a call that is not one packed row."""
+    lengths = flattened_lengths(kwargs)
+    if lengths is None:
+        return None
+    batch: dict[str, Any] = {"input_ids": kwargs["input_ids"], "doc_lens": [lengths]}
+    for key in ("labels", "position_ids"):
+        if kwargs.get(key) is not None:
+            batch[key] = kwargs[key]
+    return batch, {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
 
 
 def takes_flattened_batches(model: Any) -> None:
@@ -408,15 +410,21 @@ def repad_logits(out: Any) -> torch.Tensor:
     packed = getattr(out, "foundry_layout", None)
     if packed is None:
         return out.logits
-    src, dst, rows, width = packed  # both ascending: where the real tokens are in the model's layout, the batch's
-    logits = out.logits.reshape(-1, out.logits.shape[-1])
-    if src.numel() != logits.shape[0]:  # the rows layout pads its own rows
-        logits = logits[src]
-    if dst.numel() != rows * width:  # the batch has padding: zeros there
-        logits = logits.new_zeros(rows * width, logits.shape[-1]).index_copy_(0, dst, logits)
-    out.logits = logits.view(rows, width, -1)
+    out.logits = placed_back(out.logits, packed)
     out.foundry_layout = None
     return out.logits
+
+
+def placed_back(values: torch.Tensor, placed: Placed) -> torch.Tensor:
+    """``[..., C]`` values in the model's layout as ``[rows, width, C]`` in the batch's (zeros at its padding); a
+    view, no copy, where neither layout has padding (a packed row, full rows)."""
+    src, dst, rows, width = placed  # both ascending: where the real tokens are in the model's layout, the batch's
+    flat = values.reshape(-1, values.shape[-1])
+    if src.numel() != flat.shape[0]:  # the rows layout pads its own rows
+        flat = flat[src]
+    if dst.numel() != rows * width:  # the batch has padding: zeros there
+        flat = flat.new_zeros(rows * width, flat.shape[-1]).index_copy_(0, dst, flat)
+    return flat.view(rows, width, -1)
 
 
 def has_layout(batch: Mapping) -> bool:

@@ -46,11 +46,10 @@ from foundry_attn.flash_symbols import (
     symbol_label,
 )
 from foundry_attn.inspection import BatchInfo, ModelInspector, summarize
-from foundry_attn.layout import packed_rows
 from foundry_attn.paths import PathState, path_of
 from foundry_attn.policy import summarize as summarize_ranks
 from foundry_attn.unwrap import compiled
-from foundry_attn.verdict import LEAKS, NOT_PACKED, UNKNOWN, Features, Verdict, active_dropout, measure, structural
+from foundry_attn.verdict import LEAKS, NOT_PACKED, Verdict, judge
 
 __all__ = ["AttentionInspector", "AttnDecision", "UpadTracer", "callbacks", "install"]
 
@@ -181,33 +180,29 @@ def decision_of(hf: Any) -> dict[str, Any]:
     """The ``attn_impl`` event fields of ``hf``: what :func:`foundry_attn.paths.attach` chose and proved, or the
     implementation the model runs, set by the model."""
     state: PathState | None = path_of(hf)
-    dtype = next(hf.parameters()).dtype if any(True for _ in hf.parameters()) else torch.float32
+    param = next(hf.parameters(), None)
+    info: dict[str, Any] = {
+        "fell_back": False,
+        "strict": False,
+        "compute_dtype": str(param.dtype if param is not None else torch.float32).removeprefix("torch."),
+        "proof": "",
+        "path": "",
+        "path_reason": "",
+        "candidates": [],
+    }
     if state is None:
         impl = attn_implementation(hf)
-        return {
-            "requested": impl,
-            "chosen": impl,
-            "fell_back": False,
-            "reason": "set by the model, not chosen by foundry_attn (not attached; its config._attn_implementation)",
-            "strict": False,
-            "compute_dtype": str(dtype).removeprefix("torch."),
-            "proof": "",
-            "path": "",
-            "path_reason": "",
-            "candidates": [],
-        }
-    proof = state.proofs[-1][1].describe() if state.proofs else "first batch"
+        reason = "set by the model, not chosen by foundry_attn (not attached; its config._attn_implementation)"
+        return {**info, "requested": impl, "chosen": impl, "reason": reason}
     return {
+        **info,
         "requested": state.backend,
         "chosen": state.backend,
-        "fell_back": False,
         "reason": f"attach(model, {state.backend!r})",
         "strict": state.binding,
-        "compute_dtype": str(dtype).removeprefix("torch."),
-        "proof": proof,
+        "proof": state.proofs[-1][1].describe() if state.proofs else "first batch",
         "path": state.path,
         "path_reason": state.reason,
-        "candidates": [],
     }
 
 
@@ -318,36 +313,23 @@ class AttentionInspector(_Callback):
         self.one_forward(self._model, before, after)  # after arm: its post-hook is the last
 
     def _judge(self, batch: Mapping, output: Any) -> Verdict:
-        hf = self._hf
-        if not isinstance(batch.get("input_ids"), torch.Tensor):
-            return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
-        rows = packed_rows(batch)
-        features = Features.of(batch, rows)
-        if not features.packed:
-            return Verdict(NOT_PACKED, reason="no row of this batch holds two documents")
         from torch.distributed.tensor import DTensor
 
+        hf = self._hf
         blocked = (
             "the model is compiled"
             if compiled(self._model)
             else "FSDP shards the weights (a second forward on one rank would hang the others)"
             if isinstance(next(hf.parameters()), DTensor)
-            else active_dropout(hf)
+            else None
         )
-        if blocked:
-            reading = structural(hf, features)
-            return Verdict(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
-        logits = getattr(output, "logits", None)
-        if logits is None and isinstance(output, Mapping):
-            logits = output.get("logits")
-        try:
-            if not isinstance(logits, torch.Tensor):  # TRL's fused LM head returns none: the batch's own, eval mode
-                inputs = {k: v for k, v in batch.items() if k not in LOSS_ONLY}
-                with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]):
-                    logits = hf(**{**inputs, "use_cache": False}).logits
-            return measure(hf, batch, logits.detach(), rows=rows)
-        except Exception as exc:  # the check never breaks training
-            return Verdict(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
+
+        def rerun() -> torch.Tensor:  # TRL's fused LM head returns no logits: the batch's own, eval mode
+            inputs = {k: v for k, v in batch.items() if k not in LOSS_ONLY}
+            with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]):
+                return hf(**{**inputs, "use_cache": False}).logits
+
+        return judge(hf, batch, output, blocked, rerun=rerun)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.release()

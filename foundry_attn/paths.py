@@ -58,7 +58,6 @@ from foundry_attn.policy import (
 )
 from foundry_attn.proof import (
     Proof,
-    pick,
     proof_lengths,
     prove_flat,
     prove_rows,
@@ -187,7 +186,6 @@ class PathState:
             hf,
             inputs,
             TRUTH[self.backend],
-            pick(inputs[DOCS_KEY]),
             reference=self.reference,
             grads=grads,
             own_positions=own_positions,
@@ -216,13 +214,11 @@ class PathState:
         """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.proof.prove_rows`). A failure is
         said, once, and not refused: stock's own padded batches train the same (never worse than stock)."""
         hf = unwrapped(model)
-        compare = pick(inputs[DOCS_KEY])
         proof = prove_rows(
             hf,
             inputs,
             self.rows_name,
             TRUTH[self.backend],
-            compare,
             reference=self.reference,
             grads=grads,
             own_positions=own_positions,
@@ -378,7 +374,6 @@ class StepProof:
                 out,
                 self.captured,
                 TRUTH[state.backend],
-                pick(self.inputs[DOCS_KEY]),
                 head=self.head,
                 reference=state.reference,
                 grads=self.grads,

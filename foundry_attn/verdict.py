@@ -20,7 +20,7 @@ import importlib.util
 import itertools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -232,3 +232,37 @@ def measure(
     ms = (time.perf_counter() - began) * 1e3
     state = LEAKS if leaking else ISOLATED
     return Verdict(state, MEASURED, "", worst, row, tuple(lengths), tuple(leaking), ms)
+
+
+def judge(
+    hf: Any,
+    batch: Any,
+    output: Any,
+    blocked: str | None = None,
+    context: contextlib.AbstractContextManager | None = None,
+    rerun: Callable[[], torch.Tensor] | None = None,
+) -> Verdict:
+    """The verdict on one training batch, given its training forward's ``output``: measured (:func:`measure`)
+    where a second forward is possible, else the structural reading, labelled so; never a guess shown as a
+    measurement. ``blocked``: why a second forward is not possible, as the caller's stack knows it (compiled,
+    sharded); active dropout is read here. ``rerun``: the batch's logits from a forward of its own, for an output
+    that carries none (TRL's fused LM head); without it, such an output gives an unknown verdict."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+        return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
+    rows = packed_rows(batch)  # one host sync, shared by the reading and the measurement
+    features = Features.of(batch, rows)
+    if not features.packed:
+        return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
+    blocked = blocked or active_dropout(hf)
+    if blocked:
+        reading = structural(hf, features)
+        return Verdict(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    try:
+        if not isinstance(logits, torch.Tensor) and rerun is not None:
+            logits = rerun()
+        if not isinstance(logits, torch.Tensor):
+            return Verdict(UNKNOWN, reason=f"the model's output ({type(output).__name__}) carries no logits")
+        return measure(hf, batch, logits, context=context, rows=rows)
+    except Exception as exc:  # the check never breaks training
+        return Verdict(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")

@@ -12,10 +12,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
-import torch
 from composer.core import State
 from composer.core.precision import get_precision_context
 from composer.loggers import Logger
@@ -23,19 +21,15 @@ from composer.loggers import Logger
 from foundry_attn.callbacks.common import say_once
 from foundry_attn.discovery import find_hf_model
 from foundry_attn.events import EventLog
-from foundry_attn.layout import packed_rows
 from foundry_attn.packing import PaddingCollator
 from foundry_attn.unwrap import compiled
 from foundry_attn.verdict import (
     LEAKS,
-    NO_BOUNDARIES,
-    NOT_PACKED,
     UNKNOWN,
     Features,
     Verdict,
-    active_dropout,
     fix_for,
-    measure,
+    judge,
     structural,
 )
 
@@ -87,37 +81,19 @@ class DocumentVerdicts:
         return verdict
 
     def judge(self, state: State) -> Verdict:
-        """The verdict on this microbatch: measured (:func:`foundry_attn.verdict.measure`) where a second
-        forward is possible, else the structural reading, labelled so; never a guess shown as a measurement."""
+        """The verdict on this microbatch (:func:`foundry_attn.verdict.judge`): measured where a second forward is
+        possible, else the structural reading, labelled so; never a guess shown as a measurement."""
         found = find_hf_model(state.model)
-        batch = state.batch
         if found is None:
             return Verdict(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
-        if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
-            return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
-        hf = found[1]
-        rows = packed_rows(batch)  # one host sync, shared by the reading and the measurement
-        features = Features.of(batch, rows)
-        if not features.packed:
-            return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
         blocked = (
             "the model is compiled (a second forward would recompile it)"
             if compiled(state.model)
             else "FSDP shards the weights (a second forward on one rank would hang the others)"
             if state.fsdp_enabled
-            else active_dropout(hf)
+            else None
         )
-        if blocked:
-            reading = structural(hf, features)
-            return Verdict(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
-        outputs = state.outputs
-        logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
-        if not isinstance(logits, torch.Tensor):
-            return Verdict(UNKNOWN, reason=f"the model's output ({type(outputs).__name__}) carries no logits")
-        try:
-            return measure(hf, batch, logits, context=get_precision_context(state.precision), rows=rows)
-        except Exception as exc:  # the check never breaks training
-            return Verdict(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
+        return judge(found[1], state.batch, state.outputs, blocked, get_precision_context(state.precision))
 
     def predict(self, state: State) -> None:
         """At fit start: when the train loader packs documents and the model cannot keep them apart, say so."""
