@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
-from wrapped_worker import exit_now  # the script's folder is on sys.path
 
 from foundry_attn import conformance, hf
 from foundry_attn.paths import attach
@@ -53,4 +52,3 @@ def main(out: Path, attached: bool) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), len(sys.argv) > 2 and sys.argv[2] == "attach")
-    exit_now()

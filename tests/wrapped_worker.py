@@ -11,7 +11,6 @@ the mask it got (the [1, 1, 1, 1] placeholder, never an L x L mask) and whether 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -43,15 +42,6 @@ def fsdp2_gloo_scale() -> float:
     fully_shard(probe)
     probe(torch.ones(1, 2)).sum().backward()  # the same input on every rank: the average is the local gradient
     return probe.weight.grad.full_tensor()[0, 0].item()
-
-
-def exit_now() -> None:
-    """Exit once the work is written and the process group is gone, skipping the interpreter's teardown: on torch
-    2.13 a gloo thread destroyed there aborts the process now and then ("terminate called without an active
-    exception"), after everything this rank had to do."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str = "plain") -> None:
@@ -98,4 +88,3 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    exit_now()
