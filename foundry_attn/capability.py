@@ -16,8 +16,11 @@ import importlib
 import importlib.metadata
 import importlib.util
 import socket
+import sys
 
 import torch
+
+from foundry_attn import guard
 
 
 def _dist_version(name: str) -> str | None:
@@ -36,10 +39,14 @@ class Capability:
     compute_capability: tuple[int, int] | None
     torch_version: str
     transformers_version: str | None
-    flash_attn_version: str | None
-    flash_attn_error: str | None
+    flash_attn_version: str | None  # the version that imports here, else None
+    flash_attn_error: str | None  # why it does not, by kind (foundry_attn.guard), else None
     transformer_engine_version: str | None
     host: str = dataclasses.field(default_factory=socket.gethostname)
+    #: the installed flash-attn distribution's version, whether it imports or not (events group nodes by it)
+    flash_attn_installed: str | None = None
+    #: the command that mends ``flash_attn_error`` (versions filled in), else None
+    flash_attn_fix: str | None = None
     #: why FlexAttention cannot train (backward) on this device with this torch, or None when it can
     flex_backward_error: str | None = None
     #: the hub kernel transformers 5.x loads for ``flash_attention_2`` when flash-attn is missing and the
@@ -61,15 +68,11 @@ class Capability:
 
 
 def probe_flash_attn() -> tuple[str | None, str | None]:
-    """Version of flash-attn if it really imports, else the import error text."""
-    version = _dist_version("flash-attn") or _dist_version("flash_attn")
-    if importlib.util.find_spec("flash_attn") is None:
-        return None, "flash-attn is not installed (pip install flash-attn --no-build-isolation)"
-    try:
-        module = importlib.import_module("flash_attn")
-    except Exception as exc:  # an ABI mismatch raises ImportError, OSError or RuntimeError
-        return None, f"flash-attn {version or '?'} is installed but does not import: {exc}"
-    return getattr(module, "__version__", version), None
+    """Version of flash-attn if it really imports, else why not, by kind (the guard's one import of it)."""
+    tried = guard.check()
+    if not tried.imported:
+        return None, tried.reason
+    return getattr(sys.modules["flash_attn"], "__version__", None) or tried.installed, None
 
 
 def _hub_kernel() -> str | None:
@@ -123,6 +126,7 @@ def probe(device: torch.device | str | None = None) -> Capability:
     else:
         name, cc = "cpu", None
     fa_version, fa_error = probe_flash_attn()
+    tried = guard.check()
     return Capability(
         cuda=cuda and device.type == "cuda",
         device_name=name,
@@ -131,6 +135,8 @@ def probe(device: torch.device | str | None = None) -> Capability:
         transformers_version=_dist_version("transformers"),
         flash_attn_version=fa_version,
         flash_attn_error=fa_error,
+        flash_attn_installed=tried.installed,
+        flash_attn_fix=None if tried.imported else tried.fix,
         transformer_engine_version=_dist_version("transformer-engine") or _dist_version("transformer_engine"),
         hub_kernel=_hub_kernel() if fa_version is None else None,
         flex_backward_error=flex_backward_error(device.type if device.type == "cuda" and cuda else "cpu"),

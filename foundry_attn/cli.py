@@ -18,9 +18,10 @@ import json
 import sys
 from typing import Any
 
+from foundry_attn import guard
 from foundry_attn.bench import BENCHES
 from foundry_attn.capability import Capability
-from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableError
+from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, FA2, AttentionUnavailableError, Decision
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -45,15 +46,20 @@ def doctor(args: argparse.Namespace) -> int:
                 resolve_compute_dtype(args.attn_compute_dtype, cap),
                 strict=args.attn_strict,
             )
-    except (AttentionUnavailableError, ValueError) as exc:
+    except (AttentionUnavailableError, ValueError, OSError) as exc:  # OSError: no config at --model-config
         print(f"foundry-attn doctor: {exc}", file=sys.stderr)
         return 2
+    tried = guard.check()
     report: dict[str, Any] = {
         "chosen": decision.chosen,
         "reason": decision.reason,
-        "candidates": [{"name": c.name, "available": c.available, "reason": c.reason} for c in decision.candidates],
+        "candidates": [
+            {"name": c.name, "available": c.available, "reason": c.reason, "check": c.check, "warning": c.warning}
+            for c in decision.candidates
+        ],
         "environment": cap.as_dict(),
-        "flash_kernel": flash_kernel(cap),
+        "flash_kernel": flash_kernel(cap, decision),
+        "flash_attn_import": {**tried.as_dict(), "reason": tried.reason, "fix": tried.fix, "run": tried.run},
         "preflight": [dataclasses.asdict(p) for p in preflight(cap)],
         "flash_symbols": {k: v for k, v in discover().as_dict().items() if k in ("found", "missing", "error")},
     }
@@ -64,18 +70,23 @@ def doctor(args: argparse.Namespace) -> int:
         return 0
     env = report["environment"]
     print(f"device: {env['device_name']} ({env['sm']}) on {env['host']}")
+    installed = env["flash_attn_installed"]
+    flash = env["flash_attn_version"] or (f"{installed} (does not import)" if installed else "not installed")
     print(
-        f"torch {env['torch_version']}, transformers {env['transformers_version']}, "
-        f"flash-attn {env['flash_attn_version'] or 'not importable'}, "
+        f"torch {env['torch_version']}, transformers {env['transformers_version']}, flash-attn {flash}, "
         f"transformer-engine {env['transformer_engine_version'] or 'not installed'}"
     )
     print(f"flash_attention_2 would run: {report['flash_kernel']}")
+    if not tried.imported and tried.installed:
+        print(f"  {tried.run}")
     for problem in report["preflight"]:
         print(f"preflight: {problem['check']}: {problem['reason']} (fix: {problem['fix']})")
     found = ", ".join(f"{role}={name}" for role, name in report["flash_symbols"]["found"].items())
     print(f"transformers' flash helpers (upad_tracer): {found or 'none'}")
     for c in report["candidates"]:
         print(f"  {'ok ' if c['available'] else 'no '} {c['name']:<18} {c['reason']}")
+        if c["warning"]:
+            print(f"       warning: {c['warning']}")
         if c.get("path"):
             print(f"       path {c['path']}: {c['path_reason']}")
     print(f"chosen: {decision.chosen}")
@@ -101,13 +112,17 @@ def candidate_paths(model_config: str, candidates: list[dict[str, Any]], cap: Ca
             c["path"], c["path_reason"] = "unknown", f"no tiny {model_type} to prove on: {type(exc).__name__}: {exc}"
 
 
-def flash_kernel(cap: Capability) -> str:
-    """Which kernel ``flash_attention_2`` would really run here (transformers 5.x may pick a hub kernel)."""
+def flash_kernel(cap: Capability, decision: Decision) -> str:
+    """Which kernel ``flash_attention_2`` would really run here: the decision's answer where it weighed FA2
+    (transformers 5.x may pick a hub kernel)."""
+    fa2 = next((c for c in decision.candidates if c.name == FA2), None)
+    if fa2 is not None and not fa2.available:
+        return f"none (check '{fa2.check}' failed: {fa2.reason})"
     if cap.flash_attn_version:
         return f"flash-attn {cap.flash_attn_version}"
     if cap.hub_kernel:
         return f"hub kernel {cap.hub_kernel} (transformers' silent fallback; foundry_attn refuses it)"
-    return "none (flash-attn is not installed)"
+    return f"none ({cap.flash_attn_error or 'flash-attn is not installed'})"
 
 
 def assets(args: argparse.Namespace) -> int:

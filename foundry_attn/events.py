@@ -62,7 +62,7 @@ class EventLog:
             "versions": {
                 "torch": cap.torch_version,
                 "transformers": cap.transformers_version,
-                "flash_attn": cap.flash_attn_version,
+                "flash_attn": cap.flash_attn_installed or cap.flash_attn_version,  # installed, imports or not
                 "transformer_engine": cap.transformer_engine_version,
             },
         }

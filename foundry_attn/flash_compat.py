@@ -10,7 +10,8 @@ Parameters were inserted mid-list across releases (``alibi_slopes`` 2.4.0, ``det
 ``softcap`` 2.6.0), so positional callers silently misbind: :func:`call` passes everything after q, k, v
 (and the varlen lengths) by keyword, drops a newer keyword the installed version lacks when it is left at its
 default, and raises when a feature is really asked for. :func:`preflight` reads the installed versions
-(``importlib.metadata``) and names each known-bad combination with the pins that fix it.
+(``importlib.metadata``) and names each known-bad combination with the pins that fix it; the TransformerEngine pairs
+(:data:`TE_RULES`) come from the releases' own sources and refuse FA2 only where TE's attention is in the model.
 Core module: torch, packaging and the standard library only.
 """
 
@@ -38,14 +39,84 @@ ADDED: dict[str, tuple[str, Any]] = {
 POSITIONAL = {"flash_attn_func": 3, "flash_attn_varlen_func": 7}
 #: transformers' own minimum flash-attn for flash_attention_2 (5.x raises below 2.3.3 at load)
 TRANSFORMERS_MIN_FA2 = ((Version("5.0"), Version("2.3.3")), (Version("0"), Version("2.1.0")))
-#: TransformerEngine release range -> the newest flash-attn it supports (its own setup pins)
-TE_MAX_FLASH_ATTN = (
-    ((Version("1.7"), Version("1.11")), Version("2.5.8")),
-    ((Version("1.11"), Version("2.0")), Version("2.6.3")),
-    ((Version("2.0"), Version("2.1")), Version("2.7.3")),
-    ((Version("2.1"), Version("2.6")), Version("2.7.4.post1")),
-    ((Version("2.6"), Version("2.10")), Version("2.8.1")),
-    ((Version("2.10"), Version("999")), Version("2.8.3")),
+_TE_NEWER = "pip install 'transformer-engine>=2.1' (it passes what each flash-attn release takes)"
+#: TransformerEngine x flash-attn, read from the releases' own sources (2026-11-25; TE 1.6 to 2.20.2, flash-attn 2.3
+#: to 2.8.3.post2): (TE releases [from, below), the flash-attn releases [from, below) that meet it, whether the
+#: call raises (else TE turns its flash-attn backend off with a warning and runs cuDNN or unfused attention), what
+#: happens, the fix). Every row concerns TE's own attention modules (DotProductAttention and the layers on it):
+#: transformers' flash_attention_2 calls flash-attn's public functions, which every pair here still takes.
+TE_RULES: tuple[tuple[tuple[str, str], tuple[str, str], bool, str, str], ...] = (
+    (
+        ("0", "1.7"),
+        ("2.5.7", "2.6.2"),
+        True,
+        "its context-parallel forward calls flash-attn's private _flash_attn_varlen_forward without block_table / "
+        "softcap, which flash-attn {fa} requires: a TypeError at the first forward",
+        "pip install 'flash-attn==2.4.2' --no-build-isolation (its own pin), or " + _TE_NEWER,
+    ),
+    (
+        ("0", "1.7"),
+        ("2.6.2", "2.7"),
+        True,
+        "its context-parallel backward calls flash-attn's private _flash_attn_varlen_backward without softcap, which "
+        "flash-attn {fa} requires: TypeError: _flash_attn_varlen_backward() missing 1 required positional argument: "
+        "'softcap', at the first backward",
+        "pip install 'flash-attn==2.4.2' --no-build-isolation (its own pin), or " + _TE_NEWER,
+    ),
+    (
+        ("0", "1.7"),
+        ("2.7", "999"),
+        True,
+        "its context-parallel forward passes window_size= to flash-attn's private _flash_attn_varlen_forward, which "
+        "flash-attn {fa} (a torch custom op since 2.7) does not take: RuntimeError: Unknown keyword argument "
+        "'window_size', at the first forward",
+        "pip install 'flash-attn==2.4.2' --no-build-isolation (its own pin), or " + _TE_NEWER,
+    ),
+    (
+        ("1.7", "1.11"),
+        ("2.5.8.post0", "999"),
+        True,
+        "it asserts flash-attn <= 2.5.8 when it builds its attention: AssertionError: FlashAttention maximum "
+        "version 2.5.8 is supported.",
+        "pip install 'flash-attn==2.5.8' --no-build-isolation, or " + _TE_NEWER,
+    ),
+    (
+        ("1.7", "1.11"),
+        ("2.5.7", "2.5.8.post0"),
+        True,
+        "its context-parallel forward calls flash-attn's private _flash_attn_varlen_forward without block_table, "
+        "which flash-attn {fa} requires: a TypeError at the first forward",
+        "pip install 'flash-attn==2.5.6' --no-build-isolation, or " + _TE_NEWER,
+    ),
+    (
+        ("1.11", "1.12"),
+        ("2.6.3.post0", "999"),
+        True,
+        "it asserts flash-attn <= 2.6.3 when it builds its attention: AssertionError: FlashAttention maximum "
+        "version 2.6.3 is supported.",
+        "pip install 'flash-attn==2.6.3' --no-build-isolation, then " + _TE_NEWER,
+    ),
+    (
+        ("1.11", "1.14"),
+        ("2.6", "2.6.3.post0"),
+        True,
+        "its context-parallel attention calls flash-attn's private _flash_attn_varlen_forward / "
+        "_flash_attn_varlen_backward without softcap, which flash-attn {fa} requires: TypeError: ... missing 1 "
+        "required positional argument: 'softcap' (the forward before 2.6.2, the backward after)",
+        "pip install 'flash-attn==2.5.6' --no-build-isolation, or " + _TE_NEWER,
+    ),
+    (("1.12", "1.14"), ("2.6.3.post0", "999"), False, "it supports flash-attn 2.1.1 to 2.6.3", _TE_NEWER),
+    (("2.0", "2.1"), ("2.7.3.post0", "999"), False, "it supports flash-attn up to 2.7.3", _TE_NEWER),
+    (("2.1", "2.6"), ("2.7.4.post2", "999"), False, "it supports flash-attn up to 2.7.4.post1", _TE_NEWER),
+    (("2.6", "2.10"), ("2.8.1.post0", "999"), False, "it supports flash-attn up to 2.8.1", _TE_NEWER),
+    (
+        ("2.10", "2.19"),
+        ("2.8.3.post0", "999"),
+        False,
+        "it supports flash-attn up to 2.8.3, not its .post releases",
+        "pip install 'transformer-engine>=2.19'",
+    ),
+    (("2.19", "999"), ("2.8.4", "999"), False, "it supports flash-attn before 2.8.4", "a transformer-engine newer"),
 )
 
 
@@ -99,31 +170,31 @@ def call(name: str, *args: Any, **kwargs: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """A known-bad combination in this install. ``rejects`` is the implementation it rules out (or None)."""
+    """A known-bad combination in this install. ``rejects`` is the implementation it rules out (or None);
+    ``te_attention``: only where TransformerEngine's own attention runs in the model (elsewhere a warning)."""
 
     check: str
     reason: str
     fix: str
     rejects: str | None = "flash_attention_2"
+    te_attention: bool = False
 
 
-def _te_problem(te: str, fa: str) -> Problem | None:
+def te_problem(te: str, fa: str) -> Problem | None:
+    """What TransformerEngine ``te`` does with flash-attn ``fa`` where its own attention runs (:data:`TE_RULES`), as a
+    :class:`Problem` that rejects FA2 only where the call raises and TE's attention is in the model; None when
+    the pair works."""
     te_v, fa_v = Version(te), Version(fa)
-    check = "TransformerEngine x flash-attn"
-    if Version("1.11") <= te_v < Version("2.0") and fa_v >= Version("2.6.0"):  # inside TE's own range, still broken
-        return Problem(
-            check,
-            f"transformer-engine {te} calls flash-attn's private _flash_attn_varlen_backward "
-            f"without softcap, which flash-attn {fa} (>= 2.6.0) requires: a TypeError in the "
-            "context-parallel backward",
-            "pip install 'flash-attn==2.5.8' --no-build-isolation, or 'transformer-engine>=2.0'",
-        )
-    for (low, high), newest in TE_MAX_FLASH_ATTN:
-        if low <= te_v < high and fa_v > newest:
+    for (te_from, te_below), (fa_from, fa_below), raises, what, fix in TE_RULES:
+        if Version(te_from) <= te_v < Version(te_below) and Version(fa_from) <= fa_v < Version(fa_below):
+            if not raises:
+                what = f"{what}, so it turns its flash-attn backend off and runs cuDNN or unfused attention"
             return Problem(
-                check,
-                f"transformer-engine {te} supports flash-attn <= {newest}, found {fa}",
-                f"pip install 'flash-attn=={newest}' --no-build-isolation, or a newer transformer-engine",
+                "TransformerEngine x flash-attn",
+                f"transformer-engine {te} with flash-attn {fa}: {what.format(fa=fa)}",
+                fix,
+                rejects="flash_attention_2" if raises else None,
+                te_attention=True,
             )
     return None
 
@@ -137,7 +208,7 @@ def preflight(cap: Capability, env: dict[str, str] | None = None) -> list[Proble
     te = _version("transformer-engine") or _version("transformer_engine")
     transformers = _version("transformers")
     if fa and te:
-        mismatch = _te_problem(te, fa)
+        mismatch = te_problem(te, fa)
         if mismatch:
             problems.append(mismatch)
     if fa and transformers:

@@ -68,6 +68,7 @@ class ModelTraits:
     needs: ModelNeeds = ModelNeeds()
     config_refuses: tuple[tuple[str, str], ...] = ()
     fa2_calls_flash_attn: bool = False  # its FA2 class, built at construction, calls flash-attn itself (4.51)
+    te_attention: bool = False  # its code builds TransformerEngine's own attention (which calls flash-attn itself)
 
     @classmethod
     def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
@@ -89,7 +90,26 @@ class ModelTraits:
             return cls(name, None, frozenset(supports))
         refuses = config_refusals(config, sorted(supports - {EAGER}))
         needs = ModelNeeds.of(name, config)
-        return cls(name, head_dim_of(config), frozenset(supports), needs, refuses, _fa2_calls_flash_attn(model_class))
+        return cls(
+            name,
+            head_dim_of(config),
+            frozenset(supports),
+            needs,
+            refuses,
+            _fa2_calls_flash_attn(model_class),
+            _te_attention(model_class),
+        )
+
+
+def _te_attention(model_class: type) -> bool:
+    """Whether the modules ``model_class`` is made of import TransformerEngine (remote code built on
+    ``transformer_engine.pytorch``); a transformers model never is."""
+    for klass in model_class.__mro__:
+        module = sys.modules.get(klass.__module__)
+        names = (getattr(v, "__module__", None) or getattr(v, "__name__", "") for v in vars(module or object).values())
+        if any(isinstance(n, str) and n.startswith("transformer_engine") for n in names):
+            return True
+    return False
 
 
 def _fa2_calls_flash_attn(model_class: type) -> bool:
@@ -128,6 +148,7 @@ class Candidate:
     reason: str  # why not, or what it will run as
     check: str = ""  # the name of the failed check, empty when available
     fix: str = ""
+    warning: str = ""  # what may still go wrong where it runs (a TransformerEngine pair outside this model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +181,11 @@ class Decision:
             return f"{rejected[0].name}: {rejected[0].reason}"
         return next(c.reason for c in self.candidates if c.name == self.chosen)
 
+    @property
+    def warning(self) -> str:
+        """What may still go wrong with the chosen implementation (empty: nothing known)."""
+        return next((c.warning for c in self.candidates if c.name == self.chosen), "")
+
     def as_dict(self) -> dict:
         return {
             "requested": self.requested,
@@ -171,6 +197,7 @@ class Decision:
             "proof": self.proof,
             "path": self.path,
             "path_reason": self.path_reason,
+            "warning": self.warning,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }
 
@@ -304,9 +331,9 @@ def check_fa2(
         )
         return _fail(
             FA2,
-            "flash-attn installed",
+            "flash-attn import" if cap.flash_attn_installed else "flash-attn installed",
             (cap.flash_attn_error or "flash-attn is not installed") + hub,
-            "pip install flash-attn --no-build-isolation",
+            cap.flash_attn_fix or "pip install flash-attn --no-build-isolation",
         )
     if Version(cap.flash_attn_version) < FA2_MIN_VERSION:
         return _fail(
@@ -315,9 +342,16 @@ def check_fa2(
             f"flash-attn {cap.flash_attn_version} < {FA2_MIN_VERSION}",
             f"pip install 'flash-attn>={FA2_MIN_VERSION}'",
         )
-    for problem in preflight(cap):  # known-bad installs (TransformerEngine pins, transformers' minimum, ...)
-        if problem.rejects == FA2:
-            return _fail(FA2, problem.check, problem.reason, problem.fix)
+    warnings = []
+    for problem in preflight(cap):  # known-bad installs (TransformerEngine pairs, transformers' minimum, ...)
+        if problem.rejects != FA2:
+            continue
+        if problem.te_attention and not traits.te_attention:  # TE's attention is not in this model: ours runs
+            warnings.append(
+                f"{problem.reason}; only TransformerEngine's own attention, not in this model (fix: {problem.fix})"
+            )
+            continue
+        return _fail(FA2, problem.check, problem.reason, problem.fix)
     unfit = _failed_flash_check(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
     if unfit:
         return unfit
@@ -333,7 +367,9 @@ def check_fa2(
     inexact = refusal(FA2, traits.needs, cap.flash_attn_version)
     if inexact:
         return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
-    return Candidate(FA2, True, f"flash-attn {cap.flash_attn_version} on {cap.device_name} {cap.sm}")
+    return Candidate(
+        FA2, True, f"flash-attn {cap.flash_attn_version} on {cap.device_name} {cap.sm}", warning="; ".join(warnings)
+    )
 
 
 def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:

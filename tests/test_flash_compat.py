@@ -14,7 +14,7 @@ import torch
 
 from foundry_attn import flash_compat
 from foundry_attn.capability import Capability
-from foundry_attn.policy import FA2, SDPA, AttentionUnavailableError, choose
+from foundry_attn.policy import FA2, SDPA, AttentionUnavailableError, ModelTraits, choose
 
 A100 = Capability(
     cuda=True,
@@ -69,47 +69,49 @@ def test_call_is_keywords_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("te", "fa", "bad"),
-    [
-        ("1.12.0", "2.6.3", True),
-        ("1.12.0", "2.5.8", False),
-        ("1.9.0", "2.5.9", True),
-        ("2.0.0", "2.7.3", False),
-        ("2.0.0", "2.7.4", True),
-        ("2.4.0", "2.7.4.post1", False),
-        ("2.8.0", "2.8.3", True),
-        ("2.10.0", "2.8.3", False),
+    ("te", "fa", "raises", "named"),
+    [  # the releases not on PyPI (TE 1.6-1.8, 2.0), and the rows between: tests/test_real_installs.py has the rest
+        ("1.6.0", "2.5.8", True, "block_table"),
+        ("1.6.0", "2.7.4.post1", True, "Unknown keyword argument 'window_size'"),
+        ("1.6.0", "2.4.2", None, ""),
+        ("1.8.0", "2.6.3", True, "maximum version 2.5.8"),
+        ("1.12.0", "2.6.0.post1", True, "softcap"),
+        ("1.12.0", "2.5.6", None, ""),
+        ("2.0.0", "2.7.3", None, ""),
+        ("2.0.0", "2.7.4", False, "up to 2.7.3"),
+        ("2.4.0", "2.7.4.post1", None, ""),
+        ("2.8.0", "2.8.3", False, "up to 2.8.1"),
+        ("2.19.0", "2.8.4", False, "before 2.8.4"),
     ],
 )
-def test_transformer_engine_pins(monkeypatch: pytest.MonkeyPatch, te: str, fa: str, bad: bool) -> None:
+def test_transformer_engine_pairs(
+    monkeypatch: pytest.MonkeyPatch, te: str, fa: str, raises: bool | None, named: str
+) -> None:
     installed(monkeypatch, transformer_engine=te, flash_attn=fa)
     problems = flash_compat.preflight(A100, env={})
-    assert bool(problems) == bad, problems
-    if bad:
-        assert problems[0].check == "TransformerEngine x flash-attn" and "pip install 'flash-attn==" in problems[0].fix
-        assert ("softcap" in problems[0].reason) == te.startswith("1.12")
+    assert (problems == []) == (raises is None), problems
+    if raises is not None:
+        [problem] = problems
+        assert problem.check == "TransformerEngine x flash-attn" and named in problem.reason
+        assert (problem.rejects == FA2) == raises and problem.te_attention
 
 
-def test_strict_fails_before_training_with_the_pins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_strict_fails_before_training_where_te_attention_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     installed(monkeypatch, transformer_engine="1.13.0", flash_attn="2.6.3")
-    traits_free = choose(FA2, [FA2, SDPA], A100, torch.bfloat16, smoke_test=None)
+    te_model = ModelTraits("TEModel", 64, frozenset({FA2, SDPA}), te_attention=True)
+    traits_free = choose(FA2, [FA2, SDPA], A100, torch.bfloat16, te_model, smoke_test=None)
     rejected = traits_free.candidates[0]
     assert traits_free.chosen == SDPA and rejected.check == "TransformerEngine x flash-attn"
-    assert "softcap" in rejected.reason and "flash-attn==2.5.8" in rejected.fix
+    assert "softcap" in rejected.reason and "transformer-engine>=2.1" in rejected.fix
     with pytest.raises(
         AttentionUnavailableError,
         match=r"on NVIDIA A100-SXM4-80GB \(sm80\) on node-1: check "
         r"'TransformerEngine x flash-attn' failed.*"
-        r"Fix: pip install 'flash-attn==2.5.8'",
+        r"Fix: pip install 'flash-attn==2.5.6'",
     ):
-        choose(
-            FA2,
-            [FA2, SDPA],
-            dataclasses.replace(A100, flash_attn_version="2.6.3"),
-            torch.bfloat16,
-            strict=True,
-            smoke_test=None,
-        )
+        choose(FA2, [FA2, SDPA], A100, torch.bfloat16, te_model, strict=True, smoke_test=None)
+    kept = choose(FA2, [FA2, SDPA], A100, torch.bfloat16, strict=True, smoke_test=None)  # no TE attention: kept
+    assert kept.chosen == FA2 and "softcap" in kept.warning and kept.as_dict()["warning"] == kept.warning
 
 
 def test_transformers_minimum_fa3_and_offline_hub_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

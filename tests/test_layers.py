@@ -11,6 +11,7 @@ import pytest
 import torch
 
 CORE = [
+    "guard",
     "capability",
     "policy",
     "loading",

@@ -176,6 +176,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             decision.path,
             decision.path_reason,
         )
+        if decision.warning:
+            log.warning("attention rank %d: %s kept, but: %s", rank, decision.chosen, decision.warning)
         if self._fa2_reference:
             log.warning(
                 "attention: flash_attention_2 runs on the pure-PyTorch REFERENCE kernel, not flash-attn "
