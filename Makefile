@@ -100,6 +100,7 @@ bench: $(STAMP) $(LATEST)/.installed
 	$(BIN)/foundry-attn bench compile --json
 	$(BIN)/foundry-attn bench proof --json
 	$(BIN)/foundry-attn bench events --json
+	$(BIN)/foundry-attn bench guard --json
 	$(BIN)/foundry-attn bench train --json
 	$(LATEST)/bin/foundry-attn bench trainer --json
 

@@ -3,7 +3,7 @@
 foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash_attention_2,sdpa,eager]
 [--attn-strict] [--model-config ./build/tiny/tiny-llama]   (with a config: each candidate's path, flat or rows)
 foundry-attn assets build/tiny
-foundry-attn bench padding|callbacks|compile|proof|events|train|trainer --json [--device cuda] [--quick]
+foundry-attn bench padding|callbacks|compile|proof|events|train|trainer|guard --json [--device cuda] [--quick]
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
 foundry-attn conformance [--markdown] [--family mistral] [--zoo | --padding-free]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]

@@ -97,6 +97,35 @@ def half(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
 
 
+class PrecisionProbe:
+    """The autocast one forward of ``hf`` really runs in, read inside it (a pre-hook on its input embeddings):
+    accelerate's mixed precision wraps the model's ``forward`` itself, so code outside that forward (hooks on the
+    model, a Trainer callback) sees fp32 while the layers run in bf16. :meth:`context` repeats it for a judgement's
+    own forwards; a user's ``torch.autocast`` and Composer's precision context are read the same way."""
+
+    def __init__(self, hf: Any) -> None:
+        self.autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype) of the forward read
+        inner = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+        inner = inner if isinstance(inner, torch.nn.Module) else hf
+        self._handle: Any = inner.register_forward_pre_hook(self._read)
+
+    def _read(self, module: torch.nn.Module, args: Any) -> None:
+        param = next(module.parameters(), None)
+        device = param.device.type if param is not None else "cpu"
+        if torch.is_autocast_enabled(device):
+            self.autocast = (device, torch.get_autocast_dtype(device))
+        self.remove()
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast again (nothing when it ran without)."""
+        return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
+
+
 def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
     """Each token's (last dimension's) relative L2 difference; ``floor`` adds that share of the mean token norm to
     each denominator."""
@@ -293,12 +322,17 @@ class Comparison:
     differ: tuple[int, ...]
 
 
-def alone_inputs(ids: torch.Tensor, positions: torch.Tensor | None = None) -> dict[str, Any]:
+def alone_inputs(ids: torch.Tensor, positions: torch.Tensor | None = None, width: int = 0) -> dict[str, Any]:
     """One document ``[1, n]`` as stock runs it alone, with the all-ones mask a padded batch would give it (some
-    families are not causal without a mask: Moshi's eager attention); ``positions``: a user's own."""
-    alone = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    families are not causal without a mask: Moshi's eager attention); ``positions``: a user's own. ``width``:
+    right-padded to it, the padding masked (the packed forward's shape: in half precision kernels round by shape)."""
+    pad = max(0, width - ids.shape[1])
+    alone = {
+        "input_ids": F.pad(ids, (0, pad)),
+        "attention_mask": F.pad(torch.ones_like(ids), (0, pad)),
+    }
     if positions is not None:
-        alone["position_ids"] = positions
+        alone["position_ids"] = F.pad(positions, (0, pad))
     return alone
 
 

@@ -210,6 +210,14 @@ def _reference_lazy_imports(
     return dense, varlen, None, pad_input, unpad_input
 
 
+_active = 0  # how many reference_flash_attn blocks are open (the tracer asks whether a kernel ran under one)
+
+
+def active() -> bool:
+    """Whether transformers' FA2 code runs on the reference (or a stand-in) kernel right now, not flash-attn."""
+    return _active > 0
+
+
 @contextlib.contextmanager
 def reference_flash_attn(varlen: Callable | None = None, dense: Callable | None = None) -> Iterator[None]:
     """Install the reference kernels where transformers looks them up; restore everything on exit.
@@ -249,7 +257,12 @@ def reference_flash_attn(varlen: Callable | None = None, dense: Callable | None 
             for name in _AVAILABILITY:
                 if name in mod.__dict__:
                     patches.append(patch_attribute(mod, name, replace=_always_true))
-        yield
+        global _active
+        _active += 1
+        try:
+            yield
+        finally:
+            _active -= 1
     finally:
         for patch in reversed(patches):
             patch.remove()

@@ -270,13 +270,15 @@ class FlashCallTracer:
         self.counts: dict[str, int] = dict.fromkeys(ROLES, 0)
         self.first: dict[str, dict[str, Any]] = {}
         self.order: list[str] = []
+        #: a flash kernel ran under the reference (not flash-attn) since :meth:`reset`; None: no kernel ran
+        self.ran_reference: bool | None = None
         self._patches: list[Patch] = []
         self._depth = 0
 
     # -- lifecycle
     def reset(self, record: bool | None = None) -> None:
         self.counts = dict.fromkeys(ROLES, 0)
-        self.first, self.order = {}, []
+        self.first, self.order, self.ran_reference = {}, [], None
         if record is not None:
             self.record = record
 
@@ -342,6 +344,8 @@ class FlashCallTracer:
             self.counts[role] += 1
             if role not in self.order:
                 self.order.append(role)
+            if role in KERNEL_ROLES:  # what ran, not what the module holds after: 5.x hands kernels out lazily
+                self.ran_reference = bool(self.ran_reference) or fa2_reference.active()
             out = inner(*args, **kwargs)
             self._seen(role, args, kwargs, out)
             return out

@@ -11,17 +11,20 @@
 The Composer callbacks' twins (:mod:`foundry_attn.callbacks`), on the same core: :class:`AttnDecision` (each rank's
 attention: ``attach``'s backend and path, or the model's own setting; one line over every rank on rank 0),
 :class:`AttentionInspector` (masks, fill and the measured verdict on packed documents of sampled steps) and
-:class:`UpadTracer` (flash-attention unpad / varlen / dense calls of sampled steps). Metrics go through
-``trainer.log`` (every reporter: W&B, TensorBoard, MLflow, the console) when the callbacks know the trainer
-(:func:`install`, ``callbacks(trainer)``), else into the next logs the Trainer reports (the console, and the reporters
-after them). Events go to ``<output_dir>/attn_events/events-rank<r>.jsonl``, the kinds Composer runs write, so
-``foundry-attn events`` and ``foundry-attn report`` read Trainer runs and mixed fleets alike. Hooks live for one
-forward of a sampled step and are gone by its end, even when it raises. transformers only (TRL optional).
+:class:`UpadTracer` (flash-attention unpad / varlen / dense calls of sampled steps). Metrics join the next logs
+the Trainer reports, ahead of every reporter (W&B, TensorBoard, MLflow, the console), however the callbacks were
+added; ``trainer.log`` is never called, so the Trainer's and TRL's own logged values stay as they are. A second
+:func:`install` adds nothing. Events go to ``<output_dir>/attn_events/events-rank<r>.jsonl``, the kinds Composer runs
+write, so ``foundry-attn events`` and ``foundry-attn report`` read Trainer runs and mixed fleets alike. Hooks live
+for one forward of a sampled step and are gone by its end, even when it raises. transformers only (TRL optional).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+import types
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,8 +32,9 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
-from foundry_attn.comparison import evaluating, hidden, proving
+from foundry_attn.comparison import PrecisionProbe, evaluating, hidden, proving
 from foundry_attn.console_table import format_table
 from foundry_attn.discovery import attn_implementation, find_hf_model
 from foundry_attn.events import EventLog
@@ -78,6 +82,8 @@ class Run:
         self.trainer, self.events_dir = trainer, events_dir
         self.events: EventLog | None = None
         self.pending: dict[str, float] = {}
+        self.merger = _Merger(self)
+        self.placed = False
 
     def open(self, args: Any) -> EventLog:
         """The event log, opened once, at train begin (every rank calls it there)."""
@@ -90,14 +96,50 @@ class Run:
             self.events = EventLog(folder, args.process_index, run=run, launch=launch[0])
         return self.events
 
+    def place(self, handler: CallbackHandler | None) -> None:
+        """Put :class:`_Merger` first among the Trainer's callbacks, before its reporters (once)."""
+        if self.placed or handler is None:
+            return
+        handler.callbacks = [self.merger, *handler.callbacks]  # a new list: the event now running goes on over the old
+        self.placed = True
+
     def log(self, metrics: Mapping[str, float]) -> None:
-        if self.trainer is not None:
-            control = self.trainer.control
-            due = control.should_log
-            self.trainer.log(dict(metrics))
-            control.should_log = due  # Trainer.log clears it: the Trainer's own line of this step still comes
-        else:
-            self.pending.update(metrics)
+        """Hold ``metrics`` for the Trainer's next logs (never ``trainer.log``: TRL folds its own metrics into
+        every call of it and clears them)."""
+        self.pending.update(metrics)
+
+    def merge(self, logs: dict | None, state: Any) -> None:
+        """``pending`` into the logs being reported, and into their copy the Trainer just kept in its history."""
+        if not self.pending or logs is None:
+            return
+        history = getattr(state, "log_history", None)
+        if history and history[-1] == {**logs, "step": state.global_step}:  # the Trainer's copy of these logs
+            history[-1].update(self.pending)
+        logs.update(self.pending)
+        self.pending.clear()
+
+
+class _Merger(TrainerCallback):
+    """First among the Trainer's callbacks: the ``attn/*`` metrics waiting since the last log join the logs the
+    Trainer is about to report, so every reporter (TensorBoard, W&B, MLflow, the console) gets them."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        self.run.merge(logs, state)
+
+
+def _calling_handler() -> CallbackHandler | None:
+    """The Trainer's :class:`CallbackHandler` that is calling this callback event (a Trainer given our callbacks
+    with ``Trainer(callbacks=...)`` is not known to them otherwise)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, CallbackHandler):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 class _Callback(TrainerCallback):
@@ -127,6 +169,8 @@ class _Callback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self.run.open(args)
+        trainer = self.run.trainer
+        self.run.place(trainer.callback_handler if trainer is not None else _calling_handler())
         found = find_hf_model(model) if model is not None else None
         self.begin(args, model, found[1] if found is not None else model)
 
@@ -134,9 +178,8 @@ class _Callback(TrainerCallback):
         """At train begin, with the model the Trainer calls and the HF model inside it."""
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        if self.run.pending and logs is not None:
-            logs.update(self.run.pending)
-            self.run.pending.clear()
+        if not self.run.placed:  # no handler found to go first in: the reporters after us still get them
+            self.run.merge(logs, state)
 
     def one_forward(self, model: Any, before: Callable[[dict], None], after: Callable[[dict, Any], None]) -> None:
         """Hooks on ``model`` for its next forward that is the batch's (a proof's forwards are not): ``before``
@@ -284,6 +327,7 @@ class AttentionInspector(_Callback):
         self._model: Any = None
         self._hf: Any = None
         self._pending: tuple[list[dict[str, Any]], BatchInfo, Verdict | None] | None = None
+        self._probe: PrecisionProbe | None = None
         self._printed = False
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
@@ -300,19 +344,25 @@ class AttentionInspector(_Callback):
             return
         inspector = self.inspector
 
+        probe = PrecisionProbe(self._hf) if judge else None  # the forward's own autocast (accelerate's, a user's)
+        self._probe = probe
+
         def before(batch: dict) -> None:
             inspector.batch = BatchInfo.from_batch(batch)
 
         def after(batch: dict, output: Any) -> None:
             records, inspector.records = inspector.records, []
-            verdict = self._judge(batch, output) if judge and output is not None else None
+            verdict = None
+            if probe is not None and output is not None:
+                probe.remove()
+                verdict = self._judge(batch, output, probe.context())
             self._pending = (records, inspector.batch, verdict)
 
         if inspect:
             inspector.arm()
         self.one_forward(self._model, before, after)  # after arm: its post-hook is the last
 
-    def _judge(self, batch: Mapping, output: Any) -> Verdict:
+    def _judge(self, batch: Mapping, output: Any, precision: contextlib.AbstractContextManager) -> Verdict:
         from torch.distributed.tensor import DTensor
 
         hf = self._hf
@@ -326,10 +376,10 @@ class AttentionInspector(_Callback):
 
         def rerun() -> torch.Tensor:  # TRL's fused LM head returns no logits: the batch's own, eval mode
             inputs = {k: v for k, v in batch.items() if k not in LOSS_ONLY}
-            with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]):
+            with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), precision:
                 return hf(**{**inputs, "use_cache": False}).logits
 
-        return judge(hf, batch, output, blocked, rerun=rerun)
+        return judge(hf, batch, output, blocked, precision, rerun=rerun)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.release()
@@ -385,6 +435,9 @@ class AttentionInspector(_Callback):
         super().release()
         if self.inspector is not None:
             self.inspector.disarm()
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
 
 
 # ---- the unpad tracer ---------------------------------------------------------------------------------------
@@ -452,7 +505,8 @@ class UpadTracer(_Callback):
         metrics = {f"attn/{role}_calls_per_step": float(tracer.counts[role]) for role in ROLES}
         if tracer.max_seqlen is not None:
             metrics["attn/max_seqlen"] = float(tracer.max_seqlen)
-        kernel = REFERENCE_NAME if is_reference(self.symbols) else "flash-attn"
+        reference = tracer.ran_reference if tracer.ran_reference is not None else is_reference(self.symbols)
+        kernel = REFERENCE_NAME if reference else "flash-attn"
         if self.events is not None:
             self.events.append(
                 "upad_trace", step=step, attn_implementation=self.implementation, kernel=kernel, **tracer.summary()
@@ -494,7 +548,14 @@ def callbacks(
 
 
 def install(trainer: Any, **options: Any) -> list[TrainerCallback]:
-    """Add :func:`callbacks` to ``trainer`` (``options``: its keywords), logging through ``trainer.log``."""
+    """Add :func:`callbacks` to ``trainer`` (``options``: its keywords); a second call adds nothing (a warning)."""
+    present: list[TrainerCallback] = [c for c in trainer.callback_handler.callbacks if isinstance(c, _Callback)]
+    if present:
+        log.warning(
+            "foundry_attn.hf.install: this trainer already has foundry_attn's callbacks (%s); nothing added",
+            ", ".join(type(c).__name__ for c in present),
+        )
+        return present
     added = callbacks(trainer, **options)
     for callback in added:
         trainer.add_callback(callback)

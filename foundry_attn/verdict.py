@@ -32,6 +32,7 @@ from foundry_attn.comparison import (
     against_alone,
     alone_inputs,
     evaluating,
+    half,
     hidden,
     limits_for,
     run,
@@ -225,7 +226,13 @@ def measure(
     ids = batch["input_ids"][row, start : start + sum(lengths)]
     spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
     with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), context or contextlib.nullcontext():
-        alone = [run(hf, alone_inputs(ids[a:b][None]), [(0, b - a)], grads=False) for a, b in spans]
+        # half precision (half weights, or the autocast the forward ran in): each document alone at the packed
+        # row's width, right-padded and masked, so both sides round as one shape does (bf16 kernels round by shape)
+        width = batch["input_ids"].shape[1] if half(next(hf.parameters()).dtype, ids.device) else 0
+        alone = [
+            Run(run(hf, alone_inputs(ids[a:b][None], width=width), [(0, b - a)], grads=False).logits[: b - a])
+            for a, b in spans
+        ]
         limits = limits_for(hf, alone_inputs(ids[spans[-1][0] :][None]), alone[-1])
     result = against_alone(Run(packed.detach()), spans, alone, limits)
     worst, leaking = result.worst, list(result.differ)

@@ -69,10 +69,14 @@ class FirstBatch:
             self.handle.remove()
 
 
-def _trainer(model: torch.nn.Module, docs: list[torch.Tensor], out: Path, steps: int = 2, **options: Any) -> Trainer:
-    """A Trainer on padding-free batches of four documents (``options``: its other keywords)."""
+def _trainer(
+    model: torch.nn.Module, docs: list[torch.Tensor], out: Path, steps: int = 2, bf16: bool = False, **options: Any
+) -> Trainer:
+    """A Trainer on padding-free batches of four documents (``bf16``: accelerate's autocast, on the CPU too;
+    ``options``: the Trainer's other keywords)."""
     args = TrainingArguments(
         output_dir=str(out),
+        bf16=bf16,
         per_device_train_batch_size=4,
         max_steps=steps,
         logging_steps=1,
@@ -126,6 +130,36 @@ def test_a_stock_trainer_run_is_observed_and_its_leak_named(
     assert any(r.message.startswith("attention: 1/1 ranks") for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "backend", "leaks"),
+    [
+        ("mistral", "sdpa", False),
+        ("mixtral", "sdpa", False),
+        ("qwen3_moe", "sdpa", False),
+        ("gpt_oss", "eager", True),
+        ("jamba", "sdpa", True),
+    ],
+)
+def test_the_verdict_in_bf16_judges_with_the_forwards_own_precision(
+    model_type: str, backend: str, leaks: bool, tmp_path: Path
+) -> None:
+    """``bf16=True`` (TRL's default): accelerate's autocast wraps the model's forward, so the verdict reads the
+    precision inside it and runs each document alone at the packed row's shape. bf16 noise is no leak (Mistral,
+    Mixtral and Qwen3-MoE keep documents apart under stock padding-free); a real leak (gpt-oss's sinks, Jamba's
+    state) is still named."""
+    if transformers.__version__ < "4.54":
+        pytest.skip("4.51's sdpa ignores restarting position_ids: stock leaks there")
+    model = _model(model_type, backend)
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    trainer = _trainer(model, docs, tmp_path, steps=1, bf16=True)
+    _, inspector, _ = hf.install(trainer, log_interval=1, verdict_interval=1)
+    trainer.train()
+    verdict = inspector.last_verdict
+    assert verdict is not None and verdict.how == "measured" and verdict.state == ("leaks" if leaks else "isolated"), (
+        verdict.line()
+    )
+
+
 @pytest.mark.parametrize(("model_type", "backend"), [("llama", "sdpa"), ("gpt_oss", "eager"), ("jamba", "sdpa")])
 def test_an_attached_trainer_run_trains_as_each_document_alone(model_type: str, backend: str, tmp_path: Path) -> None:
     model = _model(model_type, backend)
@@ -157,19 +191,79 @@ def test_the_events_of_a_trainer_run_read_as_a_composer_runs(tmp_path: Path, cap
     assert (tmp_path / "report" / "report.html").exists()
 
 
-def test_without_the_trainer_the_metrics_join_the_trainers_next_logs(tmp_path: Path) -> None:
+class Reporter(transformers.TrainerCallback):
+    """What a reporter (TensorBoard, W&B) is handed at each log."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        self.seen.append(dict(logs or {}))
+
+
+@pytest.mark.parametrize("how", ["callbacks", "install"])
+def test_the_metrics_reach_the_reporters_however_the_callbacks_were_added(how: str, tmp_path: Path) -> None:
+    """A reporter placed before ours (as report_to's are) gets the attn/* scalars in the Trainer's own logs."""
     model = _model("llama", "sdpa")
     docs = synthetic_documents(model.config, LENGTHS[:4], torch.device("cpu"))
-    trainer = _trainer(model, docs, tmp_path, steps=1, callbacks=hf.callbacks(log_interval=1, verdict_interval=1))
-    seen: list[dict] = []
-
-    class Reporter(transformers.TrainerCallback):  # a reporter after ours, as the progress bar is
-        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-            seen.append(dict(logs or {}))
-
-    trainer.add_callback(Reporter())
+    reporter = Reporter()
+    ours = hf.callbacks(log_interval=1, verdict_interval=1) if how == "callbacks" else []
+    trainer = _trainer(model, docs, tmp_path, steps=1, callbacks=[reporter, *ours])
+    if how == "install":
+        hf.install(trainer, log_interval=1, verdict_interval=1)
     trainer.train()
-    assert any("loss" in logs and "attn/fill_ratio" in logs for logs in seen), seen
+    assert any("loss" in logs and "attn/fill_ratio" in logs for logs in reporter.seen), reporter.seen
+
+
+def test_a_second_install_adds_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model("llama", "sdpa")
+    trainer = _trainer(model, synthetic_documents(model.config, LENGTHS[:4], torch.device("cpu")), tmp_path, steps=1)
+    first = hf.install(trainer, log_interval=1)
+    with caplog.at_level(logging.WARNING, logger="foundry_attn.hf"):
+        assert hf.install(trainer, log_interval=1) == first
+    assert "already has foundry_attn's callbacks" in caplog.text
+    trainer.train()
+    events = list(iter_events(event_files(tmp_path / "attn_events"), "attn_impl"))
+    assert len(events) == 1, events
+
+
+def test_trl_logs_the_same_with_and_without_our_callbacks(tmp_path: Path) -> None:
+    """TRL folds its entropy, token accuracy and token count into every trainer.log call and clears them: ours never
+    call it, so TRL's logged values are the same with them as without."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from foundry_attn.foundry.assets import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    logged = {}
+    for installed in (False, True):
+        model = _model("llama", "sdpa")
+        docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / str(installed)),
+            padding_free=True,
+            max_length=None,
+            bf16=False,
+            per_device_train_batch_size=2,
+            max_steps=4,
+            logging_steps=2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            dataset_num_proc=None,
+            seed=0,
+        )
+        data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        if installed:
+            hf.install(trainer, log_interval=2, verdict_interval=2)
+        trainer.train()
+        keys = ("entropy", "mean_token_accuracy", "num_tokens", "loss")
+        logged[installed] = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
+    assert logged[False] and all(
+        set(e) == {"entropy", "mean_token_accuracy", "num_tokens", "loss"} for e in logged[False]
+    )
+    assert logged[True] == logged[False], logged
 
 
 def test_a_forward_that_raises_leaves_no_hook(tmp_path: Path) -> None:

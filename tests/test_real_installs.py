@@ -58,6 +58,15 @@ def test_the_guard_is_installed_with_the_package() -> None:
     assert "_Finder" not in off.stdout
 
 
+def test_the_startup_bench_runs() -> None:
+    """``foundry-attn bench guard``: interpreter starts with the guard on and off, side by side (no timing judged)."""
+    from foundry_attn.bench import guard as bench
+
+    result = bench.run(quick=True)
+    assert result["rounds"] == 10 and set(result["median_ms"]) == {"on", "off"}
+    assert isinstance(result["all_targets_met"], bool)
+
+
 def test_the_wheel_carries_the_guard(tmp_path: Path) -> None:
     """A real (not editable) wheel puts foundry_attn_guard.pth at the top of site-packages."""
     proc = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)], {}, REPO)

@@ -263,7 +263,8 @@ class UpadTracer(ReleasingCallback):
             metrics["attn/max_seqlen"] = float(tracer.max_seqlen)
         self.last_summary, self.last_metrics = summary, metrics
         logger.log_metrics(metrics)
-        kernel = REFERENCE_NAME if self._reference else "flash-attn"
+        ran = tracer.ran_reference  # what ran; before any kernel ran, what the model was built with
+        kernel = REFERENCE_NAME if (ran if ran is not None else self._reference) else "flash-attn"
         if self.events is not None:
             self.events.append(
                 "upad_trace", step=self._step, attn_implementation=self.implementation, kernel=kernel, **summary
