@@ -73,6 +73,12 @@ IGNORED_KWARGS = frozenset(
         "position_embeddings",
         "attn_implementation",
         "num_items_in_batch",  # the Trainer's loss normaliser (transformers 5.x passes it down to attention)
+        # model-level flags transformers 5.x threads through every layer's **kwargs (TransformersKwargs): what the
+        # model returns, not what attention computes; seq_idx numbers the documents we already carry
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "seq_idx",
     )
 )
 

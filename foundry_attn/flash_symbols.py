@@ -345,7 +345,7 @@ class FlashCallTracer:
             if role not in self.order:
                 self.order.append(role)
             if role in KERNEL_ROLES:  # what ran, not what the module holds after: 5.x hands kernels out lazily
-                self.ran_reference = bool(self.ran_reference) or fa2_reference.active()
+                self.ran_reference = bool(self.ran_reference) or fa2_reference.active() or _from_reference(inner)
             out = inner(*args, **kwargs)
             self._seen(role, args, kwargs, out)
             return out
@@ -428,6 +428,12 @@ def short_list(values: list[int] | None, keep: int = 8) -> str:
     return f"[{head}, ..., {values[-1]}] ({len(values)} entries)"
 
 
+def _from_reference(fn: Callable) -> bool:
+    """Whether ``fn`` (under its wrappers and partials) is one of the pure-PyTorch reference kernels."""
+    fn = inspect.unwrap(fn)
+    return getattr(getattr(fn, "func", fn), "__module__", None) == fa2_reference.__name__
+
+
 def is_reference(symbols: FlashSymbols) -> bool:
     """The varlen kernel that ``symbols`` names is the pure-PyTorch reference (installed in flash-attn's place)."""
     name = symbols.found.get(VARLEN)
@@ -437,6 +443,4 @@ def is_reference(symbols: FlashSymbols) -> bool:
         fn = vars(importlib.import_module(symbols.module_of(VARLEN))).get(name)
     except Exception:  # the kernel's module went away: not the reference
         return False
-    if not callable(fn):
-        return False
-    return getattr(inspect.unwrap(fn), "__module__", None) == fa2_reference.__name__
+    return callable(fn) and _from_reference(fn)

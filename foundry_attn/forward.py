@@ -267,7 +267,18 @@ class FlattenedBackbone:
             extra["use_cache"] = False
         out = forward(base, **inputs, **extra)
         out.last_hidden_state = placed_back(out.last_hidden_state, prepared.placed)
+        routers = getattr(out, "router_logits", None)
+        if routers:  # the caller's router loss reads every token as real: the rows path's padding leaves
+            out.router_logits = tuple(_real_tokens(r, prepared.placed.src) for r in routers)
         return out
+
+
+def _real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
+    """A layer's router logits (``[tokens, experts]`` or ``[rows, width, experts]``) at the real tokens only."""
+    if not isinstance(router_logits, torch.Tensor):
+        return router_logits
+    flat = router_logits.reshape(-1, router_logits.shape[-1])
+    return flat[src] if flat.shape[0] != src.numel() else router_logits
 
 
 def packed_call(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:

@@ -163,17 +163,40 @@ def flattened_lengths(batch: Mapping) -> list[int] | None:
         return None
     if batch.get("attention_mask") is not None or batch.get("past_key_values") is not None:
         return None
+    labels = batch.get("labels")
+    pos = batch.get("position_ids")
+    restarts = None
+    if isinstance(pos, torch.Tensor) and pos.shape == ids.shape:
+        p = pos[0].tolist()
+        restarts = [k for k in range(len(p)) if k == 0 or p[k] <= p[k - 1]]
+    lengths = None
     cu = batch.get("cu_seq_lens_q")
+    seq = batch.get("seq_idx")
     if isinstance(cu, torch.Tensor) and cu.numel() > 1:
         bounds = [int(b) for b in cu.reshape(-1).tolist()]
-        return [b - a for a, b in itertools.pairwise(bounds) if b > a] if bounds[-1] == ids.shape[1] else None
-    seq = batch.get("seq_idx")
-    if isinstance(seq, torch.Tensor) and seq.shape == ids.shape:
-        return _runs(seq[0].tolist())
-    pos = batch.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.shape == ids.shape and ids.shape[1] > 1:
-        p = pos[0].tolist()
-        starts = [k for k in range(len(p)) if k == 0 or p[k] <= p[k - 1]]
-        if len(starts) > 1:
-            return [b - a for a, b in itertools.pairwise([*starts, len(p)])]
-    return None
+        if bounds[-1] != ids.shape[1]:
+            return None
+        lengths, field = [b - a for a, b in itertools.pairwise(bounds) if b > a], "cu_seq_lens_q"
+    elif isinstance(seq, torch.Tensor) and seq.shape == ids.shape:
+        lengths, field = _runs(seq[0].tolist()), "seq_idx"
+    elif restarts is not None and len(restarts) > 1:
+        lengths, field = [b - a for a, b in itertools.pairwise([*restarts, ids.shape[1]])], "position_ids"
+    if lengths is None:
+        return None
+    if isinstance(labels, torch.Tensor) and labels.shape != ids.shape:
+        raise ValueError(
+            f"packed batch: labels {list(labels.shape)} do not match input_ids {list(ids.shape)} (one label per "
+            "token; an empty example in DataCollatorWithFlattening does this)"
+        )
+    starts = list(itertools.accumulate(lengths[:-1], initial=0))
+    if restarts is not None and field != "position_ids" and restarts != starts:
+        raise ValueError(
+            f"packed batch: {field} puts documents at {short(starts)} but position_ids restart at "
+            f"{short(restarts)}; both must mark the same documents (DataCollatorWithFlattening makes them together)"
+        )
+    return lengths
+
+
+def short(values: list[int], keep: int = 6) -> str:
+    """``[0, 5, 16, ...]`` with the count when long."""
+    return str(values) if len(values) <= keep else f"[{', '.join(map(str, values[:keep]))}, ...] ({len(values)})"

@@ -4,7 +4,7 @@
     hf = unwrapped(model)                                          # the module that holds the HF config
     name, hf = find_inside(model, lambda m: isinstance(m, PreTrainedModel))   # the outermost one, and where
 
-Core module: torch only.
+Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -26,9 +26,14 @@ def find_inside(model: Any, wanted: Callable[[Any], bool]) -> tuple[str, Any] | 
 
 
 def unwrapped(model: Any) -> Any:
-    """The HF model inside DDP / FSDP1 wrappers, which hide its ``config`` (``torch.compile`` and FSDP2 keep it);
-    ``model`` itself when nothing inside has one."""
-    found = find_inside(model, lambda m: hasattr(m, "config"))
+    """The HF model inside wrappers: the outermost ``PreTrainedModel`` (inside DDP / FSDP1, which hide its
+    ``config``, and PEFT, whose ``PeftModel`` forwards ``config`` but is not the model that runs); else the
+    outermost module with a ``config``; ``model`` itself when nothing inside has one."""
+    from transformers import PreTrainedModel
+
+    found = find_inside(model, lambda m: isinstance(m, PreTrainedModel)) or find_inside(
+        model, lambda m: hasattr(m, "config")
+    )
     return model if found is None else found[1]
 
 

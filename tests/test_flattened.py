@@ -182,3 +182,28 @@ def test_every_model_types_backbone_takes_the_packed_batch_exactly_attached(mode
     ours = ours.last_hidden_state.detach()
     assert ours.shape == alone.shape
     assert (ours - alone).abs().max().item() <= 1e-4 * max(1.0, alone.abs().max().item())
+
+
+def test_malformed_packed_batches_raise_naming_the_fields() -> None:
+    """Labels that do not match input_ids (an empty example in DataCollatorWithFlattening), and cu_seq_lens whose
+    documents the restarting position_ids do not mark, are errors attached as they are stock (never a silent
+    loss); the batch is read once, so positions mean the same on the flat path, the rows path and in the proof."""
+    model = conformance.build("gpt2", "sdpa")
+    stock = copy.deepcopy(model)
+    docs = conformance.sample_documents()
+    attach(model, "sdpa")
+    examples = [{"input_ids": d.tolist()} for d in docs]
+    empty = DataCollatorWithFlattening()([*examples[:1], {"input_ids": []}, *examples[1:]])
+    assert empty["labels"].shape[1] == empty["input_ids"].shape[1] + 1
+    with pytest.raises(ValueError, match="batch_size"):
+        stock(**empty)
+    with pytest.raises(ValueError, match=r"packed batch: labels \[1, \d+\] do not match input_ids \[1, \d+\]"):
+        model(**empty)
+    if "return_flash_attn_kwargs" not in COLLATOR_KEYS:
+        return
+    batch = _collate(docs, return_flash_attn_kwargs=True)
+    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]  # absolute positions, documents in cu
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q puts documents at \[0, \d+.*position_ids restart at \[0\]"):
+        model(**batch)
+    with pytest.raises(ValueError, match="position_ids restart"):
+        flattened_lengths(batch)

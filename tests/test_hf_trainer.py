@@ -215,6 +215,20 @@ def test_the_metrics_reach_the_reporters_however_the_callbacks_were_added(how: s
     assert any("loss" in logs and "attn/fill_ratio" in logs for logs in reporter.seen), reporter.seen
 
 
+def test_the_tracer_names_the_reference_kernel_that_ran(tmp_path: Path) -> None:
+    """``attach(model, "flash_attention_2", fa2_reference=True)``: the unpad tracer says the pure-PyTorch reference
+    ran, not flash-attn (5.x hands its kernels out lazily: what ran is read at the call)."""
+    from foundry_attn.fa2_reference import REFERENCE_NAME
+
+    model = _model("llama", "sdpa")
+    attach(model, "flash_attention_2", fa2_reference=True)
+    trainer = _trainer(model, synthetic_documents(model.config, LENGTHS[:4], torch.device("cpu")), tmp_path, steps=1)
+    hf.install(trainer, log_interval=1)
+    trainer.train()
+    [trace] = iter_events(event_files(tmp_path / "attn_events"), "upad_trace")
+    assert trace["kernel"] == REFERENCE_NAME and trace["counts"]["varlen"] > 0, trace
+
+
 def test_a_second_install_adds_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = _model("llama", "sdpa")
     trainer = _trainer(model, synthetic_documents(model.config, LENGTHS[:4], torch.device("cpu")), tmp_path, steps=1)
@@ -317,6 +331,126 @@ def test_sft_trainer_padding_free_attached_is_exact(tmp_path: Path) -> None:
         results[attached] = (abs(first.loss - _truth(stock, first.docs)), inspector.last_verdict)
     assert results[False][0] > conformance.LOSS_TOL and results[False][1].state == "leaks", results
     assert results[True][0] <= conformance.LOSS_TOL and results[True][1].isolated, results
+
+
+@pytest.mark.parametrize("order", ["peft first", "attach first"])
+@pytest.mark.parametrize(("model_type", "backend"), [("llama", "sdpa"), ("gpt_oss", "eager")])
+def test_sft_trainer_on_a_peft_model_is_exact(model_type: str, backend: str, order: str, tmp_path: Path) -> None:
+    """LoRA and attach in either order, then TRL's fused head: each document's loss alone, flat (Llama) and rows
+    (gpt-oss); attach finds the causal LM inside the PeftModel."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    peft = pytest.importorskip("peft")
+    from foundry_attn.foundry.assets import build_tokenizer
+
+    model = _model(model_type, backend)
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    lora = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    if order == "attach first":
+        attach(model, backend)
+    model = peft.get_peft_model(model, lora)
+    stock = copy.deepcopy(model)
+    state = attach(model, backend) if order == "peft first" else None
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        padding_free=True,
+        max_length=None,
+        bf16=False,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        dataset_num_proc=None,
+    )
+    data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=data, processing_class=build_tokenizer(tmp_path / "tokenizer")
+    )
+    first = FirstBatch(model)
+    trainer.train()
+    assert first.loss is not None and abs(first.loss - _truth(stock, first.docs)) <= conformance.LOSS_TOL
+    if state is not None:
+        assert state.path == ("flat" if model_type == "llama" else "rows"), state.reason
+
+
+def _router_truth(stock: torch.nn.Module, docs: list[torch.Tensor]) -> float:
+    """The router loss over every real token, each routed with its document alone (the statistic transformers'
+    ``load_balancing_loss_func`` computes over one call's tokens)."""
+    import importlib
+
+    layers: list[list[torch.Tensor]] = []
+    with torch.no_grad():
+        for d in docs:
+            routers = [r for r in stock(input_ids=d[None], output_router_logits=True).router_logits if r is not None]
+            layers = (
+                [[r] for r in routers] if not layers else [[*seen, r] for seen, r in zip(layers, routers, strict=True)]
+            )
+    config = stock.config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    balance = importlib.import_module(type(stock).__module__).load_balancing_loss_func
+    return float(balance(tuple(torch.cat(layer) for layer in layers), experts, config.num_experts_per_tok))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "backend", "path"),
+    [
+        ("mixtral", "sdpa", "flat"),
+        ("qwen3_moe", "sdpa", "flat"),
+        ("gpt_oss", "eager", "rows"),
+        ("jamba", "sdpa", "rows"),
+    ],
+)
+def test_sft_trainer_with_the_router_loss_trains_the_truth(
+    model_type: str, backend: str, path: str, tmp_path: Path
+) -> None:
+    """TRL switches the MoE router loss on (the config's coefficient) and passes output_router_logits on every step:
+    attached, the loss TRL trains on is each document alone's next-token loss plus coef x the router loss over every
+    real token routed with its document alone, Mixtral and Qwen3-MoE on the flat path (the flag is no attention
+    argument), the rows families with their padding left out of the router loss."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from foundry_attn.foundry.assets import build_tokenizer
+
+    model = _model(model_type, backend)
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    stock = copy.deepcopy(model)
+    state = attach(model, backend)
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        padding_free=True,
+        max_length=None,
+        bf16=False,  # the truth is fp32; TRL's other default (gradient checkpointing) stays on
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        dataset_num_proc=None,
+    )
+    data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=data, processing_class=build_tokenizer(tmp_path / "tokenizer")
+    )
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef > 0
+    losses: list[float] = []
+    compute_loss = trainer.compute_loss
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        loss = compute_loss(*args, **kwargs)
+        losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+        return loss
+
+    trainer.compute_loss = recorded  # type: ignore[method-assign]
+    first = FirstBatch(model)
+    trainer.train()
+    truth = _truth(stock, first.docs) + trainer.router_aux_loss_coef * _router_truth(stock, first.docs)
+    assert abs(losses[0] - truth) <= conformance.LOSS_TOL, (losses[0], truth)
+    assert state.path == path, state.reason
+    with torch.no_grad():  # the flag in an eval call of a packed batch: no error, the same path
+        flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs[:2]])
+        assert model.eval()(**flat, output_router_logits=True).aux_loss is not None
+    assert state.path == path, state.reason
 
 
 def test_a_ddp_trainer_run_reports_every_rank(tmp_path: Path) -> None:
