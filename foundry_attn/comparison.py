@@ -258,9 +258,18 @@ class Run:
     grad: torch.Tensor | None = None
 
 
+def own_forward(hf: Any, **inputs: Any) -> Any:
+    """``hf``'s class ``forward`` on ``inputs``: what stock computes, without what wraps the instance's ``forward``
+    (accelerate's mixed precision, TRL's fused head, our flattened forward). A check's forward runs inside the
+    step's own call or after it; calling the wrapped one from inside re-enters accelerate's one ``torch.autocast``
+    object, whose outer exit then leaves autocast on for the rest of the process. The precision is the caller's:
+    the step's autocast, or :meth:`PrecisionProbe.context`."""
+    return type(hf).forward(hf, **inputs)
+
+
 def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
     with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
-        logits = hf(**inputs, use_cache=False).logits
+        logits = own_forward(hf, **inputs, use_cache=False).logits
     if not (grads and captured and captured[0].requires_grad):
         return Run(logits[0].detach())
     return Run(logits[0].detach(), documents_grad(logits, inputs["input_ids"][0], spans, captured[0], head))
@@ -300,7 +309,7 @@ def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, flo
     if "position_ids" in alone:
         pair["position_ids"] = torch.cat([alone["position_ids"], alone["position_ids"]])
     with embeddings(hf, run.grad is not None) as captured:
-        logits = hf(**pair, use_cache=False).logits[0]
+        logits = own_forward(hf, **pair, use_cache=False).logits[0]
     noise = per_token(logits.detach(), run.logits).max().item()
     if run.grad is None or not captured or not captured[0].requires_grad:
         return noise, 0.0

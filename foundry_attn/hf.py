@@ -377,7 +377,7 @@ class AttentionInspector(_Callback):
         def rerun() -> torch.Tensor:  # TRL's fused LM head returns no logits: the batch's own, eval mode
             inputs = {k: v for k, v in batch.items() if k not in LOSS_ONLY}
             with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), precision:
-                return hf(**{**inputs, "use_cache": False}).logits
+                return hf(**{**inputs, "use_cache": False}).logits  # after the step's call: no re-entry
 
         return judge(hf, batch, output, blocked, precision, rerun=rerun)
 

@@ -29,6 +29,7 @@ import dataclasses
 import inspect
 import itertools
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ from foundry_attn.comparison import (
     hidden,
     limits_for,
     limits_note,
+    own_forward,
     run,
     training_noise,
 )
@@ -447,7 +449,7 @@ def _rows_run(
     try:
         with _implementation(hf, rows_name), kernel_context(rows_name, ids.device, reference):
             with embeddings(hf, grads) as captured:
-                out = hf(**rows, use_cache=False).logits
+                out = own_forward(hf, **rows, use_cache=False).logits
     except Exception as exc:
         return None, f"one document per row ({rows_name}) does not run: {_short(exc)}"
     logits = out.reshape(-1, out.shape[-1])[dst]
@@ -461,5 +463,12 @@ def _rows_run(
 
 
 def _short(exc: BaseException) -> str:
+    """The error's first line; for one without text (a StopIteration), where it was raised."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+    if text:
+        return f"{type(exc).__name__}: {text[0]}"[:300]
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = (
+        f" (raised in {last[0].name}, {'/'.join(last[0].filename.split('/')[-3:])}:{last[0].lineno})" if last else ""
+    )
+    return f"{type(exc).__name__}{where}"

@@ -207,3 +207,17 @@ def test_malformed_packed_batches_raise_naming_the_fields() -> None:
         model(**batch)
     with pytest.raises(ValueError, match="position_ids restart"):
         flattened_lengths(batch)
+
+
+def test_gpt2_under_the_fa2_reference_in_fp32_trains_exactly_or_says_why() -> None:
+    """transformers 5.x's FA2 takes an fp32 input's half dtype from the attention module's first nn.Linear, which
+    GPT-2's Conv1D attention has not: stock raises a bare StopIteration. Attached, the proof at attach names where
+    it came from (4.51: the same lookup, inline), and the packed batch still trains as each document alone (rows,
+    our own FA2 function)."""
+    model = conformance.build("gpt2", "sdpa")
+    stock = copy.deepcopy(model)
+    docs = conformance.sample_documents()
+    state = attach(model, "flash_attention_2", fa2_reference=True)
+    assert "StopIteration" not in state.reason or "integrations/flash_attention.py" in state.reason, state.reason
+    loss = model(**_collate(docs)).loss
+    assert abs(loss.item() - _truth(stock, docs)[0]) <= conformance.LOSS_TOL

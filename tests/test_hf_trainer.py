@@ -480,3 +480,20 @@ def test_the_trainer_bench_runs_stock_and_attached(capsys: pytest.CaptureFixture
     result = json.loads(capsys.readouterr().out)
     assert result["correct"] and result["families"][0]["exact"], result["families"]
     assert set(result["speed"]["step_ms"]) == {"stock", "ours", "ours_inspect", "ours_verdict"}
+
+
+@pytest.mark.parametrize("setting", ["trl_defaults", "lora"])
+@pytest.mark.parametrize(("model_type", "backend"), [("mixtral", "sdpa"), ("jamba", "sdpa")])
+def test_the_trainer_bench_family_at_trl_defaults_and_with_lora(model_type: str, backend: str, setting: str) -> None:
+    """The bench's family step at TRL's own defaults (bf16 autocast, gradient checkpointing, router loss on; judged
+    against the bf16 truth) and with LoRA: attached trains the truth, on the flat path for Mixtral."""
+    pytest.importorskip("trl")
+    if setting == "lora":
+        pytest.importorskip("peft")
+    from foundry_attn.bench import trainer as bench
+
+    result = bench.family(model_type, backend, setting)
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    assert result["router_coef"] > 0 and result["exact"], result
+    assert result["path"] == ("flat" if model_type == "mixtral" else "rows"), result

@@ -10,9 +10,10 @@ optimizer) and the warm-up steps (attach's proof, the first batch's proof) are l
 ``ours`` (``attach(model, "sdpa")``), ``ours_inspect`` (:func:`foundry_attn.hf.callbacks`, every step inspected,
 no verdict) and ``ours_verdict`` (every step a verdict). The callbacks' share of a step at their default intervals
 (inspect every 50, verdict every 100) is each one's extra time over ``ours``, divided by its interval.
-``families``: one step per family (the zoo's tiny configs), stock and attached: the step's next-token loss against
-stock on each document alone (the truth), stock's leak where it leaks. Needs TRL (``pip install
-'foundry-attn[hf]'``). Core module plus TRL.
+``families``: one step per family (the zoo's tiny configs) and setting (:data:`SETTINGS`: fp32; TRL's defaults,
+bf16 autocast and gradient checkpointing; LoRA), stock and attached: the loss TRL trains on (router loss included
+where TRL switches it on) against stock on each document alone (:func:`truth`), stock's leak where it leaks. Needs TRL
+and PEFT (``pip install 'foundry-attn[hf]'``). Core module plus TRL.
 """
 
 from __future__ import annotations
@@ -31,22 +32,37 @@ import torch.nn.functional as F
 
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median
+from foundry_attn.comparison import alone_inputs
 from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
+from foundry_attn.unwrap import unwrapped
 
 COMMAND = "foundry-attn bench trainer --json"
 WARMUP, TIMED, REPEATS = 2, 6, 2
 VOCAB = 8192
 LOSS_TOL = 1e-5
-#: (model type, backend): stock exact on 5.x (Llama, Qwen3, Mistral with its window, Gemma2 eager), and the two whose
-#: stock padding-free leaks (gpt-oss's sinks, Jamba's SSM state)
+#: bf16 (TRL's defaults): against the bf16 truth (the same autocast, the step's shapes) kernels still round apart
+#: (our flat path's per-document attention against stock's masked one: up to 1.4e-5 measured on the tiny configs);
+#: a loss near 4 has a bf16 spacing of 0.03, so 5e-5 is well inside one rounding step and far below gpt-oss's leak
+BF16_LOSS_TOL = 5e-5
+#: (model type, backend): stock exact on 5.x (Llama, Qwen3, Mistral with its window, Gemma2 eager, Mixtral and
+#: Qwen3-MoE with their router loss), and the two whose stock padding-free leaks (gpt-oss's sinks, Jamba's SSM state)
 FAMILIES = (
     ("llama", "sdpa"),
     ("qwen3", "sdpa"),
     ("mistral", "sdpa"),
     ("gemma2", "eager"),
+    ("mixtral", "sdpa"),
+    ("qwen3_moe", "sdpa"),
     ("gpt_oss", "eager"),
     ("jamba", "sdpa"),
 )
+#: how each family is trained: fp32 without gradient checkpointing; TRL's own defaults (bf16 autocast, gradient
+#: checkpointing; MoE router loss on with the config's coefficient, as in every setting); LoRA (PEFT, then attach)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "fp32": {"bf16": False, "gradient_checkpointing": False},
+    "trl_defaults": {"bf16": True, "gradient_checkpointing": True},
+    "lora": {"bf16": False, "gradient_checkpointing": False, "lora": True},
+}
 #: the callbacks' default intervals (foundry_attn.hf.callbacks)
 INSPECT_EVERY, VERDICT_EVERY = 50, 100
 
@@ -77,43 +93,72 @@ class _StepClock:
 
 
 class _FirstStep:
-    """The first training forward's next-token loss (TRL's fused head: ``log_probs``) and its documents."""
+    """The documents of the first training forward (TRL shuffles: the truth is computed on what it drew)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.loss: float | None = None
         self.docs: list[torch.Tensor] = []
-        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, _: Any, __: Any, kwargs: dict, out: Any) -> None:
-        if self.loss is not None or getattr(out, "loss", None) is None:
+    def _hook(self, _: Any, __: Any, kwargs: dict) -> None:
+        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+        if self.docs or ids is None or positions is None:
             return
-        targets = (kwargs["labels"][:, 1:] != -100).sum()
-        log_probs = getattr(out, "log_probs", None)
-        self.loss = out.loss.item() if log_probs is None else (-log_probs.sum() / targets).item()
-        ids, starts = kwargs["input_ids"][0], (kwargs["position_ids"][0] == 0).nonzero()[:, 0].tolist()
+        ids, starts = ids[0], (positions[0] == 0).nonzero()[:, 0].tolist()
         self.docs = [ids[a:b] for a, b in zip(starts, [*starts[1:], ids.numel()], strict=True)]
         self.handle.remove()
 
 
-def _truth(stock: torch.nn.Module, docs: list[torch.Tensor]) -> float:
-    with torch.no_grad():
-        logits = [stock(input_ids=d[None]).logits[0, :-1].float() for d in docs]
-        total = sum(float(F.cross_entropy(x, d[1:], reduction="sum")) for x, d in zip(logits, docs, strict=True))
-    return total / sum(d.numel() - 1 for d in docs)
+def truth(stock: Any, docs: list[torch.Tensor], router_coef: float = 0.0, bf16: bool = False) -> float:
+    """What a step on ``docs`` should train on: stock on each document alone, its next-token loss over every
+    target, plus ``router_coef`` x the router loss over every real token, each routed with its document alone (the
+    statistic transformers' ``load_balancing_loss_func`` computes over one call's tokens). ``bf16``: under the step's
+    autocast, each document right-padded to the step's row (masked), so that both sides round as one shape does."""
+    import importlib
+
+    width = sum(d.numel() for d in docs) if bf16 else 0
+    layers: list[list[torch.Tensor]] = []
+    total = 0.0
+    precision = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with torch.no_grad(), precision:
+        for d in docs:
+            n = d.numel()
+            inputs = alone_inputs(d[None], width=width)
+            out = stock(**inputs, output_router_logits=True) if router_coef else stock(**inputs)
+            total += float(F.cross_entropy(out.logits[0, : n - 1].float(), d[1:], reduction="sum"))
+            if router_coef:
+                routers = [r.reshape(-1, r.shape[-1])[:n] for r in out.router_logits if r is not None]
+                layers = (
+                    [[r] for r in routers] if not layers else [[*a, r] for a, r in zip(layers, routers, strict=True)]
+                )
+    loss = total / sum(d.numel() - 1 for d in docs)
+    if not router_coef:
+        return loss
+    model = unwrapped(stock)  # the causal LM inside PEFT: its module has the router loss
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    balance = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    router = balance(tuple(torch.cat(x).float() for x in layers), experts, config.num_experts_per_tok)
+    return loss + router_coef * float(router)
 
 
-def _train(model: Any, data: list[list[int]], batch: int, steps: int, callbacks: list, out: str) -> Any:
+def _train(
+    model: Any, data: list[list[int]], batch: int, steps: int, callbacks: list, out: str, **setting: Any
+) -> tuple[Any, list[float]]:
+    """A TRL ``SFTTrainer(padding_free=True)`` run (``setting``: ``bf16``, ``gradient_checkpointing``); the trainer
+    and the loss each step trained on (TRL's own, router loss included)."""
     import datasets
     import trl
+    from accelerate.state import AcceleratorState
 
     from foundry_attn.foundry.assets import build_tokenizer
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: the last run's bf16 stays
     args = trl.SFTConfig(
         output_dir=out,
         padding_free=True,
         max_length=None,
-        bf16=False,  # fp32: exactness is judged at 1e-5
-        gradient_checkpointing=False,
+        bf16=setting.get("bf16", False),  # fp32 unless asked: exactness is judged at 1e-5
+        gradient_checkpointing=setting.get("gradient_checkpointing", False),
         per_device_train_batch_size=batch,
         max_steps=steps,
         logging_steps=10**6,
@@ -131,9 +176,18 @@ def _train(model: Any, data: list[list[int]], batch: int, steps: int, callbacks:
         processing_class=build_tokenizer(Path(out) / "tokenizer"),
         callbacks=callbacks,
     )
+    losses: list[float] = []
+    compute_loss = trainer.compute_loss
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        loss = compute_loss(*args, **kwargs)
+        losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+        return loss
+
+    trainer.compute_loss = recorded
     with contextlib.redirect_stdout(io.StringIO()):  # the Trainer's and the inspector's console lines: not the JSON
         trainer.train()
-    return trainer
+    return trainer, losses
 
 
 def _speed_model(quick: bool) -> torch.nn.Module:
@@ -168,7 +222,7 @@ def speed(quick: bool) -> dict[str, Any]:
             clock = _StepClock()
             with tempfile.TemporaryDirectory() as out:
                 extra = hf.callbacks(**how["hf"]) if "hf" in how else []
-                _train(model, data, len(BLOG_LENGTHS), steps, [clock.callback, *extra], out)
+                _train(model, data, len(BLOG_LENGTHS), steps, [clock.callback, *extra], out)  # fp32
             seconds[name] += clock.seconds[WARMUP:]
     step = {name: median(values) for name, values in seconds.items()}
     tokens = sum(BLOG_LENGTHS)
@@ -186,28 +240,41 @@ def speed(quick: bool) -> dict[str, Any]:
     }
 
 
-def family(model_type: str, backend: str) -> dict[str, Any]:
-    """One step of stock and of attached on the same padding-free batch: each against the per-document truth."""
+def family(model_type: str, backend: str, setting: str = "fp32") -> dict[str, Any]:
+    """One step of stock and of attached on the same padding-free batch, trained as ``setting`` (:data:`SETTINGS`):
+    the loss TRL trains on against the truth (:func:`truth`)."""
     from foundry_attn import zoo
     from foundry_attn.paths import attach
 
     if model_type not in zoo.model_types():
-        return {"model_type": model_type, "backend": backend, "skipped": "not in this transformers"}
+        return {"model_type": model_type, "backend": backend, "setting": setting, "skipped": "not in this transformers"}
+    how = dict(SETTINGS[setting])
+    lora = how.pop("lora", False)
+    if lora and importlib.util.find_spec("peft") is None:
+        return {"model_type": model_type, "backend": backend, "setting": setting, "skipped": "PEFT is not installed"}
     config, model_class = zoo.tiny(model_type)
-    out: dict[str, Any] = {"model_type": model_type, "backend": backend}
+    out: dict[str, Any] = {"model_type": model_type, "backend": backend, "setting": setting}
     for attached in (False, True):
         torch.manual_seed(0)
         model = zoo.build(config, model_class, backend).train()
+        if lora:
+            import peft
+
+            adapters = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+            model = peft.get_peft_model(model, adapters)
         stock = copy.deepcopy(model)
         if attached:
             out["path"] = attach(model, backend).path
         first = _FirstStep(model)
         with tempfile.TemporaryDirectory() as tmp:
-            _train(model, _documents(int(config.vocab_size), (5, 11, 3, 9), 1), 4, 1, [], tmp)
-        assert first.loss is not None
-        out["ours" if attached else "stock"] = first.loss - _truth(stock, first.docs)
-    out["exact"] = abs(out["ours"]) <= LOSS_TOL
-    out["stock_leaks"] = abs(out["stock"]) > LOSS_TOL
+            data = _documents(int(config.vocab_size), (5, 11, 3, 9), 1)
+            trainer, losses = _train(model, data, 4, 1, [], tmp, **how)
+        coef = trainer.router_aux_loss_coef if getattr(trainer, "aux_loss_enabled", False) else 0.0
+        out["router_coef"] = coef
+        out["ours" if attached else "stock"] = losses[0] - truth(stock, first.docs, coef, how.get("bf16", False))
+    out["tolerance"] = BF16_LOSS_TOL if how.get("bf16") else LOSS_TOL
+    out["exact"] = abs(out["ours"]) <= out["tolerance"]
+    out["stock_leaks"] = abs(out["stock"]) > out["tolerance"]
     return out
 
 
@@ -221,7 +288,8 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
             "correct": None,
             "all_targets_met": None,
         }
-    families = [family(t, b) for t, b in (FAMILIES[:1] if quick else FAMILIES)]
+    settings = ("fp32",) if quick else tuple(SETTINGS)
+    families = [family(t, b, setting) for setting in settings for t, b in (FAMILIES[:1] if quick else FAMILIES)]
     ran = [f for f in families if "skipped" not in f]
     result = {"command": COMMAND + (" --quick" if quick else ""), **machine(), "speed": speed(quick)}
     stock_exact = next((not f["stock_leaks"] for f in ran if f["model_type"] == "llama"), False)
