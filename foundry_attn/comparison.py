@@ -259,12 +259,18 @@ class Run:
 
 
 def own_forward(hf: Any, **inputs: Any) -> Any:
-    """``hf``'s class ``forward`` on ``inputs``: what stock computes, without what wraps the instance's ``forward``
-    (accelerate's mixed precision, TRL's fused head, our flattened forward). A check's forward runs inside the
-    step's own call or after it; calling the wrapped one from inside re-enters accelerate's one ``torch.autocast``
-    object, whose outer exit then leaves autocast on for the rest of the process. The precision is the caller's:
-    the step's autocast, or :meth:`PrecisionProbe.context`."""
-    return type(hf).forward(hf, **inputs)
+    """``hf`` called with its class ``forward``: what stock computes, through the module's hooks (FSDP2 gathers its
+    weights in one) but without what replaced the instance's ``forward`` (accelerate's mixed precision, TRL's fused
+    head, our flattened forward), which is put back after. A check's forward runs inside the step's own call;
+    calling accelerate's wrapper from there re-enters its one ``torch.autocast`` object, whose outer exit then leaves
+    autocast on for the rest of the process. The precision is the caller's: the step's autocast, or
+    :meth:`PrecisionProbe.context`."""
+    instance = vars(hf).pop("forward", None)
+    try:
+        return hf(**inputs)
+    finally:
+        if instance is not None:
+            vars(hf)["forward"] = instance
 
 
 def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:

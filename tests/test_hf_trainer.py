@@ -338,58 +338,24 @@ def test_sft_trainer_padding_free_attached_is_exact(tmp_path: Path) -> None:
 def test_sft_trainer_on_a_peft_model_is_exact(model_type: str, backend: str, order: str, tmp_path: Path) -> None:
     """LoRA and attach in either order, then TRL's fused head: each document's loss alone, flat (Llama) and rows
     (gpt-oss); attach finds the causal LM inside the PeftModel."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
     peft = pytest.importorskip("peft")
-    from foundry_attn.foundry.assets import build_tokenizer
+    from foundry_attn.bench import trainer as bench
 
     model = _model(model_type, backend)
-    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    docs = synthetic_documents(model.config, LENGTHS[:4], torch.device("cpu"))
     lora = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
     if order == "attach first":
         attach(model, backend)
     model = peft.get_peft_model(model, lora)
     stock = copy.deepcopy(model)
     state = attach(model, backend) if order == "peft first" else None
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path / "out"),
-        padding_free=True,
-        max_length=None,
-        bf16=False,
-        per_device_train_batch_size=4,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        dataset_num_proc=None,
-    )
-    data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
-    trainer = trl.SFTTrainer(
-        model=model, args=args, train_dataset=data, processing_class=build_tokenizer(tmp_path / "tokenizer")
-    )
-    first = FirstBatch(model)
-    trainer.train()
-    assert first.loss is not None and abs(first.loss - _truth(stock, first.docs)) <= conformance.LOSS_TOL
+    first = bench._FirstStep(model)
+    trainer, losses = bench._train(model, [d.tolist() for d in docs], 4, 1, [], str(tmp_path))
+    coef = trainer.router_aux_loss_coef if trainer.aux_loss_enabled else 0.0
+    assert abs(losses[0] - bench.truth(stock, first.docs, coef)) <= conformance.LOSS_TOL
     if state is not None:
         assert state.path == ("flat" if model_type == "llama" else "rows"), state.reason
-
-
-def _router_truth(stock: torch.nn.Module, docs: list[torch.Tensor]) -> float:
-    """The router loss over every real token, each routed with its document alone (the statistic transformers'
-    ``load_balancing_loss_func`` computes over one call's tokens)."""
-    import importlib
-
-    layers: list[list[torch.Tensor]] = []
-    with torch.no_grad():
-        for d in docs:
-            routers = [r for r in stock(input_ids=d[None], output_router_logits=True).router_logits if r is not None]
-            layers = (
-                [[r] for r in routers] if not layers else [[*seen, r] for seen, r in zip(layers, routers, strict=True)]
-            )
-    config = stock.config
-    experts = getattr(config, "num_local_experts", None) or config.num_experts
-    balance = importlib.import_module(type(stock).__module__).load_balancing_loss_func
-    return float(balance(tuple(torch.cat(layer) for layer in layers), experts, config.num_experts_per_tok))
 
 
 @pytest.mark.parametrize(
@@ -401,54 +367,22 @@ def _router_truth(stock: torch.nn.Module, docs: list[torch.Tensor]) -> float:
         ("jamba", "sdpa", "rows"),
     ],
 )
-def test_sft_trainer_with_the_router_loss_trains_the_truth(
-    model_type: str, backend: str, path: str, tmp_path: Path
-) -> None:
+def test_sft_trainer_with_the_router_loss_trains_the_truth(model_type: str, backend: str, path: str) -> None:
     """TRL switches the MoE router loss on (the config's coefficient) and passes output_router_logits on every step:
     attached, the loss TRL trains on is each document alone's next-token loss plus coef x the router loss over every
     real token routed with its document alone, Mixtral and Qwen3-MoE on the flat path (the flag is no attention
-    argument), the rows families with their padding left out of the router loss."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    from foundry_attn.foundry.assets import build_tokenizer
+    argument), the rows families with their padding left out of the router loss. An eval call with the flag runs."""
+    pytest.importorskip("trl")
+    from foundry_attn.bench import trainer as bench
 
+    result = bench.family(model_type, backend, "fp32")
+    assert result["router_coef"] > 0 and result["exact"] and result["path"] == path, result
     model = _model(model_type, backend)
-    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
-    stock = copy.deepcopy(model)
+    model.config.output_router_logits = True
     state = attach(model, backend)
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path / "out"),
-        padding_free=True,
-        max_length=None,
-        bf16=False,  # the truth is fp32; TRL's other default (gradient checkpointing) stays on
-        per_device_train_batch_size=4,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        dataset_num_proc=None,
-    )
-    data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
-    trainer = trl.SFTTrainer(
-        model=model, args=args, train_dataset=data, processing_class=build_tokenizer(tmp_path / "tokenizer")
-    )
-    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef > 0
-    losses: list[float] = []
-    compute_loss = trainer.compute_loss
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        loss = compute_loss(*args, **kwargs)
-        losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
-        return loss
-
-    trainer.compute_loss = recorded  # type: ignore[method-assign]
-    first = FirstBatch(model)
-    trainer.train()
-    truth = _truth(stock, first.docs) + trainer.router_aux_loss_coef * _router_truth(stock, first.docs)
-    assert abs(losses[0] - truth) <= conformance.LOSS_TOL, (losses[0], truth)
-    assert state.path == path, state.reason
-    with torch.no_grad():  # the flag in an eval call of a packed batch: no error, the same path
-        flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs[:2]])
+    docs = synthetic_documents(model.config, LENGTHS[:2], torch.device("cpu"))
+    with torch.no_grad():
+        flat = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
         assert model.eval()(**flat, output_router_logits=True).aux_loss is not None
     assert state.path == path, state.reason
 
