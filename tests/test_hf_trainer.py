@@ -420,7 +420,7 @@ def test_the_trainer_bench_runs_stock_and_attached(capsys: pytest.CaptureFixture
 @pytest.mark.parametrize(("model_type", "backend"), [("mixtral", "sdpa"), ("jamba", "sdpa")])
 def test_the_trainer_bench_family_at_trl_defaults_and_with_lora(model_type: str, backend: str, setting: str) -> None:
     """The bench's family step at TRL's own defaults (bf16 autocast, gradient checkpointing, router loss on; judged
-    against the bf16 truth) and with LoRA: attached trains the truth, on the flat path for Mixtral."""
+    against the bf16 truth at bf16's resolution) and with LoRA: attached trains the truth, flat for Mixtral."""
     pytest.importorskip("trl")
     if setting == "lora":
         pytest.importorskip("peft")

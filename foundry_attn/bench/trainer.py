@@ -40,10 +40,11 @@ COMMAND = "foundry-attn bench trainer --json"
 WARMUP, TIMED, REPEATS = 2, 6, 2
 VOCAB = 8192
 LOSS_TOL = 1e-5
-#: bf16 (TRL's defaults): against the bf16 truth (the same autocast, the step's shapes) kernels still round apart
-#: (our flat path's per-document attention against stock's masked one: up to 1.4e-5 measured on the tiny configs);
-#: a loss near 4 has a bf16 spacing of 0.03, so 5e-5 is well inside one rounding step and far below gpt-oss's leak
-BF16_LOSS_TOL = 5e-5
+#: bf16 (TRL's defaults) is no test of exactness (fp32 and LoRA are, at LOSS_TOL): against the bf16 truth (the same
+#: autocast, each document right-padded to the step's row) kernels still round apart, our per-document attention
+#: against stock's masked one, by up to 7.4e-5 on the tiny configs (Qwen3-MoE, 2026-11-25); a loss near 4 has a bf16
+#: spacing of 0.03. 1e-4 catches what bf16 rounding cannot explain (gpt-oss's leak is 2.2e-3 there)
+BF16_LOSS_TOL = 1e-4
 #: (model type, backend): stock exact on 5.x (Llama, Qwen3, Mistral with its window, Gemma2 eager, Mixtral and
 #: Qwen3-MoE with their router loss), and the two whose stock padding-free leaks (gpt-oss's sinks, Jamba's SSM state)
 FAMILIES = (
