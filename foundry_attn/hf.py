@@ -97,11 +97,11 @@ class Run:
         return self.events
 
     def place(self, handler: CallbackHandler | None) -> None:
-        """Put :class:`_Merger` first among the Trainer's callbacks, before its reporters (once)."""
-        if self.placed or handler is None:
-            return
-        handler.callbacks = [self.merger, *handler.callbacks]  # a new list: the event now running goes on over the old
-        self.placed = True
+        """Put :class:`_Merger` first among ``handler``'s callbacks, before the Trainer's reporters (once per
+        Trainer); None (no handler found) leaves the merging to our own ``on_log``."""
+        self.placed = handler is not None
+        if handler is not None and self.merger not in handler.callbacks:
+            handler.callbacks = [self.merger, *handler.callbacks]  # a new list: the running event goes on over the old
 
     def log(self, metrics: Mapping[str, float]) -> None:
         """Hold ``metrics`` for the Trainer's next logs (never ``trainer.log``: TRL folds its own metrics into
