@@ -94,8 +94,9 @@ class FlashAttnImport:
         """The command that mends the cause, with the versions filled in."""
         if self.installed is None:
             return "pip install flash-attn --no-build-isolation"
-        if self.kind == NO_DEPENDENCY and self.error and "'" in self.error:
-            return f"pip install {self.error.split(chr(39))[1].split('.')[0]}"
+        if self.kind == NO_DEPENDENCY and self.error and "'" in self.error:  # "No module named 'einops'"
+            module = self.error.split("'")[1]
+            return f"pip install {module.split('.')[0]}"
         torch = _version("torch") or "?"
         reinstall = (
             "pip install --force-reinstall --no-cache-dir --no-deps --no-build-isolation "
