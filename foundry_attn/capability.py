@@ -125,8 +125,8 @@ def probe(device: torch.device | str | None = None) -> Capability:
         cc: tuple[int, int] | None = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
     else:
         name, cc = "cpu", None
+    tried = guard.check()  # the one import of flash_attn in this process
     fa_version, fa_error = probe_flash_attn()
-    tried = guard.check()
     return Capability(
         cuda=cuda and device.type == "cuda",
         device_name=name,

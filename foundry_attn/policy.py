@@ -104,12 +104,11 @@ class ModelTraits:
 def _te_attention(model_class: type) -> bool:
     """Whether the modules ``model_class`` is made of import TransformerEngine (remote code built on
     ``transformer_engine.pytorch``); a transformers model never is."""
-    for klass in model_class.__mro__:
-        module = sys.modules.get(klass.__module__)
-        names = (getattr(v, "__module__", None) or getattr(v, "__name__", "") for v in vars(module or object).values())
-        if any(isinstance(n, str) and n.startswith("transformer_engine") for n in names):
-            return True
-    return False
+    modules = (sys.modules.get(klass.__module__) for klass in model_class.__mro__)
+    names = (
+        getattr(v, "__module__", None) or getattr(v, "__name__", "") for m in modules if m for v in vars(m).values()
+    )
+    return any(isinstance(n, str) and n.startswith("transformer_engine") for n in names)
 
 
 def _fa2_calls_flash_attn(model_class: type) -> bool:

@@ -241,11 +241,31 @@ def test_a_second_install_adds_nothing(tmp_path: Path, caplog: pytest.LogCapture
     assert len(events) == 1, events
 
 
+def _sft(model: torch.nn.Module, docs: list[torch.Tensor], out: Path, tokenizer: Any, **options: Any) -> Any:
+    """TRL's ``SFTTrainer(padding_free=True)`` on ``docs``, fp32 (TRL's default is bf16, autocast on this CPU too: the
+    truth here is fp32), one step of four documents unless ``options`` (SFTConfig's keywords) say otherwise."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    settings = {"per_device_train_batch_size": 4, "max_steps": 1, "logging_steps": 1, **options}
+    args = trl.SFTConfig(
+        output_dir=str(out),
+        padding_free=True,
+        max_length=None,
+        bf16=False,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        dataset_num_proc=None,
+        **settings,
+    )
+    data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
+    return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+
+
 def test_trl_logs_the_same_with_and_without_our_callbacks(tmp_path: Path) -> None:
     """TRL folds its entropy, token accuracy and token count into every trainer.log call and clears them: ours never
     call it, so TRL's logged values are the same with them as without."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
     from foundry_attn.foundry.assets import build_tokenizer
 
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
@@ -253,22 +273,16 @@ def test_trl_logs_the_same_with_and_without_our_callbacks(tmp_path: Path) -> Non
     for installed in (False, True):
         model = _model("llama", "sdpa")
         docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
-        args = trl.SFTConfig(
-            output_dir=str(tmp_path / str(installed)),
-            padding_free=True,
-            max_length=None,
-            bf16=False,
+        trainer = _sft(
+            model,
+            docs,
+            tmp_path / str(installed),
+            tokenizer,
             per_device_train_batch_size=2,
             max_steps=4,
             logging_steps=2,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            dataset_num_proc=None,
             seed=0,
         )
-        data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
         if installed:
             hf.install(trainer, log_interval=2, verdict_interval=2)
         trainer.train()
@@ -296,8 +310,7 @@ def test_a_forward_that_raises_leaves_no_hook(tmp_path: Path) -> None:
 def test_sft_trainer_padding_free_attached_is_exact(tmp_path: Path) -> None:
     """TRL's ``SFTTrainer(padding_free=True)``: stock gpt-oss (eager) leaks through its sinks; attached it trains the
     first step's loss exactly as each document alone, and the callbacks name the stock leak."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
     from foundry_attn.foundry.assets import build_tokenizer
 
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
@@ -308,22 +321,7 @@ def test_sft_trainer_padding_free_attached_is_exact(tmp_path: Path) -> None:
         stock = copy.deepcopy(model)
         if attached:
             attach(model, "eager")
-        args = trl.SFTConfig(
-            output_dir=str(tmp_path / str(attached)),
-            padding_free=True,
-            max_length=None,
-            bf16=False,  # TRL's default is bf16 (autocast on this CPU too): the truth here is fp32
-            gradient_checkpointing=False,
-            per_device_train_batch_size=4,
-            max_steps=1,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            dataset_num_proc=None,
-        )
-        data = datasets.Dataset.from_list([{"input_ids": d.tolist()} for d in docs])
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer = _sft(model, docs, tmp_path / str(attached), tokenizer, gradient_checkpointing=False)
         _, inspector, _ = hf.install(trainer, log_interval=1, verdict_interval=1)
         first = FirstBatch(model)
         trainer.train()
