@@ -58,7 +58,7 @@ demo-fa2-reference: $(ASSETS)/.done
 ## the public unpad report reproduced on CPU: 6 rows x 2048 (real 220,217,295,183,130,350) through the stock HF FA2 path
 ## (_upad_input in every layer) and our unpad-once path (none; the same cu_seqlens reach the varlen kernel)
 blog-case: $(STAMP)
-	$(BIN)/python tests/test_blog_case.py
+	$(BIN)/python tests/integrations/test_blog_case.py
 
 ## the tests on the pinned stack (LLM-Foundry 0.22, Composer 0.32, torch 2.7, transformers 4.51) in .venv
 test: $(STAMP)

@@ -20,16 +20,16 @@ from typing import Any
 
 from foundry_attn import guard
 from foundry_attn.bench import BENCHES
-from foundry_attn.capability import Capability
-from foundry_attn.policy import AUTO, DEFAULT_FALLBACK, FA2, AttentionUnavailableError, Decision
+from foundry_attn.selection.capability import Capability
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, FA2, AttentionUnavailableError, Decision
 
 
 def doctor(args: argparse.Namespace) -> int:
-    from foundry_attn.capability import probe
-    from foundry_attn.flash_compat import preflight
-    from foundry_attn.flash_symbols import discover
-    from foundry_attn.loading import decide, resolve_compute_dtype
-    from foundry_attn.policy import choose
+    from foundry_attn.observe.flash_symbols import discover
+    from foundry_attn.selection.capability import probe
+    from foundry_attn.selection.decision import decide, resolve_compute_dtype
+    from foundry_attn.selection.flash_compat import preflight
+    from foundry_attn.selection.policy import choose
 
     cap = probe()
     fallback = [f.strip() for f in args.attn_fallback.split(",") if f.strip()]
@@ -94,11 +94,11 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def candidate_paths(model_config: str, candidates: list[dict[str, Any]], cap: Capability) -> None:
-    """For each candidate that runs here: the path it would get (``paths.preview`` on a tiny config of the model's
+    """For each candidate that runs here: the path it would get (``zoo.preview`` on a tiny config of the model's
     type, on this device), written into the candidate's dict."""
     from transformers import AutoConfig
 
-    from foundry_attn.paths import preview
+    from foundry_attn.verify.zoo import preview
 
     model_type = AutoConfig.from_pretrained(model_config).model_type
     device = "cuda" if cap.cuda else "cpu"
@@ -126,7 +126,7 @@ def flash_kernel(cap: Capability, decision: Decision) -> str:
 
 
 def assets(args: argparse.Namespace) -> int:
-    from foundry_attn.foundry.assets import build_assets
+    from foundry_attn.integrations.llm_foundry.assets import build_assets
 
     print(f"tiny assets written to {build_assets(args.out)}")
     return 0
@@ -160,7 +160,7 @@ def conformance(args: argparse.Namespace) -> int:
         return zoo_conformance(args)
     if args.padding_free:
         return padding_free_conformance(args)
-    from foundry_attn.conformance import FAMILIES, run_all, table
+    from foundry_attn.verify.conformance import FAMILIES, run_all, table
 
     cells = run_all(tuple(args.family or FAMILIES))
     if args.markdown:
@@ -178,8 +178,8 @@ def padding_free_conformance(args: argparse.Namespace) -> int:
     """Every causal-LM type as a Trainer / TRL ``padding_free`` user meets it: stock, and attached."""
     import collections
 
-    from foundry_attn import zoo
-    from foundry_attn.sweep import LOSS_TOL, padding_free_cell, padding_free_table
+    from foundry_attn.verify import zoo
+    from foundry_attn.verify.sweep import LOSS_TOL, padding_free_cell, padding_free_table
 
     cells = [padding_free_cell(t) for t in (args.family or zoo.model_types())]
     leaks = sum(c.stock_err is not None and c.stock_err > LOSS_TOL for c in cells)
@@ -191,7 +191,7 @@ def padding_free_conformance(args: argparse.Namespace) -> int:
 
 
 def zoo_conformance(args: argparse.Namespace) -> int:
-    from foundry_attn.sweep import run_zoo, zoo_counts, zoo_table
+    from foundry_attn.verify.sweep import run_zoo, zoo_counts, zoo_table
 
     cells = run_zoo(tuple(args.family) if args.family else None)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(zoo_counts(cells).items()))
@@ -208,8 +208,8 @@ def zoo_conformance(args: argparse.Namespace) -> int:
 
 def events(args: argparse.Namespace) -> int:
     """``foundry-attn events PATH``: list events, ``--fell-back`` ranks, or the fleet ``--summary``."""
-    from foundry_attn import fleet
-    from foundry_attn.events import Skipped
+    from foundry_attn.observe import fleet
+    from foundry_attn.observe.events import Skipped
 
     skipped = Skipped()
     try:
@@ -252,8 +252,8 @@ def events(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     """``foundry-attn report PATH -o DIR``: report.html (images embedded) and its PNGs."""
-    from foundry_attn import fleet
-    from foundry_attn.report import build_report
+    from foundry_attn.observe import fleet
+    from foundry_attn.observe.report import build_report
 
     try:
         written = build_report(args.path, args.out)

@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """build_assets() output: tokenizer/, tiny-llama/, smollm2-135m/, text/{train,val}, finetune/*.jsonl."""
-    from foundry_attn.foundry.assets import build_assets
+    from foundry_attn.integrations.llm_foundry.assets import build_assets
 
     return build_assets(tmp_path_factory.mktemp("assets"))
 
@@ -78,9 +78,9 @@ def make_llama(impl: str = "sdpa", seed: int = 0, **shape: int) -> torch.nn.Modu
 
 def skip_unless_flex_trains(backend: str) -> None:
     """Flex training tests run where the policy lets flex train on the CPU they train on, a CUDA box's too
-    (torch 2.7); elsewhere it refuses flex with this reason, which tests/test_conformance.py and
-    tests/test_policy.py assert."""
-    from foundry_attn.capability import flex_backward_error
+    (torch 2.7); elsewhere it refuses flex with this reason, which tests/verify/test_conformance.py and
+    tests/selection/test_policy.py assert."""
+    from foundry_attn.selection.capability import flex_backward_error
 
     why = flex_backward_error("cpu") if backend == "flex_attention" else None
     if why:
@@ -133,8 +133,8 @@ def assert_restored(before: dict[str, dict[str, object]], *, traced: bool = Fals
 def leaky_attention(genuine=None, threshold: int = 0):
     """What third-party kernel patches do: plain causal attention over the whole packed row (the documents taken
     and ignored) for rows longer than ``threshold``; shorter ones go to ``genuine``."""
-    from foundry_attn.adapters import FUNCTIONS
-    from foundry_attn.documents import DOCS_KEY
+    from foundry_attn.attention.documents import DOCS_KEY
+    from foundry_attn.attention.functions import FUNCTIONS
 
     def leaky(module, query, key, value, attention_mask, **kwargs):
         docs = kwargs.pop(DOCS_KEY, None)
@@ -154,7 +154,7 @@ def registered_attention(name: str, wrap):
     """The attention function registered under ``name`` replaced by ``wrap(genuine)`` for the block, restored after."""
     from transformers.modeling_utils import AttentionInterface
 
-    from foundry_attn.adapters import register
+    from foundry_attn.attention.functions import register
 
     register()
     table = AttentionInterface._global_mapping
@@ -168,14 +168,14 @@ def registered_attention(name: str, wrap):
 
 def read_events(directory, kind: str | None = None) -> list[dict]:
     """Every event in ``directory`` (every rank, rank 0 first), optionally of one ``kind``."""
-    from foundry_attn.events import event_files, iter_events
+    from foundry_attn.observe.events import event_files, iter_events
 
     return list(iter_events(event_files(directory), kind))
 
 
 def traced_attributes(module=None) -> list[tuple[str, str]]:
     """``(attribute, role)`` of every attribute the flash tracer wraps in the flash-attention module now."""
-    from foundry_attn import flash_symbols
+    from foundry_attn.observe import flash_symbols
 
     mod = module if module is not None else importlib.import_module(flash_symbols.FA_UTILS)
     return [(n, r) for n, v in list(vars(mod).items()) if (r := getattr(v, "__foundry_attn_traced__", None))]

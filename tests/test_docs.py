@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from foundry_attn.policy import DEFAULT_FALLBACK
+from foundry_attn.selection.policy import DEFAULT_FALLBACK
 
 REPO = Path(__file__).resolve().parents[1]
 ALIASES = {"fa2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager", "torch_varlen": "torch_varlen"}
@@ -40,13 +40,14 @@ def test_the_chain_is_found_where_it_is_named() -> None:
     assert all(_chains(p.read_text()) for p in sorted((REPO / "yamls").glob("*.yaml")))
 
 
-def test_the_package_docstring_names_every_core_module() -> None:
-    """``foundry_attn/__init__.py`` lists the core; a module added to the package is listed there too."""
+def test_the_package_docstring_names_every_folder_and_top_level_module() -> None:
+    """``foundry_attn/__init__.py`` maps the package; a folder or module added at its top is named there too."""
     import foundry_attn
 
+    package = REPO / "foundry_attn"
     named = set(re.findall(r"``(\w+)``", foundry_attn.__doc__ or ""))
-    modules = {p.stem for p in (REPO / "foundry_attn").glob("*.py") if p.stem != "__init__"} | {"bench"}
-    assert modules <= named, sorted(modules - named)
+    tops = {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert tops - {"__init__"} <= named, sorted(tops - {"__init__"} - named)
 
 
 def test_docs_point_at_files_that_exist() -> None:
@@ -101,7 +102,7 @@ def _has_path(obj: object, attrs: list[str]) -> bool:
 
 def test_the_readme_tree_lists_files_that_exist() -> None:
     """The module tree in README.md names files of the package."""
-    tree = (REPO / "README.md").read_text().split("foundry_attn/              the core", 1)[1].split("```", 1)[0]
+    tree = (REPO / "README.md").read_text().split("foundry_attn/                the package", 1)[1].split("```", 1)[0]
     files = {p.name for p in (REPO / "foundry_attn").rglob("*.py")}
     named = set(re.findall(r"\b(\w+\.py)\b", tree))
     assert named and named <= files, sorted(named - files)

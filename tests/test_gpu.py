@@ -7,10 +7,9 @@ import importlib.util
 import pytest
 import torch
 
-from foundry_attn.paths import attach
-from foundry_attn.shapes import BLOG_LENGTHS
-
-from .conftest import make_llama
+from foundry_attn.flat.attach import attach
+from foundry_attn.verify.llama_shapes import BLOG_LENGTHS
+from tests.conftest import make_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +23,7 @@ pytestmark = [
 def test_real_flash_attn_varlen_matches_the_reference() -> None:
     from flash_attn import flash_attn_varlen_func as real
 
-    from foundry_attn.fa2_reference import flash_attn_varlen_func as reference
+    from foundry_attn.attention.fa2_reference import flash_attn_varlen_func as reference
 
     torch.manual_seed(0)
     lens = list(BLOG_LENGTHS)
@@ -36,7 +35,7 @@ def test_real_flash_attn_varlen_matches_the_reference() -> None:
 
 
 def test_policy_picks_fa2_on_this_gpu() -> None:
-    from foundry_attn.policy import choose
+    from foundry_attn.selection.policy import choose
 
     decision = choose(dtype=torch.bfloat16)
     if torch.cuda.get_device_capability() >= (8, 0):
@@ -46,8 +45,8 @@ def test_policy_picks_fa2_on_this_gpu() -> None:
 
 
 def test_unpad_once_on_real_fa2_matches_sdpa() -> None:
-    from foundry_attn.forward import forward_documents, repad_logits
-    from foundry_attn.packing import PaddingCollator
+    from foundry_attn.flat.forward import forward_documents, repad_logits
+    from foundry_attn.flat.packing import PaddingCollator
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("FA2 needs sm80+")

@@ -1,7 +1,15 @@
-"""The core imports with neither Composer nor LLM-Foundry importable (a bare GPU box, a plain HF user)."""
+"""The house rules, held by folder: who may import whom, and which folders may import Composer and its kin.
+
+    attention  <  selection  <  flat  <  observe  <  verify  <  integrations      (a folder imports only leftwards)
+    guard, patching: importable by all; cli and bench (the tools) import anything but are imported by nothing
+
+Only ``integrations/`` (and the benches that measure it) import Composer, LLM-Foundry, accelerate, TRL or PEFT: the
+rest runs on a bare GPU box or for a plain transformers user.
+"""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -10,56 +18,84 @@ from pathlib import Path
 import pytest
 import torch
 
-CORE = [
-    "guard",
-    "capability",
-    "policy",
-    "loading",
-    "packing",
-    "layout",
-    "forward",
-    "adapters",
-    "backends",
-    "documents",
-    "block_masks",
-    "torch_varlen",
-    "unwrap",
-    "reference_kernels",
-    "document_op",
-    "comparison",
-    "proof",
-    "verdict",
-    "deprecation",
-    "paths",
-    "zoo",
-    "conformance",
-    "sweep",
-    "patching",
-    "fa2_reference",
-    "flash_symbols",
-    "flash_compat",
-    "events",
-    "fleet",
-    "report",
-    "shapes",
-    "cli",
-    "inspection",
-    "discovery",
-    "console_table",
-    "hf",
-    "bench.timing",
-    "bench.padding",
-    "bench.proof",
-    "bench.compile",
-    "bench.events",
-    "bench.gpu",
-]  # benches run on bare GPU boxes
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "foundry_attn"
+#: the folders by job, lowest first: each may import the ones before it
+FOLDERS = ("attention", "selection", "flat", "observe", "verify", "integrations")
+BASE = frozenset({"guard", "patching"})  # importable by every folder; they import nothing of ours
+TOOLS = frozenset({"cli", "bench"})  # entry points: import anything, imported by nothing of the runtime
+TOP_LEVEL = BASE | {"__init__", "cli"}
+GLUE = frozenset({"composer", "llmfoundry", "accelerate", "trl", "peft", "streaming", "omegaconf"})
+
+
+def _modules() -> list[tuple[str, Path]]:
+    """Every module of the package, dotted under ``foundry_attn``."""
+    return [
+        (".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"), p)
+        for p in sorted(PACKAGE.rglob("*.py"))
+    ]
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module ``path`` imports, at the top or inside a function, absolute."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            found += [base, *(f"{base}.{a.name}" for a in node.names)] if base == "foundry_attn" else [base]
+    return found
+
+
+def _home(dotted: str) -> str:
+    """The folder (or top-level module) a dotted module name under ``foundry_attn`` lives in."""
+    return dotted.split(".")[0]
+
+
+def test_the_package_has_at_most_eight_top_level_modules_beside_its_folders() -> None:
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert modules <= TOP_LEVEL and len(modules) <= 8, modules
+    assert folders == {*FOLDERS, "bench"}, folders
+
+
+def test_each_folder_imports_only_the_folders_below_it() -> None:
+    """A call goes downward: no folder imports one after it in ``FOLDERS`` (lazily neither), and nothing of the
+    runtime imports the tools."""
+    wrong = []
+    for name, path in _modules():
+        home = _home(name)
+        for target in _imports(path):
+            if not target.startswith("foundry_attn.") or home in TOOLS:
+                continue
+            other = _home(target.removeprefix("foundry_attn."))
+            if other in BASE or other == "__init__" or other == home:
+                continue
+            if home in BASE or other in TOOLS or other not in FOLDERS or home not in FOLDERS:
+                wrong.append(f"{name} imports {target}")
+            elif FOLDERS.index(other) > FOLDERS.index(home):
+                wrong.append(f"{name} imports {target} (upward)")
+    assert not wrong, wrong
+
+
+def test_only_the_integrations_and_their_benches_import_composer_llmfoundry_accelerate_or_trl() -> None:
+    wrong = [
+        f"{name} imports {target}"
+        for name, path in _modules()
+        if _home(name) not in ("integrations", "bench")
+        for target in _imports(path)
+        if target.split(".")[0] in GLUE
+    ]
+    assert not wrong, wrong
 
 
 @pytest.mark.slow
-def test_core_imports_without_composer_or_llmfoundry() -> None:
+def test_everything_but_the_integrations_imports_without_composer_or_llmfoundry() -> None:
+    """A bare GPU box (no Composer, no LLM-Foundry) imports the core, the tools and every bench."""
+    names = [name for name, _ in _modules() if _home(name) != "integrations" and name != "__init__"]
     code = "import sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n" + "".join(
-        f"import foundry_attn.{name}\n" for name in CORE
+        f"import foundry_attn.{name}\n" for name in names
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -67,19 +103,20 @@ def test_core_imports_without_composer_or_llmfoundry() -> None:
 
 @pytest.mark.slow
 def test_policy_and_the_probe_import_without_transformers() -> None:
-    """policy.py says it is transformers-free (it reads the backend table, which holds no kernel code), and the
-    probe in inspection.py imports transformers only when it looks for a model."""
-    modules = ("policy", "backends", "inspection", "discovery", "documents", "block_masks", "unwrap")
+    """policy says it is transformers-free (it reads the backend table, which holds no kernel code), and the probe
+    imports transformers only when it looks for a model."""
+    modules = (
+        "selection.policy",
+        "attention.backends",
+        "observe.inspection",
+        "observe.discovery",
+        "attention.documents",
+        "attention.block_masks",
+        "flat.unwrap",
+    )
     code = "import sys\nsys.modules['transformers'] = None\n" + "".join(f"import foundry_attn.{m}\n" for m in modules)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def test_core_list_names_every_module_directly_under_foundry_attn() -> None:
-    """A new core module joins CORE (and so the import check above) on purpose, not by luck."""
-    package = Path(__file__).resolve().parents[1] / "foundry_attn"
-    modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
-    assert modules == {name for name in CORE if "." not in name}
 
 
 @pytest.mark.slow
@@ -102,11 +139,8 @@ def test_doctor_json_runs_without_composer() -> None:
 
 def test_no_module_imports_a_private_name_of_another() -> None:
     """``from foundry_attn.x import _y`` nowhere, in the package or its tests: what another module needs is public."""
-    import ast
-
-    root = Path(__file__).resolve().parents[1]
     found = []
-    for path in [*sorted((root / "foundry_attn").rglob("*.py")), *sorted((root / "tests").glob("*.py"))]:
+    for path in [*sorted(PACKAGE.rglob("*.py")), *sorted((REPO / "tests").rglob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("foundry_attn"):
                 found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]

@@ -69,8 +69,8 @@ def _step_timer() -> tuple[Any, Any, list[float]]:
 
 
 def _assets(root: Path) -> tuple[Any, Path]:
-    from foundry_attn.foundry.assets import build_tokenizer
-    from foundry_attn.shapes import TINY_SHAPE, llama_config
+    from foundry_attn.integrations.llm_foundry.assets import build_tokenizer
+    from foundry_attn.verify.llama_shapes import TINY_SHAPE, llama_config
 
     tok = build_tokenizer(root / "tokenizer")
     llama_config(len(tok), **TINY_SHAPE).save_pretrained(root / "tiny-llama")
@@ -88,10 +88,10 @@ def _trainers(impl: str, root: Path, tokenizer: Any, config: Path, docs: list[li
     from composer.core import Callback
     from torch.utils.data import DataLoader
 
-    from foundry_attn.callbacks.attention_inspector import AttentionInspector
-    from foundry_attn.callbacks.upad_tracer import UpadTracer
-    from foundry_attn.foundry.model import FoundryAttnCausalLM
-    from foundry_attn.packing import PaddingCollator
+    from foundry_attn.flat.packing import PaddingCollator
+    from foundry_attn.integrations.composer.attention_inspector import AttentionInspector
+    from foundry_attn.integrations.composer.upad_tracer import UpadTracer
+    from foundry_attn.integrations.llm_foundry.model import FoundryAttnCausalLM
 
     collate = PaddingCollator(tokenizer.pad_token_id, tokenizer.eos_token_id, MAX_SEQ_LEN, mode="pack")
     out: dict[str, Any] = {}

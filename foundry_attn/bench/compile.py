@@ -5,10 +5,11 @@
     foundry-attn bench compile --json --quick        # smoke run: the tiny model, 12 layouts
 
 Workload per model: ``layouts`` (50) seeded packed batches, each a different set of documents laid end to end
-(``PaddingCollator(mode="pack")``) so no two steps share a layout: the tiny demo model (``foundry_attn.shapes``,
-vocab 64) with 8 documents of 10-60 tokens in rows of 128, and SmolLM2-135M's layer shapes with 2 layers and vocab
-8192 with 6 documents of 100-400 tokens in rows of 2048. A step is ``forward_documents`` + backward on the model
-attached to our sdpa function (fp32 on CPU, bf16 on CUDA), grads set to None between steps.
+(``PaddingCollator(mode="pack")``) so no two steps share a layout: the tiny demo model
+(``foundry_attn.verify.llama_shapes``, vocab 64) with 8 documents of 10-60 tokens in rows of 128, and SmolLM2-135M's
+layer shapes with 2 layers and vocab 8192 with 6 documents of 100-400 tokens in rows of 2048. A step is
+``forward_documents`` + backward on the model attached to our sdpa function (fp32 on CPU, bf16 on CUDA), grads set to
+None between steps.
 
 Two variants with identical weights: ``eager`` and ``compiled`` (``torch.compile(model)``, inductor). The first
 ``warmup`` layouts run on both untimed (``warmup_s``: the compiled variant's wall time for them, compiling
@@ -29,13 +30,13 @@ from typing import Any, cast
 
 import torch
 
-from foundry_attn.backends import SDPA
+from foundry_attn.attention.backends import SDPA
 from foundry_attn.bench import machine, sync
 from foundry_attn.bench.timing import median, round_robin
-from foundry_attn.forward import forward_documents
-from foundry_attn.packing import PaddingCollator
-from foundry_attn.paths import attach
-from foundry_attn.shapes import SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.forward import forward_documents
+from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.verify.llama_shapes import SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench compile --json"
 EOS = 0

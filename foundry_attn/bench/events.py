@@ -11,7 +11,7 @@ cache (one untimed read first), three ways to answer ``--fell-back`` are timed, 
 - ``parse_every_line``: ``json.loads`` on every line, keep ``attn_impl`` (the plain way); also with orjson
   (``orjson_every_line``) when it is installed;
 - ``filter_lines``: iterate lines, parse only those that contain ``"kind": "attn_impl"``;
-- ``ours``: what the CLI runs: :func:`foundry_attn.events.iter_events` with ``kind`` (parse only the lines that
+- ``ours``: what the CLI runs: :func:`foundry_attn.observe.events.iter_events` with ``kind`` (parse only the lines that
   contain ``"attn_impl"``, still count broken ones), then the last decision per rank and the fell-back rows.
 
 Target: ``ours`` <= 5 s on the 2-core CI machine. Core module: standard library only.
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from foundry_attn import fleet
-from foundry_attn.events import Skipped, event_files, iter_events
+from foundry_attn.observe import fleet
+from foundry_attn.observe.events import Skipped, event_files, iter_events
 
 COMMAND = "foundry-attn bench events --json"
 TARGET_S = 5.0

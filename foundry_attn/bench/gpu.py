@@ -8,7 +8,7 @@
 Without CUDA (and without ``--device cpu``) it prints one line, ``{"skipped": ...}`` under ``--json``, and
 exits 0.
 
-Model: ``LlamaForCausalLM`` with SmolLM2-135M's exact shapes (``foundry_attn.shapes``: hidden 576, 9 heads,
+Model: ``LlamaForCausalLM`` with SmolLM2-135M's exact shapes (``foundry_attn.verify.llama_shapes``: hidden 576, 9 heads,
 3 KV heads, MLP 1536, 30 layers, vocab 49152, tied embeddings), random init (seed 0), config built locally,
 bf16, train mode, dropout 0. A step is forward + backward (no optimizer), grads set to None before it.
 
@@ -31,7 +31,7 @@ Tiers, each in its own copy of the model (identical weights), timed round-robin 
    signature (:func:`flash_varlen_from_torch`; dense ``flash_attn_func`` through SDPA:
    :func:`flash_attn_func_via_sdpa`), installed where transformers looks the kernels up
    (``fa2_reference.reference_flash_attn(varlen=, dense=)``); both wrappers live in
-   :mod:`foundry_attn.reference_kernels`, which the tests import too.
+   :mod:`foundry_attn.bench.reference_kernels`, which the tests import too.
 3. ``ours_torch_varlen``: ``attach(model, "torch_varlen")`` + ``forward.forward_documents``: the batch is
    unpadded once, every layer calls torch's varlen kernel on the flat row with ``cu_seqlens``.
 4. ``ours_flash_attn``: the same on flash-attn (``attach(model, "flash_attention_2")``), when it imports.
@@ -53,7 +53,7 @@ its error and skipped; the others still run.
 Targets: ours (the faster of ``ours_torch_varlen`` / ``ours_flash_attn`` that agrees) >= 3x padded_dense on
 ``a_report`` and >= 0.97x on ``b_no_padding``; ``stock_unpad_per_layer`` is shown next to it.
 
-``--device cpu`` runs the same code paths on a tiny model (``shapes.TINY_SHAPE``, 2 layers, vocab 512, rows
+``--device cpu`` runs the same code paths on a tiny model (``llama_shapes.TINY_SHAPE``, 2 layers, vocab 512, rows
 of 128 with every length scaled by 128/2048, fp32) with the CPU-capable tiers: padded_dense, sdpa_per_document,
 and stock_unpad_per_layer and ours_torch_varlen on the pure-PyTorch reference kernel standing in for torch's
 ``varlen_attn`` (:func:`reference_varlen_attn`): labelled "reference kernel (not a GPU number)". For tests, not
@@ -75,15 +75,19 @@ from typing import Any
 
 import torch
 
+from foundry_attn.attention.fa2_reference import reference_flash_attn
+from foundry_attn.attention.torch_varlen import torch_varlen_kernel
 from foundry_attn.bench import machine
+from foundry_attn.bench.reference_kernels import (
+    flash_attn_func_via_sdpa,
+    flash_varlen_from_torch,
+    reference_varlen_attn,
+)
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
-from foundry_attn.fa2_reference import reference_flash_attn
-from foundry_attn.forward import forward_documents
-from foundry_attn.packing import IGNORE_INDEX
-from foundry_attn.paths import attach
-from foundry_attn.reference_kernels import flash_attn_func_via_sdpa, flash_varlen_from_torch, reference_varlen_attn
-from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
-from foundry_attn.torch_varlen import torch_varlen_kernel
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.forward import forward_documents
+from foundry_attn.flat.packing import IGNORE_INDEX
+from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench gpu --json"
 REPORT_LENGTHS = BLOG_LENGTHS
@@ -109,11 +113,11 @@ NEEDS_CUDA = (
 @contextlib.contextmanager
 def reference_torch_varlen() -> Iterator[None]:
     """Our ``torch_varlen`` adapter on :func:`reference_varlen_attn` instead of torch's CUDA kernel (CPU runs)."""
-    from foundry_attn import adapters
+    from foundry_attn.attention import functions
     from foundry_attn.patching import patch_attribute
 
     patches = [
-        patch_attribute(adapters, "torch_varlen_kernel", replace=lambda: reference_varlen_attn),
+        patch_attribute(functions, "torch_varlen_kernel", replace=lambda: reference_varlen_attn),
     ]
     try:
         yield
@@ -123,7 +127,7 @@ def reference_torch_varlen() -> Iterator[None]:
 
 
 def flash_attn_version() -> str | None:
-    from foundry_attn.capability import probe_flash_attn
+    from foundry_attn.selection.capability import probe_flash_attn
 
     return probe_flash_attn()[0]
 

@@ -16,8 +16,8 @@ batch_proof_ms / step_ms; ``*_run_share`` the proofs' share of a 10,000-batch ru
 ``standalone_*``: the proof with its own forward, what runs where the step's forward cannot serve (torch.compile,
 checkpointing, FSDP2, dropout: ``proof.step_blocker``). ``attach_ms``: the proof at attach (two synthetic
 documents). ``fingerprint_us``: the identity check every batch pays. Models are random Llamas
-(``foundry_attn.shapes``): the demo's tiny one (vocab 64) and SmolLM2-135M's full depth; fp32 on CPU, bf16 on
-CUDA. The targets (``all_targets_met``) are judged on SmolLM2-135M. Core module: torch and transformers only.
+(``foundry_attn.verify.llama_shapes``): the demo's tiny one (vocab 64) and SmolLM2-135M's full depth; fp32 on CPU, bf16
+on CUDA. The targets (``all_targets_met``) are judged on SmolLM2-135M. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from typing import Any, cast
 
 import torch
 
-from foundry_attn.backends import EAGER, FA2, FLEX, SDPA
+from foundry_attn.attention.backends import EAGER, FA2, FLEX, SDPA
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median, round_robin
-from foundry_attn.capability import flex_backward_error
-from foundry_attn.forward import flat_inputs, forward_documents
-from foundry_attn.layout import Layout
-from foundry_attn.paths import PROOF_INTERVAL, attach, proofs_in_run
-from foundry_attn.proof import step_blocker
-from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
+from foundry_attn.flat.attach import PROOF_INTERVAL, attach, ceil2
+from foundry_attn.flat.forward import flat_inputs, forward_documents
+from foundry_attn.flat.layout import Layout
+from foundry_attn.flat.proof import step_blocker
+from foundry_attn.selection.capability import flex_backward_error
+from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench proof --json"
 #: a run of RUN_BATCHES batches on two mixes: the blog mix at one length throughout, and a mix whose flat rows grow
@@ -43,6 +43,18 @@ RUN_BATCHES = 10_000
 GROWING = (256, 8192)
 LENGTHS = BLOG_LENGTHS
 MODELS = {"tiny": (64, TINY_SHAPE), "smollm2_135m": (SMOLLM2_VOCAB, SMOLLM2_135M_SHAPE)}
+
+
+def proofs_in_run(tokens: list[int], interval: int = PROOF_INTERVAL) -> tuple[int, int]:
+    """How many proofs a run whose batches have these flat-row lengths gets from :meth:`PathState.due` (no change
+    of code): with gradients (the first batch, each longer batch), and forward only (the interval)."""
+    full, forward_only, covered = 0, 0, 0
+    for batch, n in enumerate(tokens, start=1):
+        if batch == 1 or n > covered:
+            full, covered = full + 1, max(covered, ceil2(n))
+        elif interval and batch % interval == 0:
+            forward_only += 1
+    return full, forward_only
 
 
 def _backends(device: torch.device) -> list[tuple[str, bool]]:
@@ -138,7 +150,7 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
 
 
 def _run_cost(grad_proof: float, forward_proof: float, prefix: str = "") -> dict[str, Any]:
-    """The proof's share of a whole run, from the proofs :func:`foundry_attn.paths.proofs_in_run` schedules (first
+    """The proof's share of a whole run, from the proofs :func:`proofs_in_run` schedules (first
     batch, longer batches: logits and gradients; interval: logits only), each costing what it cost here relative to
     a step of the same length (both scale with the row)."""
     out: dict[str, Any] = {}

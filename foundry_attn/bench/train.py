@@ -61,7 +61,7 @@ before the step and the batch kept by reference, and the truth is computed after
 For stock packing this is the leak, reported, not judged.
 
 Host work (ours, per timed batch, as a fraction of the median timed step): the collator (the loader's
-``collate_fn``: tokenized turns to a batch), ``prepare_documents`` (``foundry_attn.forward``, called by the model)
+``collate_fn``: tokenized turns to a batch), ``prepare_documents`` (``foundry_attn.flat.forward``, called by the model)
 and every one of our callbacks (each ``run_event``), plus each callback's sampled first batch (warm-up) spread over
 its interval (``attention_inspector``: 50): ``host_fraction`` <= 0.02 is the target.
 
@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_attn.bench.train_worker import OUR_CALLBACKS, worker
-from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE
+from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE
 
 COMMAND = "foundry-attn bench train --json"
 TARGETS: dict[str, float] = {
@@ -102,7 +102,14 @@ MAX_SEQ_LEN = 2048
 ROWS = 6  # examples per device batch: the blog's batch
 SEED = 17
 EXAMPLES = 600  # per mix: enough for stock packing's profile and every batch
-PRELOAD = ["torch", "transformers", "composer", "llmfoundry", "llmfoundry.command_utils", "foundry_attn.foundry"]
+PRELOAD = [
+    "torch",
+    "transformers",
+    "composer",
+    "llmfoundry",
+    "llmfoundry.command_utils",
+    "foundry_attn.integrations.llm_foundry",
+]
 SAMPLE_INTERVAL = {"attention_inspector": 50, "upad_tracer": 50, "attn_decision": 0}  # their defaults (0: once)
 
 
@@ -148,8 +155,8 @@ class Settings:
 
 def write_assets(root: Path, settings: Settings) -> dict[str, Path]:
     """Tokenizer, model config and one jsonl per mix under ``root``; nothing downloaded."""
-    from foundry_attn.foundry.assets import WORDS, build_tokenizer
-    from foundry_attn.shapes import llama_config
+    from foundry_attn.integrations.llm_foundry.assets import WORDS, build_tokenizer
+    from foundry_attn.verify.llama_shapes import llama_config
 
     build_tokenizer(root / "tokenizer")
     s = settings

@@ -249,7 +249,7 @@ def worker(conn: Any, job: dict[str, Any]) -> None:
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf
 
-        import foundry_attn.foundry.model as model_module
+        import foundry_attn.integrations.llm_foundry.model as model_module
 
         registry: dict[str, Any] = {}
         host: dict[str, list[float]] = {"collate_s": [], "prepare_documents_s": []}
@@ -327,6 +327,6 @@ def _attention_of(trainer: Any) -> str | None:
     name = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if name is None:
         return None
-    from foundry_attn.backends import backend_of
+    from foundry_attn.attention.backends import backend_of
 
     return backend_of(name)

@@ -7,9 +7,9 @@
 tokens a step), seeded; each variant is its own ``SFTTrainer`` run of ``WARMUP + TIMED`` steps, the variants
 interleaved ``REPEATS`` times; a step is timed from ``on_step_begin`` to ``on_step_end`` (forward, backward,
 optimizer) and the warm-up steps (attach's proof, the first batch's proof) are left out: ``stock`` (no attach),
-``ours`` (``attach(model, "sdpa")``), ``ours_inspect`` (:func:`foundry_attn.hf.callbacks`, every step inspected,
-no verdict) and ``ours_verdict`` (every step a verdict). The callbacks' share of a step at their default intervals
-(inspect every 50, verdict every 100) is each one's extra time over ``ours``, divided by its interval.
+``ours`` (``attach(model, "sdpa")``), ``ours_inspect`` (:func:`foundry_attn.integrations.hf_trainer.callbacks`, every
+step inspected, no verdict) and ``ours_verdict`` (every step a verdict). The callbacks' share of a step at their default
+intervals (inspect every 50, verdict every 100) is each one's extra time over ``ours``, divided by its interval.
 ``families``: one step per family (the zoo's tiny configs) and setting (:data:`SETTINGS`: fp32; TRL's defaults,
 bf16 autocast and gradient checkpointing; LoRA), stock and attached: the loss TRL trains on (router loss included
 where TRL switches it on) against stock on each document alone (:func:`truth`), stock's leak where it leaks. Needs TRL
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median
-from foundry_attn.comparison import alone_inputs
-from foundry_attn.shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
-from foundry_attn.unwrap import unwrapped
+from foundry_attn.flat.comparison import alone_inputs
+from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench trainer --json"
 WARMUP, TIMED, REPEATS = 2, 6, 2
@@ -64,7 +64,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "trl_defaults": {"bf16": True, "gradient_checkpointing": True},
     "lora": {"bf16": False, "gradient_checkpointing": False, "lora": True},
 }
-#: the callbacks' default intervals (foundry_attn.hf.callbacks)
+#: the callbacks' default intervals (foundry_attn.integrations.hf_trainer.callbacks)
 INSPECT_EVERY, VERDICT_EVERY = 50, 100
 
 
@@ -151,7 +151,7 @@ def _train(
     import trl
     from accelerate.state import AcceleratorState
 
-    from foundry_attn.foundry.assets import build_tokenizer
+    from foundry_attn.integrations.llm_foundry.assets import build_tokenizer
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: the last run's bf16 stays
     args = trl.SFTConfig(
@@ -201,8 +201,8 @@ def _speed_model(quick: bool) -> torch.nn.Module:
 
 
 def speed(quick: bool) -> dict[str, Any]:
-    from foundry_attn import hf
-    from foundry_attn.paths import attach
+    from foundry_attn.flat.attach import attach
+    from foundry_attn.integrations import hf_trainer
 
     repeats, timed = (1, 2) if quick else (REPEATS, TIMED)
     steps = WARMUP + timed
@@ -222,7 +222,7 @@ def speed(quick: bool) -> dict[str, Any]:
                 attach(model, "sdpa")
             clock = _StepClock()
             with tempfile.TemporaryDirectory() as out:
-                extra = hf.callbacks(**how["hf"]) if "hf" in how else []
+                extra = hf_trainer.callbacks(**how["hf"]) if "hf" in how else []
                 _train(model, data, len(BLOG_LENGTHS), steps, [clock.callback, *extra], out)  # fp32
             seconds[name] += clock.seconds[WARMUP:]
     step = {name: median(values) for name, values in seconds.items()}
@@ -244,8 +244,8 @@ def speed(quick: bool) -> dict[str, Any]:
 def family(model_type: str, backend: str, setting: str = "fp32") -> dict[str, Any]:
     """One step of stock and of attached on the same padding-free batch, trained as ``setting`` (:data:`SETTINGS`):
     the loss TRL trains on against the truth (:func:`truth`)."""
-    from foundry_attn import zoo
-    from foundry_attn.paths import attach
+    from foundry_attn.flat.attach import attach
+    from foundry_attn.verify import zoo
 
     if model_type not in zoo.model_types():
         return {"model_type": model_type, "backend": backend, "setting": setting, "skipped": "not in this transformers"}

@@ -1,0 +1,150 @@
+"""The backend table: each backend's name, the name its document-aware function is registered under, and what
+that function honours per layer; what a model's config asks of it, and the refusal when the two do not meet.
+
+    refusal("sdpa", ModelNeeds.of("Gemma2ForCausalLM", config))   # "sdpa cannot apply ... softcap (50.0) ..."
+    backend_of("foundry_sdpa")                                    # "sdpa"
+
+The policy (:mod:`foundry_attn.selection.policy`) reads this table; the functions themselves live in
+:mod:`foundry_attn.attention.functions` and refuse, at call time, exactly what the table says they cannot honour.
+Core module: torch only (no kernel code, no transformers).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from foundry_attn.attention.torch_varlen import torch_varlen_kernel, varlen_parameters
+
+PREFIX = "foundry_"
+FA2, FLEX, SDPA, EAGER = "flash_attention_2", "flex_attention", "sdpa", "eager"
+TORCH_VARLEN = "torch_varlen"  # torch's own varlen flash kernel (>= 2.10, CUDA): FA2's layout without flash-attn
+FA2_REFERENCE = "fa2_reference"  # registered as foundry_fa2_reference: FA2 code paths on the CPU reference kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What one backend's document-aware function can honour, per layer (causal and grouped KV heads: all)."""
+
+    name: str
+    softcap: bool
+    dropout: bool
+    window: bool = True
+
+
+#: every backend, in the order the fallback chain prefers them (the one list of backend names: :data:`NAMES`)
+BACKENDS: dict[str, Backend] = {
+    FA2: Backend(FA2, softcap=True, dropout=True),
+    # torch.nn.attention.varlen.varlen_attn: causal only, no softcap, no dropout; windows from torch 2.12
+    TORCH_VARLEN: Backend(
+        TORCH_VARLEN,
+        softcap=False,
+        dropout=False,
+        window="window_size" in varlen_parameters(torch_varlen_kernel()),
+    ),
+    # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
+    # torch 2.7): refused until it is proven exact
+    FLEX: Backend(FLEX, softcap=False, dropout=False),
+    SDPA: Backend(SDPA, softcap=False, dropout=True),
+    EAGER: Backend(EAGER, softcap=True, dropout=True),
+}
+NAMES: tuple[str, ...] = tuple(BACKENDS)
+#: registered name -> backend (or fa2_reference): every name :func:`foundry_attn.attention.functions.register` registers
+REGISTERED = {PREFIX + name: name for name in (*BACKENDS, FA2_REFERENCE)}
+
+
+def backend_of(impl: str | None) -> str | None:
+    """``foundry_sdpa`` -> ``sdpa``; ``foundry_fa2_reference`` -> ``flash_attention_2``; stock names unchanged."""
+    name = REGISTERED.get(impl or "", impl)
+    return FA2 if name == FA2_REFERENCE else name
+
+
+def set_implementation(model: Any, name: str) -> None:
+    """``config._attn_implementation = name`` on the model's config and on every config its text decoder reads: the
+    text config, and the copy a multimodal model's language model holds (Gemma3, GOT-OCR2 in 4.51)."""
+    config = model.config
+    config._attn_implementation = name
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for module in model.modules():
+        held = getattr(module, "config", None)
+        if held is not None and held is not config and type(held) is type(text):
+            held._attn_implementation = name
+    if text is not config:
+        text._attn_implementation = name
+
+
+def config_refusals(config: Any, names: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """The names the config itself refuses, with its words: a 5.x config may validate the name it is set to
+    (HRM-text with ``prefix_lm`` refuses flash attention), as stock does at load. Asked of one copy; torch_varlen
+    as flash."""
+    probe, refused = copy.deepcopy(config), []
+    for name in names:
+        try:
+            probe._attn_implementation = FA2 if name == TORCH_VARLEN else name
+        except ValueError as exc:
+            refused.append((name, str(exc).splitlines()[0]))
+    return tuple(refused)
+
+
+def config_values(config: Any, name: str) -> list[Any]:
+    """``config.<name>``, or on a heterogeneous 5.x config (gemma4, dots3: per-layer attributes that raise when
+    read globally) the value of every layer; empty when absent."""
+    try:
+        value = getattr(config, name)
+    except AttributeError:
+        return []
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, without importing 5.x names
+        layers = getattr(config, "per_layer_config", None) or []
+        return [v for layer in layers if (v := getattr(layer, name, None)) is not None]
+    return [] if value is None else [value]
+
+
+def config_value(config: Any, name: str, default: Any = None, pick: Callable = max) -> Any:
+    """One value of ``config.<name>`` (``pick`` of the per-layer values on a heterogeneous config), or ``default``."""
+    values = config_values(config, name)
+    if not values:
+        return default
+    try:
+        return pick(values)
+    except TypeError:  # values that do not compare: the first layer's
+        return values[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelNeeds:
+    """What a model's attention asks of a kernel beyond causal/window/GQA, read from its config."""
+
+    class_name: str = "?"
+    softcap: float | None = None
+    dropout: float = 0.0
+    window: int | None = None
+    alibi: bool = False  # an ALiBi position bias switched on in the config (Falcon's ``alibi``)
+
+    @classmethod
+    def of(cls, class_name: str, config: Any) -> ModelNeeds:
+        dropout = max(float(config_value(config, n, 0.0) or 0.0) for n in ("attention_dropout", "attn_pdrop"))
+        windowed = config_value(config, "use_sliding_window", True)
+        window = config_value(config, "sliding_window", None, min) if windowed else None
+        softcap = config_value(config, "attn_logit_softcapping") or None
+        return cls(class_name, softcap, dropout, window or None, config_value(config, "alibi", False) is True)
+
+
+def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> str | None:
+    """Why ``backend`` cannot run this model's documents exactly, or None when it can."""
+    caps = BACKENDS[backend]
+    if needs.alibi and backend in (FA2, TORCH_VARLEN):  # varlen kernels take no bias; stock's FA2 class raises
+        return f"{backend} cannot apply {needs.class_name}'s ALiBi position bias (alibi: true); use sdpa or eager"
+    if needs.softcap and not caps.softcap:
+        return f"{backend} cannot apply {needs.class_name}'s attention logit softcap ({needs.softcap}) per document"
+    if needs.window and not caps.window:
+        return f"{backend} cannot apply {needs.class_name}'s sliding window ({needs.window}) with this torch"
+    if needs.dropout and not caps.dropout:
+        return f"{backend} cannot apply attention dropout ({needs.dropout}); set attention_dropout: 0 or use sdpa"
+    if backend == FA2 and needs.softcap and fa2_version is not None:
+        from packaging.version import Version
+
+        if Version(fa2_version) < Version("2.6.0"):
+            return f"flash-attn {fa2_version} has no softcap (needs >= 2.6.0) for {needs.class_name}"
+    return None

@@ -1,0 +1,216 @@
+"""Per-document attention as one opaque op, so ``torch.compile`` traces a layout as data, not as code.
+
+    out, _ = document_attention(q, k, v, host_bounds, "sdpa", window=0, scale=0.125, softcap=0.0)  # [B, H, T, D]
+
+Eagerly, the sdpa and eager functions of :mod:`foundry_attn.attention.functions` loop over the documents in Python,
+which Dynamo would unroll and specialise on every new layout (a recompile per batch). Under compile they call this
+op instead: ``foundry_attn::document_attention`` (``torch.library.custom_op``) takes the document bounds as a
+CPU int32 tensor, loops inside (no device sync: the bounds never leave the host), and is a single node in
+the graph whatever the layout. Its backward, ``foundry_attn::document_attention_backward``, runs per document
+too: sdpa on the CPU calls torch's own flash-attention kernels forward and backward (the forward saves their
+logsumexp); elsewhere it recomputes each document's probabilities and applies the softmax-attention gradient
+in fp32 (as flash-attn's backward does). Inputs have GQA
+heads already expanded; no dropout (callers refuse it under compile). Core module: torch only.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+
+def allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: causal, and (with a window) a query sees at most ``window`` keys, itself included."""
+    i = torch.arange(n, device=device)
+    rel = i[:, None] - i[None, :]
+    return (rel >= 0) & (rel < window) if window else rel >= 0
+
+
+def sdpa_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float | None, dropout: float = 0.0
+) -> torch.Tensor:
+    """Causal SDPA over one document ``[B, H, n, D]``; a window longer than the document changes nothing."""
+    n = q.shape[2]
+    if window and n > window:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed(n, window, q.device), dropout_p=dropout, scale=scale
+        )
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True)
+
+
+def additive_mask(n: int, window: int | None, like: torch.Tensor, fill: float | None = None) -> torch.Tensor:
+    """[n, n] additive mask in ``like``'s dtype: 0 where :func:`allowed`, ``fill`` (default: the dtype's min)
+    elsewhere."""
+    fill = torch.finfo(like.dtype).min if fill is None else fill
+    return torch.zeros((n, n), dtype=like.dtype, device=like.device).masked_fill_(
+        ~allowed(n, window, like.device), fill
+    )
+
+
+def eager_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    additive: torch.Tensor | None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """transformers' eager attention on expanded heads: scores, softcap, additive mask, fp32 softmax, dropout."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if additive is not None:
+        scores = scores + additive
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(probs, p=dropout, training=training), v)
+
+
+def eager_document(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """:func:`eager_math` over one document, causal (and windowed) within it."""
+    return eager_math(q, k, v, scale, softcap, additive_mask(q.shape[2], window, q), dropout, training)
+
+
+def _loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    host_bounds: torch.Tensor,
+    kind: str,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    pieces = []
+    for s, e in pairwise(host_bounds.tolist()):
+        qd, kd, vd = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]
+        if kind == "sdpa":
+            pieces.append(sdpa_document(qd, kd, vd, window, scale))
+        else:
+            pieces.append(eager_document(qd, kd, vd, window, scale, softcap))
+    return torch.cat(pieces, dim=2)
+
+
+def _flash(kind: str, query: torch.Tensor) -> bool:
+    """sdpa on the CPU: torch's own flash kernel per document, whose backward takes the saved logsumexp."""
+    return kind == "sdpa" and query.device.type == "cpu"
+
+
+def _window_bias(n: int, window: int, like: torch.Tensor) -> torch.Tensor | None:
+    return additive_mask(n, window, like, float("-inf")) if window and n > window else None
+
+
+@torch.library.custom_op("foundry_attn::document_attention", mutates_args=())
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    host_bounds: torch.Tensor,
+    kind: str,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, T, D]`` attention of every document of the flat row alone (window 0: none, softcap 0: none),
+    and the ``[B, H, T]`` fp32 logsumexp its backward needs (empty when the backward recomputes instead)."""
+    if not _flash(kind, query):
+        with torch.no_grad():
+            return _loop(query, key, value, host_bounds, kind, window, scale, softcap), query.new_empty(
+                0, dtype=torch.float
+            )
+    outs, lses = [], []
+    for s, e in pairwise(host_bounds.tolist()):
+        bias = _window_bias(e - s, window, query)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale
+        )
+        outs.append(out)
+        lses.append(lse.float())
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+@document_attention.register_fake
+def _(query, key, value, host_bounds, kind, window, scale, softcap):  # the op's signature
+    lse = query.new_empty(query.shape[:-1] if _flash(kind, query) else (0,), dtype=torch.float)
+    return query.new_empty((*query.shape[:-1], value.shape[-1])), lse
+
+
+def _document_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, window: int, scale: float, softcap: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention core's gradients for one document, in fp32: P = softmax(cap(scale q k^T) + mask), O = P v."""
+    q, k, v, dout = (t.float() for t in (q, k, v, dout))
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    capped = torch.tanh(scores / softcap) if softcap else None
+    if capped is not None:
+        scores = capped * softcap
+    scores = scores.masked_fill(~allowed(q.shape[2], window, q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    dv = torch.matmul(probs.transpose(2, 3), dout)
+    dprobs = torch.matmul(dout, v.transpose(2, 3))
+    dscores = probs * (dprobs - (dprobs * probs).sum(dim=-1, keepdim=True))
+    if capped is not None:
+        dscores = dscores * (1 - capped * capped)
+    return torch.matmul(dscores, k) * scale, torch.matmul(dscores.transpose(2, 3), q) * scale, dv
+
+
+@torch.library.custom_op("foundry_attn::document_attention_backward", mutates_args=())
+def document_attention_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    host_bounds: torch.Tensor,
+    kind: str,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`document_attention` for ``query``, ``key``, ``value``, one document at a time."""
+    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    for s, e in pairwise(host_bounds.tolist()):
+        q, k, v, g = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], grad[:, :, s:e]
+        if lse.numel():
+            bias = _window_bias(e - s, window, query)
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g, q, k, v, out[:, :, s:e], lse[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale
+            )
+        else:
+            grads = _document_grads(q, k, v, g, window, scale, softcap)
+        for full, piece in zip((dq, dk, dv), grads, strict=True):
+            full[:, :, s:e] = piece
+    return dq, dk, dv
+
+
+@document_attention_backward.register_fake
+def _(grad, query, key, value, out, lse, host_bounds, kind, window, scale, softcap):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # torch.library's signature
+    query, key, value, host_bounds, kind, window, scale, softcap = inputs
+    ctx.save_for_backward(query, key, value, *output, host_bounds)
+    ctx.options = (kind, window, scale, softcap)
+
+
+def _backward(ctx, grad, _lse_grad):
+    query, key, value, out, lse, host_bounds = ctx.saved_tensors
+    dq, dk, dv = document_attention_backward(grad.contiguous(), query, key, value, out, lse, host_bounds, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None
+
+
+document_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,94 @@
+"""How the documents of one flat row reach attention: the :class:`Documents` object, the keyword every attention
+call carries it under (``foundry_documents``), the ``[1, 1, 1, 1]`` placeholder that stands in for the model's
+L x L mask, and the errors raised when the documents do not arrive or the call carries what the flat row cannot
+honour. :mod:`foundry_attn.flat.forward` builds them; the functions of :mod:`foundry_attn.attention.functions` read
+them. Core module: torch only.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import torch
+
+DOCS_KEY = "foundry_documents"
+
+
+class Documents:
+    """Where each document sits in the flat row of one forward.
+
+    ``bounds = (0, l0, l0 + l1, ...)`` as Python ints for the eager paths, and the same bounds as int32 tensors
+    made once per forward (:meth:`of`): ``device_bounds`` on the model's device (FA2's ``cu_seqlens``, flex),
+    ``host_bounds`` on the CPU (:mod:`foundry_attn.attention.compiled_op` reads it without a device sync). One word,
+    ``bounds``, in every form. Under ``torch.compile`` only the tensors
+    are read, so a new layout is new data for the same graph, not a new graph. (A plain class, not a dataclass:
+    Dynamo guards every field of a dataclass it meets, and only the attributes read of a plain object.)
+    """
+
+    def __init__(
+        self,
+        bounds: tuple[int, ...],
+        device_bounds: torch.Tensor | None = None,
+        host_bounds: torch.Tensor | None = None,
+    ) -> None:
+        self.bounds, self.device_bounds, self.host_bounds = tuple(bounds), device_bounds, host_bounds
+        self.calls = 0  # attention calls that received these documents (uncompiled; the proof reads it)
+
+    def __repr__(self) -> str:
+        return f"Documents(bounds={self.bounds})"
+
+    @classmethod
+    def of(cls, bounds: tuple[int, ...] | list[int], device: torch.device | str = "cpu") -> Documents:
+        host = torch.tensor(bounds, dtype=torch.int32)
+        return cls(tuple(bounds), host.to(device, non_blocking=True), host)
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int]]:
+        return list(itertools.pairwise(self.bounds))
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        return [e - s for s, e in self.spans]
+
+    @functools.cached_property
+    def max_length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def bounds_on(self, device: torch.device | str) -> torch.Tensor:
+        """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there)."""
+        device = torch.device(device)
+        for made in (self.device_bounds, self.host_bounds):
+            if made is not None and made.device == device:
+                return made
+        return torch.tensor(self.bounds, dtype=torch.int32, device=device)
+
+    def document_ids(self, device: torch.device) -> torch.Tensor:
+        lengths = torch.tensor([e - s for s, e in self.spans])
+        return torch.repeat_interleave(torch.arange(len(self.spans)), lengths).to(device)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return torch.cat([torch.arange(e - s) for s, e in self.spans]).to(device)[None]
+
+
+def is_placeholder(mask: Any) -> bool:
+    """The ``[1, 1, 1, 1]`` mask ``forward_documents`` hands the model: it masks nothing, and the model's own
+    mask code (Gemma's sliding-window step included) passes it on without growing it to L x L."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (1, 1)
+
+
+class DocumentsDropped(RuntimeError):
+    """A layer called attention without our ``foundry_documents`` argument while the flat row was running."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.attention_class = type(module).__name__
+        super().__init__(
+            f"foundry_attn: the documents did not reach {self.attention_class}: the layer that calls it passed "
+            f"no '{DOCS_KEY}' argument (it forwards no **kwargs to attention)"
+        )
+
+
+class FlatUnsupported(ValueError):
+    """The attention call carries an argument the flat path does not honour (sinks, a position bias, ...)."""

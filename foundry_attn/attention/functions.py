@@ -1,0 +1,499 @@
+"""Document-aware attention functions, registered in transformers' attention interface by name.
+
+    from foundry_attn.flat.attach import attach
+    attach(hf_model, "sdpa")            # proven: config._attn_implementation = "foundry_sdpa" (flat), or rows
+    out = forward_documents(hf_model, batch)
+
+Each backend (``flash_attention_2``, ``torch_varlen``, ``sdpa``, ``eager``, ``flex_attention``) has one function
+here, registered once under ``foundry_<backend>`` with ``AttentionInterface.register``. The model runs one flat
+row of real tokens, and every layer's call carries the documents as a keyword argument (``foundry_documents``,
+:mod:`foundry_attn.attention.documents`) that transformers passes through to the attention function. Nothing is patched
+for the length of a forward: checkpoint recompute, DDP/FSDP wrappers and ``torch.compile`` re-run the same
+call with the same arguments, so they see the same documents. A call without documents (eval, generation, the
+rows path) runs the backend's stock code on the model's own mask.
+
+Every function opens the same way (:func:`_open`): take the documents out of the call, refuse any argument the
+flat row would drop, and refuse a ``softcap`` or ``dropout`` that the backend table
+(:data:`foundry_attn.attention.backends.BACKENDS`) says this backend cannot apply; the policy reads the same table, so a
+model is refused before it is built rather than at its first call. Each function honours ``sliding_window``
+(per layer), ``scaling`` and grouped KV heads. Windows follow each backend's stock convention in transformers
+4.51: sdpa, eager and flex let a query see ``sliding_window`` keys (itself included), FA2 ``sliding_window + 1``.
+Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, cast
+
+import torch
+from transformers import modeling_flash_attention_utils as _fa_utils
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from foundry_attn.attention.backends import (
+    BACKENDS,
+    EAGER,
+    FA2,
+    FA2_REFERENCE,
+    FLEX,
+    PREFIX,
+    SDPA,
+    TORCH_VARLEN,
+    backend_of,
+    set_implementation,
+)
+from foundry_attn.attention.block_masks import BLOCK_MASKS
+from foundry_attn.attention.compiled_op import document_attention, eager_document, eager_math, sdpa_document
+from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported, is_placeholder
+from foundry_attn.attention.fa2_reference import reference_flash_attn
+from foundry_attn.attention.torch_varlen import call_varlen, torch_varlen_kernel
+
+#: transformers 5.x picks the flash kernel by the name it is given; 4.51 by what is installed
+_FA_NAMES_ITS_KERNEL = "attn_implementation" in inspect.signature(_fa_utils._flash_attention_forward).parameters
+_FA_TOP_LEFT = _fa_utils.flash_attn_supports_top_left_mask()  # flash-attn < 2.1 (read once, as transformers does)
+#: the backends whose functions apply a softcap, named in the refusal of the others
+_SOFTCAPPING = " or ".join(name for name, caps in BACKENDS.items() if caps.softcap)
+
+#: what a layer may pass to attention that the flat row makes moot (positions and lengths are ours, no cache)
+IGNORED_KWARGS = frozenset(
+    (
+        "position_ids",
+        "cache_position",
+        "past_key_value",
+        "past_key_values",
+        "use_cache",
+        "output_attentions",
+        "is_causal",
+        "layer_idx",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "position_embeddings",
+        "attn_implementation",
+        "num_items_in_batch",  # the Trainer's loss normaliser (transformers 5.x passes it down to attention)
+        # model-level flags transformers 5.x threads through every layer's **kwargs (TransformersKwargs): what the
+        # model returns, not what attention computes; seq_idx numbers the documents we already carry
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "seq_idx",
+    )
+)
+
+
+def unhonoured(kwargs: dict) -> list[str]:
+    """The arguments of an attention call that the flat path would drop: any that carries a value and is not
+    known to be moot. Refusing them (rather than ignoring) keeps sinks, biases and the like exact."""
+    return sorted(
+        k
+        for k, v in kwargs.items()
+        if k not in IGNORED_KWARGS and v is not None and v is not False and not (isinstance(v, float) and v == 0.0)
+    )
+
+
+# ---- what every function shares -------------------------------------------------------------------------
+
+
+def _open(
+    backend: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    softcap: float | None,
+    kwargs: dict,
+) -> Documents | None:
+    """The opening of every function: the documents of this call (popped from ``kwargs``), or None for a call
+    without them (a placeholder mask without them means a caller dropped our argument); an argument the flat
+    row would drop, or a softcap or dropout ``backend`` cannot apply (:data:`BACKENDS`), raises."""
+    docs = kwargs.pop(DOCS_KEY, None)
+    if docs is None:
+        if query.shape[2] > 1 and is_placeholder(attention_mask):
+            raise DocumentsDropped(module)
+    else:
+        extra = unhonoured(kwargs)
+        if extra:
+            raise FlatUnsupported(
+                f"{type(module).__name__} passes {', '.join(repr(k) for k in extra)} to attention, which the flat "
+                "path does not honour"
+            )
+        if not torch.compiler.is_compiling():
+            docs.calls += 1
+    caps = BACKENDS[backend]
+    if softcap and not caps.softcap:
+        raise ValueError(
+            f"foundry_attn: {backend} cannot apply attention logit softcap {softcap}; use {_SOFTCAPPING} for this model"
+        )
+    if dropout and not caps.dropout:
+        raise ValueError(f"foundry_attn: {backend} cannot apply attention dropout {dropout}")
+    return docs
+
+
+def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped KV heads repeated to the query's heads (transformers' ``repeat_kv``)."""
+    groups = query.shape[1] // key.shape[1]
+    return repeat_kv(key, groups), repeat_kv(value, groups)
+
+
+def _scale(query: torch.Tensor, scaling: float | None) -> float:
+    return scaling if scaling is not None else query.shape[-1] ** -0.5
+
+
+def _longest(docs: Documents, query: torch.Tensor) -> int:
+    """The longest document; compiled, the row length: it bounds every document and is already a (dynamic)
+    shape, so the graph guards on no layout."""
+    return query.shape[2] if torch.compiler.is_compiling() else docs.max_length
+
+
+def _compiled(
+    kind: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    docs: Documents,
+    window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Under ``torch.compile``: every document in one opaque op over host-side bounds (no recompile per layout)."""
+    if dropout:
+        raise ValueError(
+            f"foundry_attn: {kind} with attention dropout {dropout} under torch.compile is not "
+            "supported; set attention_dropout: 0, or train uncompiled"
+        )
+    return document_attention(
+        query, key, value, docs.bounds_on("cpu"), kind, window or 0, _scale(query, scaling), softcap or 0.0
+    )[0]
+
+
+# ---- sdpa and eager: one call per document ----------------------------------------------------------------
+
+
+def per_document(docs: Documents, *tensors: torch.Tensor) -> zip:
+    """Each document's ``[B, H, n, D]`` piece of every tensor, as ``(q, k, v)`` per document. ``torch.split``, not
+    a slice per document: its backward writes each gradient once into one tensor, where a slice's backward fills
+    a zero tensor of the whole row per document (no measurable step time on the blog row: bench proof's notes)."""
+    return zip(*(t.split(docs.lengths, dim=2) for t in tensors), strict=True)
+
+
+def sdpa_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask."""
+    docs = _open(SDPA, module, query, attention_mask, dropout, softcap, kwargs)
+    if docs is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    key, value = _expand_kv(query, key, value)
+    if torch.compiler.is_compiling():
+        out = _compiled(SDPA, query, key, value, docs, sliding_window, scaling, None, dropout)
+    else:
+        out = torch.cat(
+            [
+                sdpa_document(q, k, v, sliding_window, scaling, dropout)
+                for q, k, v in per_document(docs, query, key, value)
+            ],
+            dim=2,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _eager(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    additive: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """transformers' eager attention with the model's own additive mask (no documents). -> [B, H, S, D].
+
+    Causal (bottom-right) where the module is and the model's mask is not: none, or padding only (GPT-2's
+    ``[B, 1, 1, K]``); a full ``[B, 1, Q, K]`` mask is the model's own causal one and is used as it is."""
+    k, v = _expand_kv(q, k, v)
+    mask = additive[..., : k.shape[-2]] if additive is not None else None
+    padding_only = mask is None or mask.shape[-2] == 1
+    if padding_only and getattr(module, "is_causal", False) and q.shape[-2] > 1:
+        ql, kl = q.shape[-2], k.shape[-2]
+        future = torch.ones(ql, kl, dtype=torch.bool, device=q.device).triu_(kl - ql + 1)
+        causal = torch.zeros(ql, kl, dtype=q.dtype, device=q.device).masked_fill_(future, torch.finfo(q.dtype).min)
+        mask = causal if mask is None else torch.maximum(mask + causal, mask.new_tensor(torch.finfo(q.dtype).min))
+    return eager_math(q, k, v, _scale(q, scaling), softcap, mask, dropout, module.training)
+
+
+def eager_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' eager math, one document at a time (causal and window per document)."""
+    docs = _open(EAGER, module, query, attention_mask, dropout, softcap, kwargs)
+    if docs is None:
+        out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
+    key, value = _expand_kv(query, key, value)
+    if torch.compiler.is_compiling():
+        out = _compiled(
+            EAGER, query, key, value, docs, sliding_window, scaling, softcap, dropout if module.training else 0.0
+        )
+    else:
+        scale = _scale(query, scaling)
+        out = torch.cat(
+            [
+                eager_document(q, k, v, sliding_window, scale, softcap, dropout, module.training)
+                for q, k, v in per_document(docs, query, key, value)
+            ],
+            dim=2,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ---- flex: one call over the flat row with a document BlockMask -------------------------------------------
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One flex call over the flat row with a document ``BlockMask`` (:mod:`foundry_attn.attention.block_masks`; the
+    window in the mask). Uncompiled on CPU (the only dependable flex there in torch 2.7), compiled elsewhere."""
+    docs = _open(FLEX, module, query, attention_mask, dropout, softcap, kwargs)
+    if docs is None:
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        out, _ = flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap)
+        return out, None
+    from torch.nn.attention.flex_attention import flex_attention
+
+    kernel = flex_attention if query.device.type == "cpu" else _compiled_flex()
+    key, value = _expand_kv(query, key, value)
+    # a tensor: without return_lse flex_attention returns no (out, lse) pair, which its annotation does not say
+    out = cast(
+        torch.Tensor,
+        kernel(query, key, value, block_mask=BLOCK_MASKS.get(docs, sliding_window, query.device), scale=scaling),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ---- FA2 and torch_varlen: one varlen call over the flat row ----------------------------------------------
+
+
+def padding_of(mask: Any) -> torch.Tensor | None:
+    """The ``[batch, keys]`` real-key mask inside a model's 4-D mask (a key no query may see is padding), for FA2's
+    stock unpad; None when every key is real (or there is no mask). Causal and window structure is FA2's own."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    real = visible.any(dim=-2)[:, 0]
+    return None if bool(real.all()) else real.to(torch.int32)
+
+
+def _fa2(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
+    """transformers' own FA2 code path with the documents as ``cu_seq_lens_*`` / ``max_length_*``."""
+    docs = _open(FA2, module, query, attention_mask, dropout, softcap, kwargs)
+    if docs is None:  # rows, eval, generation: stock FA2 on the padding the model's own mask holds
+        padding = padding_of(attention_mask)
+        return _flash_forward(
+            module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs, padding
+        ), None
+    cu, longest = docs.bounds_on(query.device), _longest(docs, query)
+    kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    if kwargs.get("position_ids") is None:  # 4.51 takes the varlen path only when position_ids is given
+        kwargs["position_ids"] = docs.positions(query.device)
+    return _flash_forward(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs), None
+
+
+def _flash_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict,
+    padding: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' ``_flash_attention_forward`` as its own ``flash_attention_forward`` calls it, but for the
+    stock FA2 kernel by name: 5.x resolves the kernel from ``config._attn_implementation``, which is ours here.
+    ``padding``: a 2-D mask of real keys (stock's per-layer unpad), for calls without our documents."""
+    if _FA_NAMES_ITS_KERNEL:
+        kwargs["attn_implementation"] = FA2
+    kwargs.pop("is_causal", None)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    target = None
+    if q.dtype == torch.float32:  # PEFT-style fp32 activations: back to what the kernel computes in
+        if torch.is_autocast_enabled(q.device.type):
+            target = torch.get_autocast_dtype(q.device.type)
+        else:  # the projections' dtype (GPT-2's are Conv1D, not Linear)
+            target = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    return _fa_utils._flash_attention_forward(
+        q,
+        k,
+        v,
+        padding,
+        query_length=query.shape[2],
+        is_causal=cast(bool, module.is_causal),
+        dropout=dropout,
+        softmax_scale=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        use_top_left_mask=_FA_TOP_LEFT,
+        target_dtype=target,
+        **kwargs,
+    )
+
+
+def fa2_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """FA2 varlen through transformers' FA2 code path: no per-layer unpad, no host sync."""
+    return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
+
+
+def fa2_reference_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`fa2_documents` on the pure-PyTorch REFERENCE kernel (not flash-attn), installed for this call only."""
+    with reference_flash_attn():
+        return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
+
+
+def torch_varlen_documents(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """PyTorch's varlen flash kernel over the flat row: the FA2 layout (``cu_seqlens``, no per-layer unpad, no
+    host sync) without flash-attn. A window lets a query see ``sliding_window`` keys (as our sdpa does)."""
+    docs = _open(TORCH_VARLEN, module, query, attention_mask, dropout, softcap, kwargs)
+    if docs is None:  # rows, eval, generation: stock sdpa on the model's own mask, what the rows path runs
+        return sdpa_documents(module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs)
+    kernel = torch_varlen_kernel()
+    if kernel is None:
+        raise ValueError(f"foundry_attn: torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
+    cu, longest = docs.bounds_on(query.device), _longest(docs, query)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [1, H, T, D] -> [T, H, D]
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    out = call_varlen(kernel, q, k, v, cu, cu, longest, longest, scale=_scale(query, scaling), window=window)
+    return out[None], None
+
+
+# ---- registration --------------------------------------------------------------------------------------------
+
+FUNCTIONS = {
+    FA2: fa2_documents,
+    TORCH_VARLEN: torch_varlen_documents,
+    SDPA: sdpa_documents,
+    EAGER: eager_documents,
+    FLEX: flex_documents,
+    FA2_REFERENCE: fa2_reference_documents,
+}
+
+
+@functools.cache
+def register() -> None:
+    """Register every function with transformers (idempotent; registering changes nothing for other names)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    for name, fn in FUNCTIONS.items():
+        AttentionInterface.register(PREFIX + name, fn)
+    try:  # transformers 5.x builds masks per name, and none at all for a name it does not know
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:  # 4.51: the model's own mask code builds a 4-D mask for any name but its own
+        return
+    masks = {SDPA: SDPA, FLEX: FLEX}  # FA2, torch_varlen and eager take the additive mask on their mask branch
+    for name in FUNCTIONS:
+        AttentionMaskInterface.register(PREFIX + name, ALL_MASK_ATTENTION_FUNCTIONS[masks.get(name, EAGER)])
+
+
+def point(model: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
+    """Point ``model``'s attention at our function for ``backend`` (default: its current one), unproven.
+
+    Low level: :func:`foundry_attn.flat.attach.attach` points, proves the flat path against stock and records the
+    path; ``forward_documents`` runs a model that was only pointed one document per row.
+    Returns the name now in ``config._attn_implementation``.
+    """
+    register()
+    backend = backend or backend_of(model.config._attn_implementation)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
+    set_implementation(model, name)
+    return name

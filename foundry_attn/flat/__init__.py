@@ -1,0 +1,9 @@
+"""The flat path and its proof: a packed batch unpadded once, every document honoured, proven exact.
+
+The collator that makes packed and padded batches (``packing``); the one reader of a batch (``layout``); the
+forward that lays a batch out flat or one document per row (``forward``); :func:`~foundry_attn.flat.attach.attach`
+and the path it keeps on the model (``attach``); the proof against stock on each document alone (``proof``,
+``comparison``); finding the HF model inside training's wrappers (``unwrap``).
+
+May import: torch, transformers, :mod:`foundry_attn.attention`, :mod:`foundry_attn.selection`.
+"""

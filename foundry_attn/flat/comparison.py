@@ -1,0 +1,385 @@
+"""Packed against alone: the one comparison behind the proof (:mod:`foundry_attn.flat.proof`) and the inspector's
+verdict (:mod:`foundry_attn.observe.verdict`).
+
+    alone = [run(hf, alone_inputs(doc), [(0, len(doc))], grads=True) for doc in documents]   # stock, eval mode
+    result = against_alone(packed, spans, alone, limits_for(hf, alone_inputs(documents[-1]), alone[-1]))
+    result.worst, result.worst_grad, result.differ     # the documents whose packed slice is not their run alone
+
+A run is one forward's logits and, with grads, the gradient of its documents' next-token loss with respect to the
+input embeddings. fp32 compares max |diff| (logits ``ATOL_FP32`` x max |logit|, gradients ``GRAD_RTOL_FP32`` x
+max |grad|). Half precision (autocast or half weights) compares **per token**, the worst token's relative L2
+difference over the vocabulary (or the hidden size, for gradients), against limits set from measured bf16 noise
+and raised to ``NOISE_FACTOR`` times stock's own noise (:func:`stock_noise`), so a leak confined to a few tokens is
+not averaged away. Forwards made here are a check's, not the batch's (:func:`hidden`). Core module: torch and
+transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from foundry_attn.attention.backends import config_value
+
+#: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
+ATOL_FP32 = 1e-4
+GRAD_RTOL_FP32 = 1e-4
+#: half precision, per token: logits' relative L2 difference over the vocabulary, gradients' over the hidden size
+#: (relative to the token's norm plus the mean token norm: a token whose gradient is ~0 is no scale). Floors set
+#: from measured bf16 noise of exact paths on the CPU (logits 0, gradients up to 9.5e-3; leaks: logits from 4.4e-3,
+#: gradients from 2.3e-2 normed; ``foundry-attn bench proof`` measures them again), raised to NOISE_FACTOR times
+#: stock's own noise where a device has more (:func:`stock_noise`: stock against itself, measured at each proof)
+TOKEN_RTOL_HALF = 2e-3
+GRAD_TOKEN_RTOL_HALF = 2e-2
+NOISE_FACTOR = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a proof tolerates: fp32 (max |diff|) or half precision (per token, with the noise measured)."""
+
+    fp32: bool = True
+    logits: float = ATOL_FP32
+    grads: float = GRAD_RTOL_FP32
+    noise: tuple[float, float] | None = None  # stock against itself (logits, gradients), half precision
+
+    @classmethod
+    def half(cls, noise: tuple[float, float]) -> Limits:
+        return cls(
+            False,
+            max(TOKEN_RTOL_HALF, NOISE_FACTOR * noise[0]),
+            max(GRAD_TOKEN_RTOL_HALF, NOISE_FACTOR * noise[1]),
+            noise,
+        )
+
+
+_PROVING = contextvars.ContextVar("foundry_attn_proving", default=False)
+
+
+def proving() -> bool:
+    """True inside a proof's forwards: the callbacks' hooks and tracers leave them out of what they report."""
+    return _PROVING.get()
+
+
+@contextlib.contextmanager
+def hidden() -> Iterator[None]:
+    """Forwards in this block are a check's, not the batch's: :func:`proving` is True inside it."""
+    token = _PROVING.set(True)
+    try:
+        yield
+    finally:
+        _PROVING.reset(token)
+
+
+@contextlib.contextmanager
+def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
+    """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.set_grad_enabled(grad):
+            yield
+    finally:
+        model.train(was_training)
+
+
+def half(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a forward in ``dtype`` on ``device`` computes in half precision (half weights or autocast)."""
+    return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
+
+
+class PrecisionProbe:
+    """The autocast one forward of ``hf`` really runs in, read inside it (a pre-hook on its input embeddings):
+    accelerate's mixed precision wraps the model's ``forward`` itself, so code outside that forward (hooks on the
+    model, a Trainer callback) sees fp32 while the layers run in bf16. :meth:`context` repeats it for a judgement's
+    own forwards; a user's ``torch.autocast`` and Composer's precision context are read the same way."""
+
+    def __init__(self, hf: Any) -> None:
+        self.autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype) of the forward read
+        inner = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+        inner = inner if isinstance(inner, torch.nn.Module) else hf
+        self._handle: Any = inner.register_forward_pre_hook(self._read)
+
+    def _read(self, module: torch.nn.Module, args: Any) -> None:
+        param = next(module.parameters(), None)
+        device = param.device.type if param is not None else "cpu"
+        if torch.is_autocast_enabled(device):
+            self.autocast = (device, torch.get_autocast_dtype(device))
+        self.remove()
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast again (nothing when it ran without)."""
+        return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
+
+
+def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """Each token's (last dimension's) relative L2 difference; ``floor`` adds that share of the mean token norm to
+    each denominator."""
+    got, want = got.float(), want.float()
+    norms = want.norm(dim=-1)
+    scale = norms + floor * norms.mean() if norms.numel() else norms
+    return (got - want).norm(dim=-1) / scale.clamp_min(1e-12)
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, limit: float | None = None) -> tuple[float, bool]:
+    """The difference of two logits tensors and whether it is beyond tolerance (nan always is). fp32: max |diff|
+    against ``limit`` (default :data:`ATOL_FP32`) x max(1, max |want|); half: the worst token's relative L2
+    difference against ``limit`` (default :data:`TOKEN_RTOL_HALF`)."""
+    if got.shape != want.shape:
+        return float("inf"), True
+    if not got.numel():
+        return 0.0, False
+    if fp32:
+        worst = (got.float() - want.float()).abs().max().item()
+        return worst, not worst <= (limit or ATOL_FP32) * max(1.0, want.float().abs().max().item())
+    worst = per_token(got, want).max().item()
+    return worst, not worst <= (limit or TOKEN_RTOL_HALF)
+
+
+def grad_differs(got: torch.Tensor, want: torch.Tensor, limits: Limits) -> tuple[float, bool]:
+    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token."""
+    if got.shape != want.shape:
+        return float("inf"), True
+    if not got.numel():
+        return 0.0, False
+    if limits.fp32:
+        scale = want.float().abs().max().item()
+        worst = (got.float() - want.float()).abs().max().item() / max(scale, 1e-30)
+    else:
+        worst = per_token(got, want, floor=1.0).max().item()
+    return worst, not worst <= limits.grads
+
+
+@contextlib.contextmanager
+def embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
+    """The input embeddings of each forward in the block, as tensors the loss can be differentiated against (a
+    frozen embedding's output becomes a leaf that requires grad: the same values, the same graph above it)."""
+    captured: list[torch.Tensor] = []
+    module = hf.get_input_embeddings() if grads and hasattr(hf, "get_input_embeddings") else None
+    if module is None:
+        yield captured
+        return
+
+    def hook(_: Any, __: Any, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        if not out.requires_grad:
+            out = out.detach().requires_grad_()
+        captured.append(out)
+        return out
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+#: one call of a plain ``nn.Linear`` output layer: its input, its output and its weight
+HeadCall = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@contextlib.contextmanager
+def head_calls(hf: Any, grads: bool) -> Iterator[list[HeadCall]]:
+    """The calls of the model's output layer in the block, where it is a plain ``nn.Linear`` (no adapter, no
+    quantised subclass): :func:`documents_grad` carries the loss's gradient through it on the compared rows."""
+    calls: list[HeadCall] = []
+    module = hf.get_output_embeddings() if grads and hasattr(hf, "get_output_embeddings") else None
+    if type(module) is not torch.nn.Linear:
+        yield calls
+        return
+    handle = module.register_forward_hook(lambda m, args, out: calls.append((args[0], out, m.weight)))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids."""
+    return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
+
+
+def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits."""
+    return torch.stack([next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
+
+
+def documents_grad(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    embeds: torch.Tensor,
+    head: Sequence[HeadCall] = (),
+    retain_graph: bool = False,
+) -> torch.Tensor:
+    """The gradient of :func:`documents_loss` (the documents at ``spans`` of one row: ``[1, tokens, vocab]``
+    ``logits``, ``[tokens]`` ``ids``) with respect to the input embeddings ``embeds`` ``[1, tokens, hidden]``.
+    The loss's gradient is taken on the documents' rows alone and, where the logits are the output of a plain
+    linear output layer (``head``, :func:`head_calls`), carried through it on those rows: the same gradient, with
+    no ``[tokens, vocab]`` backward for the rows outside the documents."""
+    index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
+    rows = logits[0, index].detach().requires_grad_()
+    local = list(itertools.pairwise(itertools.accumulate((e - s for s, e in spans), initial=0)))
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(documents_loss(rows, ids[index], local), rows)
+    call = next((c for c in head if c[1] is logits and c[0].shape[:2] == logits.shape[:2]), None)
+    if call is None:
+        start, upstream = logits, torch.zeros_like(logits)
+        upstream[0, index] = grad.to(logits.dtype)
+    else:
+        start, weight = call[0], call[2]
+        upstream = torch.zeros_like(start)
+        upstream[0, index] = (grad.to(weight.dtype) @ weight).to(start.dtype)
+    (out,) = torch.autograd.grad(start, embeds, upstream, retain_graph=retain_graph)
+    return out[0]
+
+
+@dataclasses.dataclass
+class Run:
+    """One forward's logits ``[tokens, vocab]`` and, with grads, the gradient of the compared documents' loss with
+    respect to the input embeddings ``[tokens, hidden]`` (None when the model has no embedding module to hook)."""
+
+    logits: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+def own_forward(hf: Any, **inputs: Any) -> Any:
+    """``hf`` called with its class ``forward``: what stock computes, through the module's hooks (FSDP2 gathers its
+    weights in one) but without what replaced the instance's ``forward`` (accelerate's mixed precision, TRL's fused
+    head, our flattened forward), which is put back after. A check's forward runs inside the step's own call;
+    calling accelerate's wrapper from there re-enters its one ``torch.autocast`` object, whose outer exit then leaves
+    autocast on for the rest of the process. The precision is the caller's: the step's autocast, or
+    :meth:`PrecisionProbe.context`."""
+    instance = vars(hf).pop("forward", None)
+    try:
+        return hf(**inputs)
+    finally:
+        if instance is not None:
+            vars(hf)["forward"] = instance
+
+
+def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
+    with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
+        logits = own_forward(hf, **inputs, use_cache=False).logits
+    if not (grads and captured and captured[0].requires_grad):
+        return Run(logits[0].detach())
+    return Run(logits[0].detach(), documents_grad(logits, inputs["input_ids"][0], spans, captured[0], head))
+
+
+def training_noise(hf: Any) -> str | None:
+    """What makes ``hf``'s training-mode forward random, or None: a dropout module with p > 0, or a float
+    attribute of a module (functional attention dropout, router jitter) or of the config above 0."""
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return f"dropout p={module.p} at {name}"
+        noisy = [k for k, v in vars(module).items() if _NOISY.search(k) and isinstance(v, float) and v > 0]
+        if noisy:
+            return f"{noisy[0]}={getattr(module, noisy[0])} in {name or 'the model'}"
+    for key in ("attention_dropout", "attn_pdrop"):
+        value = config_value(getattr(hf, "config", None), key, 0.0)
+        if isinstance(value, int | float) and value > 0:
+            return f"{key}={value}"
+    return None
+
+
+#: module attributes that make training mode random (functional attention dropout, router jitter)
+_NOISY = re.compile(r"dropout|pdrop|jitter")
+
+
+def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
+    """Stock against itself, no leak: the document alone (``run``) against the same document as the first row of
+    a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), per token, logits
+    and gradients: the half-precision noise floor of this model on this device."""
+    ids = alone["input_ids"]
+    n = ids.shape[1]
+    pair = {
+        "input_ids": torch.cat([ids, torch.cat([ids[:, : (n + 1) // 2], ids.new_zeros(1, n // 2)], 1)]),
+        "attention_mask": torch.cat([torch.ones_like(ids), torch.ones_like(ids)]),
+    }
+    pair["attention_mask"][1, (n + 1) // 2 :] = 0
+    if "position_ids" in alone:
+        pair["position_ids"] = torch.cat([alone["position_ids"], alone["position_ids"]])
+    with embeddings(hf, run.grad is not None) as captured:
+        logits = own_forward(hf, **pair, use_cache=False).logits[0]
+    noise = per_token(logits.detach(), run.logits).max().item()
+    if run.grad is None or not captured or not captured[0].requires_grad:
+        return noise, 0.0
+    (grad,) = torch.autograd.grad(next_token_loss(logits, ids[0]), captured[0])
+    return noise, per_token(grad[0], run.grad, floor=1.0).max().item()
+
+
+def worse(worst: float, diff: float) -> float:
+    return math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Packed runs against runs alone: the worst differences (gradients: None if not compared) and the indices of
+    the documents beyond the limits."""
+
+    worst: float
+    worst_grad: float | None
+    differ: tuple[int, ...]
+
+
+def alone_inputs(ids: torch.Tensor, positions: torch.Tensor | None = None, width: int = 0) -> dict[str, Any]:
+    """One document ``[1, n]`` as stock runs it alone, with the all-ones mask a padded batch would give it (some
+    families are not causal without a mask: Moshi's eager attention); ``positions``: a user's own. ``width``:
+    right-padded to it, the padding masked (the packed forward's shape: in half precision kernels round by shape)."""
+    pad = max(0, width - ids.shape[1])
+    alone = {
+        "input_ids": F.pad(ids, (0, pad)),
+        "attention_mask": F.pad(torch.ones_like(ids), (0, pad)),
+    }
+    if positions is not None:
+        alone["position_ids"] = F.pad(positions, (0, pad))
+    return alone
+
+
+def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run) -> Limits:
+    """fp32 limits, or in half precision (half weights or autocast) the limits raised to stock's own noise on the
+    document ``alone`` (whose run is ``run_alone``)."""
+    ids = alone["input_ids"]
+    if not half(next(hf.parameters()).dtype, ids.device):
+        return Limits()
+    return Limits.half(stock_noise(hf, alone, run_alone))
+
+
+def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence[Run], limits: Limits) -> Comparison:
+    """Each document's slice ``spans[i]`` of the ``packed`` run against ``alone[i]``: logits and, where both
+    have them, gradients."""
+    worst, worst_grad, differ = 0.0, None, []
+    for i, ((s, e), mine) in enumerate(zip(spans, alone, strict=True)):
+        diff, bad = differs(packed.logits[s:e], mine.logits, limits.fp32, limits.logits)
+        worst = worse(worst, diff)
+        if packed.grad is not None and mine.grad is not None:
+            gdiff, gbad = grad_differs(packed.grad[s:e], mine.grad, limits)
+            worst_grad, bad = worse(worst_grad or 0.0, gdiff), bad or gbad
+        if bad:
+            differ.append(i)
+    return Comparison(worst, worst_grad, tuple(differ))
+
+
+def limits_note(limits: Limits) -> str:
+    """The half-precision limits and the noise they were raised to, for a failure's reason."""
+    if limits.fp32 or limits.noise is None:
+        return ""
+    return (
+        f" (half precision, worst token; limits {limits.logits:.1e} logits, {limits.grads:.1e} gradients; stock "
+        f"against itself {limits.noise[0]:.1e}, {limits.noise[1]:.1e})"
+    )

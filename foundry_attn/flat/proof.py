@@ -1,0 +1,474 @@
+"""The proof that a packed row trains as its documents alone: the flat row **that trains** against **stock** on
+each document alone, in its logits and in its gradients.
+
+    inputs, _ = flat_inputs(hf_model, ids, positions, None, layout)     # the forward's own flat row
+    proof = prove_flat(hf_model, inputs, stock="sdpa", compare=(0, 2))
+    proof.ok, proof.worst, proof.reason
+
+The packed side is the flat row the forward built for the batch (its full length, its ``position_ids``, every row
+of the batch flattened into one), so the proof runs the layout that trains. The truth is the model's own forward
+on one document, with its own (stock) backend and none of our arguments. Anything the flat path drops (attention
+sinks, a position bias, a window that lives only in the mask, state an SSM layer carries from one document to the
+next, position ids counted from ``padding_idx``) shows up as a difference, the first document included.
+
+With ``grads`` the proof also compares the gradient of each compared document's next-token loss with respect to the
+input embeddings (packed slice against the document alone), and checks that no other document's embeddings
+receive any of it: an attention whose forward is right and whose backward is wrong is caught too.
+
+The comparison and its limits (fp32 max |diff|; half precision per token, raised to stock's own noise) are
+:mod:`foundry_attn.flat.comparison`'s, shared with the inspector's verdict. Eval mode, no global RNG: it changes nothing
+the training run sees. Where training mode computes what eval mode does, a proof due on a training batch takes the
+batch's own forward as its packed side (:func:`prove_step`): the flat row runs once. Core module: torch and
+transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import itertools
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from foundry_attn.attention.backends import config_value, set_implementation
+from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
+from foundry_attn.flat.comparison import (
+    HeadCall,
+    Limits,
+    Run,
+    against_alone,
+    alone_inputs,
+    documents_grad,
+    documents_loss,
+    embeddings,
+    evaluating,
+    hidden,
+    limits_for,
+    limits_note,
+    own_forward,
+    run,
+    training_noise,
+)
+from foundry_attn.flat.forward import kernel_context, one_per_row
+from foundry_attn.flat.layout import Layout
+from foundry_attn.flat.unwrap import unwrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Proof:
+    """One proof: ``ok`` with the worst differences, or the reason it failed (and which documents)."""
+
+    ok: bool
+    worst: float = 0.0  # logits
+    reason: str = ""
+    ms: float = 0.0
+    lengths: tuple[int, ...] = ()  # the documents compared, alone
+    compared: tuple[int, ...] = ()  # their indices in the flat row
+    tokens: int = 0  # the flat row's length
+    worst_grad: float | None = None  # gradients (None: forward only)
+
+    def describe(self) -> str:
+        grads = "" if self.worst_grad is None else f", gradients {self.worst_grad:.1e}"
+        docs = f"documents {list(self.lengths)} of a {self.tokens}-token row"
+        if self.ok:
+            return f"passed in {self.ms:.0f} ms ({docs}, worst |diff| {self.worst:.1e}{grads})"
+        return f"failed ({docs}): {self.reason}"
+
+
+def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Seeded token ids (a local generator: the global RNG is untouched) that avoid the config's special ids."""
+    gen = torch.Generator().manual_seed(0)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its decoder's
+    vocab = int(config_value(config, "vocab_size", 0) or config_value(text, "vocab_size", 0) or 1000)
+    special: set[int] = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = config_value(config, name)
+        special.update(v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, int))
+    low, high = 1, max(2, min(vocab, 1000))
+    docs = []
+    for n in lengths:
+        ids = torch.randint(low, high, (n,), generator=gen)
+        for s in special:
+            ids[ids == s] = (s + 1) % high or low
+        docs.append(ids.to(device))
+    return docs
+
+
+def shortest_window(config: Any) -> int | None:
+    """The shortest sliding window or attention chunk the config names (per layer on a heterogeneous one)."""
+    windows = [
+        int(w)
+        for n in ("sliding_window", "attention_chunk_size", "local_window", "window_size")
+        if isinstance(w := config_value(config, n, None, min), int) and w > 0
+    ]
+    return min(windows, default=None)
+
+
+def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
+    """Two documents for the build-time proof, the first longer than any short window or chunk of the config."""
+    short = shortest_window(config) or longest
+    first = short + 5 if short + 5 <= 64 else longest
+    return max(first, 9), 13
+
+
+def pick(docs: Documents) -> tuple[int, int]:
+    """The two documents of a flat row to run alone: the longest (the length a kernel picks its code path by,
+    past a window where any document is) and the last (the most exposed to what precedes it, ending at the row's
+    full length); where the last is the longest, the shortest other of two tokens or more (another place in the
+    row, at the least cost). A row of one document runs it twice: always two forwards alone, so FSDP ranks
+    proving the same batch all-gather the same number of times."""
+    lengths = docs.lengths
+    last = len(lengths) - 1
+    if last == 0:
+        return 0, 0
+    longest = max(range(last + 1), key=lambda i: (lengths[i], i))
+    if longest != last:
+        return longest, last
+    others = [i for i in range(last) if lengths[i] > 1] or list(range(last))
+    return min(others, key=lambda i: lengths[i]), last
+
+
+@contextlib.contextmanager
+def _implementation(hf: Any, name: str) -> Iterator[None]:
+    """``config._attn_implementation`` set to ``name`` for the block, restored after."""
+    before = hf.config._attn_implementation
+    set_implementation(hf, name)
+    try:
+        yield
+    finally:
+        set_implementation(hf, before)
+
+
+#: the packed side of a proof: (model, the compared documents' spans, grads) -> its run, or None and why not
+PackedSide = Callable[[Any, Sequence[tuple[int, int]], bool], tuple["Run | None", str]]
+
+
+def prove_flat(
+    model: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    own_positions: bool = False,
+) -> Proof:
+    """Run ``inputs`` (the flat row of :func:`foundry_attn.flat.forward.flat_inputs`, with its documents) through the
+    flat path (the model's current ``config._attn_implementation``, ours) and the documents in ``compare`` (default:
+    :func:`pick`) alone through ``stock``; compare logits and, with ``grads``, input-embedding gradients.
+    ``own_positions``: the documents alone get the row's ``position_ids`` (a user's positions) instead of the model's
+    own.
+
+    Raises nothing the stock forward on one document does not raise; a failure of the flat forward (a layer
+    that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a failed proof.
+    """
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None)
+
+
+def prove_rows(
+    model: Any,
+    inputs: Mapping[str, Any],
+    rows_name: str,
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    own_positions: bool = False,
+) -> Proof:
+    """The rows path as it trains (:func:`foundry_attn.flat.forward.one_per_row`: the documents in ``compare``, one per
+    row, right-padded, a 2-D mask, under ``rows_name``) against each document alone under ``stock``: logits and
+    input-embedding gradients, the limits of :func:`prove_flat`. A failure says the model's padded rows differ from
+    its documents alone (stock's own padded batches do the same)."""
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name)
+
+
+def prove_step(
+    model: Any,
+    inputs: Mapping[str, Any],
+    out: Any,
+    captured: Sequence[torch.Tensor],
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    head: Sequence[HeadCall] = (),
+    reference: bool = False,
+    grads: bool = True,
+    own_positions: bool = False,
+) -> Proof:
+    """:func:`prove_flat` with the batch's own training forward as the packed side: ``out`` is what the model
+    returned for ``inputs`` (the flat row, in training mode), ``captured`` its input embeddings
+    (:func:`embeddings`) and ``head`` its output layer's calls (:func:`head_calls`). With ``grads`` the compared
+    documents' loss is differentiated through the training graph (:func:`documents_grad`), which is kept for the
+    training backward. Only the documents alone run here: the forward is paid once.
+    Valid where training mode computes what eval mode does (:func:`step_blocker`)."""
+
+    def packed(hf: Any, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
+        if inputs[DOCS_KEY].calls == 0:
+            return None, NO_CALLS
+        logits = getattr(out, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.shape[:2] != inputs["input_ids"].shape:
+            return None, "the training forward returned no logits for the flat row"
+        if not (grads and captured and captured[0].requires_grad and logits.requires_grad):
+            return Run(logits[0].detach()), ""
+        grad = documents_grad(logits, inputs["input_ids"][0], spans, captured[0], head, retain_graph=True)
+        return Run(logits[0].detach(), grad), ""
+
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, packed)
+
+
+def step_blocker(model: Any) -> str | None:
+    """Why a proof cannot take the training forward as its packed side (:func:`prove_step`), or None: dropout or
+    router noise (training mode would differ from the eval-mode truth), checkpointing (recomputation under
+    ``torch.autograd.grad``), sharded parameters (FSDP2's backward hooks would run for the proof), no embedding
+    module to differentiate against."""
+    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
+    if getattr(hf, "is_gradient_checkpointing", False):
+        return "HF gradient checkpointing"
+    if not passes_kwargs(hf):  # the documents cannot reach attention: the proof says so without a training forward
+        return "its base model's forward takes no **kwargs"
+    if not hasattr(hf, "get_input_embeddings") or hf.get_input_embeddings() is None:
+        return "no input embedding module"
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(next(hf.parameters()), DTensor):
+        return "sharded parameters (FSDP2)"
+    wrapped = next((name for name, m in hf.named_modules() if isinstance(m, CheckpointWrapper)), None)
+    if wrapped is not None:
+        return f"activation checkpointing ({wrapped})"
+    return training_noise(hf)
+
+
+NO_CALLS = "no attention call received the documents: this model's attention bypasses transformers' interface"
+
+
+def _prove(
+    model: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: Sequence[int] | None,
+    reference: bool,
+    grads: bool,
+    own_positions: bool,
+    rows_name: str | None,
+    packed: PackedSide | None = None,
+) -> Proof:
+    start = time.perf_counter()
+    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
+    docs: Documents = inputs[DOCS_KEY]
+    compare = pick(docs) if compare is None else tuple(compare)
+    if packed is None:
+        packed = _flat_side(inputs) if rows_name is None else _rows_side(inputs, rows_name, reference, own_positions)
+    with hidden(), _state_kept(hf):
+        worst, worst_grad, reason = _compare(
+            hf, inputs, stock, compare, reference, grads, own_positions, rows_name, packed
+        )
+    lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
+    ms = (time.perf_counter() - start) * 1e3
+    return Proof(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
+
+
+@contextlib.contextmanager
+def _state_kept(hf: Any) -> Iterator[None]:
+    """The tensors modules keep as plain attributes (RecurrentGemma's recurrent and conv state, a layer's cached
+    rotary table) as they were before the proof: its forwards leave nothing the training forwards read (a state
+    left with the proof's freed graph would fail the next backward)."""
+    kept = [(m, {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor) or v is None}) for m in hf.modules()]
+    try:
+        yield
+    finally:
+        for module, before in kept:
+            for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in before]:
+                delattr(module, key)
+            for key, value in before.items():
+                if vars(module).get(key, value) is not value:
+                    setattr(module, key, value)
+
+
+def _compare(
+    hf: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: tuple[int, ...],
+    reference: bool,
+    grads: bool,
+    own_positions: bool,
+    rows_name: str | None,
+    side: PackedSide,
+) -> tuple[float, float | None, str]:
+    """The worst logits and gradient differences, and why the flat path (with ``rows_name``: the rows path) fails
+    (empty when it holds)."""
+    docs: Documents = inputs[DOCS_KEY]
+    ids = inputs["input_ids"]
+    order = list(dict.fromkeys(compare))  # a row of one document compares it once
+    spans = [docs.spans[i] for i in order]
+
+    def alone(span: tuple[int, int]) -> dict[str, Any]:
+        positions = inputs["position_ids"][:, span[0] : span[1]] if own_positions else None
+        return alone_inputs(ids[:, span[0] : span[1]], positions)
+
+    with evaluating(hf, grad=grads):
+        with _implementation(hf, stock), kernel_context(stock, ids.device, reference):
+            try:
+                runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads) for span in spans]
+                limits = limits_for(hf, alone(spans[-1]), runs[-1])
+            except Exception as exc:
+                return 0.0, None, f"stock {stock} cannot run one document alone here: {_short(exc)}"
+        packed, why = side(hf, spans, grads)
+    if packed is None:
+        return 0.0, None, why
+    result = against_alone(packed, spans, runs, limits)
+    worst, worst_grad = result.worst, result.worst_grad
+    if result.differ:
+        grad_note = "" if worst_grad is None else f" (gradients {worst_grad:.2e})"
+        where = "of a packed row" if rows_name is None else f"one per row ({rows_name}, right-padded)"
+        what = (
+            "the flat path does not compute what stock computes for this model"
+            if rows_name is None
+            else "this model's padded rows differ from its documents alone, as in stock's own padded batches"
+        )
+        return (
+            worst,
+            worst_grad,
+            f"document(s) {[order[i] for i in result.differ]} {where} differ from stock {stock} on each alone by "
+            f"{worst:.2e}{grad_note}{limits_note(limits)}: {what}",
+        )
+    if rows_name is not None:
+        return worst, worst_grad, ""
+    if packed.grad is not None:
+        spilled = _spilled(packed.grad, spans, limits)
+        if spilled:
+            return worst, worst_grad, spilled
+    return worst, worst_grad, _dropped_in_training(hf, inputs) or ""
+
+
+def _spilled(grad: torch.Tensor, spans: Sequence[tuple[int, int]], limits: Limits) -> str:
+    """The compared documents' loss must not reach any other document's embeddings (a backward that mixes
+    documents): their gradient there is zero up to the tolerance, relative to the largest inside them."""
+    inside = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
+    for s, e in spans:
+        inside[s:e] = True
+    if bool(inside.all()):
+        return ""
+    scale = max(grad[inside].float().abs().max().item(), 1e-30)
+    outside = grad[~inside].float().abs().max().item()
+    if outside <= limits.grads * scale:
+        return ""
+    return (
+        f"the loss of documents packed in one row reaches other documents' embeddings (gradient {outside:.2e}, "
+        f"{outside / scale:.1e} of its largest): the flat path's backward mixes documents"
+    )
+
+
+def _dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
+    """Under HF gradient checkpointing some layers call attention without ``**kwargs`` (GPT-NeoX in 4.51), which
+    the eval-mode proof never sees: one flat forward in training mode, without grad (an exception inside a
+    non-reentrant checkpoint with grad would leave its hooks behind), the RNG restored after its dropout."""
+    if not getattr(hf, "is_gradient_checkpointing", False):
+        return None
+    device = inputs["input_ids"].device
+    was_training = hf.training
+    hf.train()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _, why = _flat_run(hf, inputs, [], False)
+    finally:
+        hf.train(was_training)
+    return f"under HF gradient checkpointing: {why}" if why else None
+
+
+def passes_kwargs(model: Any) -> bool:
+    """Whether the base model's ``forward`` takes ``**kwargs`` (GPT-2's does not: nothing reaches attention)."""
+    base = getattr(model, "base_model", model)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _flat_run(
+    hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool
+) -> tuple[Run | None, str]:
+    """The flat path's run of ``inputs``, or None and why it cannot run. The documents object is a fresh copy, so
+    its call count is this forward's alone."""
+    if not passes_kwargs(hf):
+        base = type(getattr(hf, "base_model", hf)).__name__
+        return None, f"{base}.forward takes no **kwargs: the documents cannot reach attention"
+    docs: Documents = inputs[DOCS_KEY]
+    fresh = Documents(docs.bounds, docs.device_bounds, docs.host_bounds)
+    try:
+        flat = run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads)
+    except DocumentsDropped as exc:
+        caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
+        checkpointing = (
+            "; HF gradient checkpointing calls the layers without **kwargs: use Composer's activation_checkpointing "
+            "(checkpoint_wrapper) to keep the flat path"
+            if getattr(hf, "is_gradient_checkpointing", False) and hf.training
+            else ""
+        )
+        return None, f"{exc}; the caller is {caller}{checkpointing}"
+    except FlatUnsupported as exc:
+        return None, str(exc)
+    except Exception as exc:
+        return None, f"the flat row does not run: {_short(exc)}"
+    if fresh.calls == 0:
+        return None, NO_CALLS
+    return flat, ""
+
+
+def _flat_side(inputs: Mapping[str, Any]) -> PackedSide:
+    return lambda hf, spans, grads: _flat_run(hf, inputs, spans, grads)
+
+
+def _rows_side(inputs: Mapping[str, Any], rows_name: str, reference: bool, own_positions: bool) -> PackedSide:
+    return lambda hf, spans, grads: _rows_run(hf, inputs, spans, grads, rows_name, reference, own_positions)
+
+
+def _rows_run(
+    hf: Any,
+    inputs: Mapping[str, Any],
+    spans: Sequence[tuple[int, int]],
+    grads: bool,
+    rows_name: str,
+    reference: bool,
+    own_positions: bool,
+) -> tuple[Run | None, str]:
+    """The rows path's run of the documents at ``spans`` (one per row, as :func:`one_per_row` lays out a training
+    batch), placed back at their positions of the flat row; or None and why it cannot run."""
+    ids = inputs["input_ids"]
+    index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
+    lengths = tuple(e - s for s, e in spans)
+    positions = inputs["position_ids"][:, index] if own_positions and "position_ids" in inputs else None
+    rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)))
+    dst = where.src  # each document's tokens in the padded rows
+    rows = {k: v for k, v in rows.items() if v is not None}
+    try:
+        with _implementation(hf, rows_name), kernel_context(rows_name, ids.device, reference):
+            with embeddings(hf, grads) as captured:
+                out = own_forward(hf, **rows, use_cache=False).logits
+    except Exception as exc:
+        return None, f"one document per row ({rows_name}) does not run: {_short(exc)}"
+    logits = out.reshape(-1, out.shape[-1])[dst]
+    placed = logits.new_zeros(ids.shape[1], logits.shape[-1]).index_copy_(0, index, logits.detach())
+    if not (grads and captured and captured[0].requires_grad):
+        return Run(placed), ""
+    spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
+    (grad,) = torch.autograd.grad(documents_loss(logits, ids[0, index], spans), captured[0])
+    grad = grad.reshape(-1, grad.shape[-1])[dst]
+    return Run(placed, grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)), ""
+
+
+def _short(exc: BaseException) -> str:
+    """The error's first line; for one without text (a StopIteration), where it was raised."""
+    text = str(exc).strip().splitlines()
+    if text:
+        return f"{type(exc).__name__}: {text[0]}"[:300]
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = (
+        f" (raised in {last[0].name}, {'/'.join(last[0].filename.split('/')[-3:])}:{last[0].lineno})" if last else ""
+    )
+    return f"{type(exc).__name__}{where}"

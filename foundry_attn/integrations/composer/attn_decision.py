@@ -1,0 +1,150 @@
+"""``attn_decision``: each rank's attention decision in the run's loggers (MLflow, W&B, ...).
+
+See :class:`AttnDecisionLogger`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+
+from foundry_attn.integrations.composer.common import foundry_model
+from foundry_attn.observe.discovery import attn_implementation, find_hf_model, mpt_attn_impl
+
+__all__ = ["AttnDecisionLogger", "decision_hparams", "stock_hparams"]
+
+
+def stock_hparams(model: Any) -> dict[str, Any]:
+    """``attn/chosen`` and ``attn/reason`` of a model that made no decision of ours: the implementation that runs
+    (:func:`foundry_attn.observe.discovery.attn_implementation`) and where it was read; empty without a model."""
+    found = find_hf_model(model)
+    hf = found[1] if found is not None else model
+    impl = attn_implementation(hf)
+    if impl is None:
+        return {}
+    if mpt_attn_impl(hf) is not None:
+        source = "MPT's attn_config['attn_impl']"
+    elif impl.startswith("unknown"):
+        source = "no attention setting found on the model"
+    else:
+        source = "the model's config._attn_implementation"
+    return {"attn/chosen": impl, "attn/reason": f"set by the model, not chosen by foundry_attn ({source})"}
+
+
+def decision_hparams(model: Any) -> dict[str, Any]:
+    """``attn/*`` hyperparameters of a ``foundry_attn_causal_lm`` (through DDP); empty for other models. The
+    summary is the one the model gathered from every rank when it was built (no second gather)."""
+    ours = foundry_model(model)
+    if ours is None:
+        return {}
+    decision = ours.attn_decision
+    return {
+        "attn/requested": decision.requested,
+        "attn/chosen": decision.chosen,
+        "attn/fell_back": decision.fell_back,
+        "attn/reason": decision.reason,
+        "attn/compute_dtype": decision.compute_dtype,
+        "attn/path": decision.path,
+        "attn/path_reason": decision.path_reason,
+        "attn/summary": ours.attn_summary,
+    }
+
+
+class AttnDecisionLogger(Callback):
+    """Logs the attention decision of a ``foundry_attn_causal_lm`` as run hyperparameters.
+
+    At :attr:`.Event.INIT` this callback reads the decision the model made when it was built (which attention
+    implementation was asked for, which one runs, and why), gathers every rank's choice and logs them with
+    :meth:`.Logger.log_hyperparameters`, so that a fallback on some ranks is visible in MLflow, W&B or any
+    other Composer logger. For other models (stock ``hf_causal_lm``, LLM-Foundry's ``mpt_causal_lm``, ...) it
+    logs only ``attn/chosen`` and ``attn/reason``: the implementation that really runs, read from the model
+    (HF's ``_attn_implementation``, MPT's ``attn_impl``, else ``unknown (class X)``).
+
+    Example, in an LLM-Foundry YAML:
+
+    .. code-block:: yaml
+
+        callbacks:
+          attn_decision: {}
+
+    Example, with Composer's Trainer:
+
+    .. code-block:: python
+
+        from composer import Trainer
+        from foundry_attn.integrations.composer.attn_decision import AttnDecisionLogger
+
+        trainer = Trainer(
+            model=model,  # a foundry_attn.integrations.llm_foundry.model.FoundryAttnCausalLM
+            train_dataloader=train_dataloader,
+            max_duration="1ep",
+            callbacks=[AttnDecisionLogger()],
+        )
+
+    The hyperparameters are logged once, at :attr:`.Event.INIT`: all of them when the model is a
+    ``foundry_attn_causal_lm``, those marked "every model" otherwise (this callback logs no metrics):
+
+    .. list-table::
+        :header-rows: 1
+        :widths: 25 55 20
+
+        * - Key
+          - Logged data
+          - When
+        * - ``attn/requested``
+          - The ``attn_implementation`` asked for (``auto``, ``flash_attention_2``, ``flex_attention``, ``sdpa``,
+            ``eager``), this rank.
+          - ``INIT``.
+        * - ``attn/chosen``
+          - The implementation that runs on this rank (other models: read from the model, e.g. MPT's ``torch``).
+          - ``INIT``, every model.
+        * - ``attn/fell_back``
+          - ``True`` when this rank does not run what was asked for (for ``auto``: not the chain's first).
+          - ``INIT``.
+        * - ``attn/reason``
+          - Why: the first rejected candidate and its failed check on a fallback, else why the chosen one runs
+            (other models: that the model set it, and where it was read).
+          - ``INIT``, every model.
+        * - ``attn/compute_dtype``
+          - The compute dtype the decision was made for (``bfloat16``, ``float32``, ...), this rank.
+          - ``INIT``.
+        * - ``attn/path``
+          - ``flat`` (unpadded once, the documents an argument of every attention call; proven against stock) or
+            ``rows`` (the stock backend, one document per row, a 2-D mask), this rank.
+          - ``INIT``, and again at ``BATCH_END`` of a batch whose proof moved the run to ``rows``.
+        * - ``attn/path_reason``
+          - Why: the proof that holds (where, on which documents, the worst difference), or the one that failed.
+          - With ``attn/path``.
+        * - ``attn/summary``
+          - One line over all ranks, e.g. ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back
+            (rank 3, rank 7: ...)`` (the same on every rank).
+          - ``INIT``.
+
+    Args:
+        (none): ``AttnDecisionLogger()`` takes no arguments (``attn_decision: {}`` in YAML).
+    """
+
+    def __init__(self) -> None:
+        self._path: tuple[str, str] | None = None
+
+    def init(self, state: State, logger: Logger) -> None:
+        hparams = decision_hparams(state.model)
+        if not hparams:
+            stock = stock_hparams(state.model)
+            if stock:
+                logger.log_hyperparameters(stock)
+            return
+        logger.log_hyperparameters(hparams)
+        self._path = (hparams["attn/path"], hparams["attn/path_reason"])
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        """The proof on a training batch may move the run to rows: log the path again when it changed."""
+        if self._path is None:
+            return
+        hparams = decision_hparams(state.model)
+        path = (hparams["attn/path"], hparams["attn/path_reason"])
+        if path != self._path:
+            logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith("attn/path")})
+            self._path = path

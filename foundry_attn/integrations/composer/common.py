@@ -1,0 +1,108 @@
+"""What our callbacks share: finding the models inside ``state.model``, events, one-time notices, intervals.
+
+Composer glue; the callbacks are ``attn_decision``, ``attention_inspector`` and ``upad_tracer``, and the
+torch-only probe (``find_hf_model``, ``attn_implementation``, ``clean_name``) lives in
+:mod:`foundry_attn.observe.inspection`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from composer.core import Callback, State, Time, TimeUnit
+from composer.utils import dist
+
+from foundry_attn.flat.unwrap import find_inside
+from foundry_attn.observe.discovery import attn_implementation, clean_name, find_hf_model
+from foundry_attn.observe.events import EventLog, default_events_dir
+
+__all__ = [
+    "COMPILED",
+    "ReleasingCallback",
+    "attn_implementation",
+    "check_log_interval",
+    "clean_name",
+    "find_hf_model",
+    "foundry_model",
+    "open_event_log",
+    "say_once",
+]
+
+log = logging.getLogger(__name__)
+
+
+def foundry_model(model: Any) -> Any:
+    """The ``foundry_attn_causal_lm`` inside ``state.model`` (also through DDP's ``.module``), or None."""
+    found = find_inside(model, lambda m: getattr(m, "attn_decision", None) is not None)
+    return None if found is None else found[1]
+
+
+_LOG_INTERVAL = (
+    "an integer >= 1 (batches between samples; the first batch is always sampled), a time string "
+    "in batches such as '25ba', or a composer Time in batches"
+)
+
+
+def check_log_interval(owner: str, log_interval: Any) -> int:
+    """``log_interval`` in batches: an integer >= 1, a time string in batches (``'25ba'``) or a :class:`.Time`
+    in batches (``Time(25, TimeUnit.BATCH)``), as Composer's own callbacks take intervals. Any other unit
+    (``'2ep'``, ``'100tok'``, ...) is a ValueError that says what is accepted."""
+    value = log_interval
+    if isinstance(log_interval, str | Time):
+        try:
+            parsed = Time.from_input(log_interval)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r} ({exc})") from None
+        if parsed.unit != TimeUnit.BATCH:
+            raise ValueError(
+                f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}, whose unit is "
+                f"{parsed.unit.name.lower()} ('{parsed.unit.value}'), not batches ('ba')"
+            )
+        value = parsed.value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}")
+    return value
+
+
+def open_event_log(state: State, events_dir: str | None) -> EventLog:
+    """The callback's event log: ``events_dir`` if set, else the registered model's own events folder
+    (``foundry_attn_causal_lm``'s ``events_dir``), else ``default_events_dir(run_name)``."""
+    ours = foundry_model(state.model)
+    if ours is not None and not ours.attn_events.bound:  # the model's log waited for the run's name
+        ours.attn_events.bind(default_events_dir(state.run_name), run=state.run_name)
+    directory = events_dir or (ours.attn_events.directory if ours is not None else default_events_dir(state.run_name))
+    return EventLog(directory, dist.get_global_rank(), ours.attn_capability if ours is not None else None)
+
+
+COMPILED = (
+    "{owner}: the model runs under torch.compile (compile_config); per-call hooks and patches inside a "
+    "compiled graph would break or change it, so {owner} steps aside for this run; training goes on"
+)
+
+
+def say_once(said: set[str], key: str, message: str) -> bool:
+    """Log ``message`` at WARNING the first time ``key`` comes (one channel: LLM-Foundry's ``train.py`` shows
+    warnings on the console); True when it was said now."""
+    if key in said:
+        return False
+    said.add(key)
+    log.warning(message)
+    return True
+
+
+class ReleasingCallback(Callback):
+    """A callback whose hooks/patches are undone at ``FIT_END``, at ``close`` and after it, even when training
+    raised (Composer calls ``close`` then). Subclasses implement ``release``, idempotently."""
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def fit_end(self, state: State, logger: Any) -> None:
+        self.release()
+
+    def close(self, state: State, logger: Any) -> None:
+        self.release()
+
+    def post_close(self) -> None:
+        self.release()

@@ -1,0 +1,131 @@
+"""The verdict on packed documents for ``attention_inspector``: do the documents of a batch see each other?
+
+    callbacks:
+      attention_inspector:
+        verdict: true              # measured where a second forward is possible, else the structural reading
+        verdict_interval: 100      # batches between verdicts (the first batch always has one)
+
+:class:`DocumentVerdicts` is the inspector's second job, kept here: which batches get a verdict, the measurement
+(:func:`foundry_attn.observe.verdict.measure`) or the structural reading, and its metrics, event and warnings.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from composer.core import State
+from composer.core.precision import get_precision_context
+from composer.loggers import Logger
+
+from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.flat.unwrap import compiled
+from foundry_attn.integrations.composer.common import say_once
+from foundry_attn.observe.discovery import find_hf_model
+from foundry_attn.observe.events import EventLog
+from foundry_attn.observe.verdict import (
+    LEAKS,
+    UNKNOWN,
+    Features,
+    Verdict,
+    fix_for,
+    judge,
+    structural,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _packing_features(dataloader: Any) -> Features | None:
+    """What the train loader's batches will carry when its collator packs documents (ours in ``pack`` mode,
+    LLM-Foundry's ``BinPackCollator``), else None: nothing is drawn from the loader."""
+    collate = getattr(dataloader, "collate_fn", None)
+    collate = getattr(collate, "collate", collate)  # our finetuning loader wraps the collator
+    if isinstance(collate, PaddingCollator):
+        return Features(packed=True, sequence_id=True, position_ids=True) if collate.mode == "pack" else None
+    try:
+        from llmfoundry.data.packing import BinPackCollator
+    except ImportError:  # pragma: no cover - the callbacks run under LLM-Foundry
+        return None
+    return Features(packed=True, sequence_id=True, padding_mask=True) if isinstance(collate, BinPackCollator) else None
+
+
+class DocumentVerdicts:
+    """One verdict on the first microbatch of every ``interval``-th batch (the first included), reported at its end."""
+
+    def __init__(self, interval: int, warned: set[str]) -> None:
+        self.interval = interval
+        self.events: EventLog | None = None
+        self.last: Verdict | None = None
+        self._warned = warned  # shared with the inspector: one warning of a kind per run
+        self._due = False
+        self._measure = False
+        self._pending: Verdict | None = None
+
+    def batch_start(self, step: int) -> None:
+        self._due = step % self.interval == 0
+
+    def before_forward(self) -> None:
+        self._measure, self._due = self._due, False  # the first microbatch only
+
+    def after_forward(self, state: State) -> None:
+        if self._measure:  # before the backward: the forwards of the documents alone see the weights trained on
+            self._measure = False
+            self._pending = self.judge(state)
+
+    def batch_end(self, state: State, logger: Logger, step: int) -> Verdict | None:
+        verdict, self._pending = self._pending, None
+        if verdict is not None:
+            self.last = verdict
+            self.report(verdict, state, logger, step)
+        return verdict
+
+    def judge(self, state: State) -> Verdict:
+        """The verdict on this microbatch (:func:`foundry_attn.observe.verdict.judge`): measured where a second forward
+        is possible, else the structural reading, labelled so; never a guess shown as a measurement."""
+        found = find_hf_model(state.model)
+        if found is None:
+            return Verdict(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
+        blocked = (
+            "the model is compiled (a second forward would recompile it)"
+            if compiled(state.model)
+            else "FSDP shards the weights (a second forward on one rank would hang the others)"
+            if state.fsdp_enabled
+            else None
+        )
+        return judge(found[1], state.batch, state.outputs, blocked, get_precision_context(state.precision))
+
+    def predict(self, state: State) -> None:
+        """At fit start: when the train loader packs documents and the model cannot keep them apart, say so."""
+        features = _packing_features(getattr(state, "train_dataloader", None))
+        found = find_hf_model(state.model)
+        if features is None or found is None:
+            return
+        reading = structural(found[1], features)
+        if reading.state == LEAKS:
+            say_once(
+                self._warned,
+                "leak_predicted",
+                f"attention_inspector: the train loader packs documents and this model cannot keep them apart "
+                f"({reading.reason}); fix: {fix_for(found[1])}",
+            )
+
+    def report(self, verdict: Verdict, state: State, logger: Logger, step: int) -> None:
+        metrics: dict[str, float] = {}
+        if verdict.isolated is not None:
+            metrics["attn/documents_isolated"] = float(verdict.isolated)
+        if verdict.worst is not None and verdict.worst == verdict.worst:
+            metrics["attn/verdict_worst_diff"] = float(verdict.worst)
+        if metrics:
+            logger.log_metrics(metrics)
+        if self.events is not None:
+            self.events.append("attn_verdict", step=step, **verdict.as_dict())
+        log.info("attention_inspector: batch %d: %s", step, verdict.line())
+        if verdict.state == LEAKS:
+            found = find_hf_model(state.model)
+            say_once(
+                self._warned,
+                "leak",
+                f"attention_inspector: batch {step}: packed documents attend to each other: {verdict.line()}; "
+                f"fix: {fix_for(found[1] if found else None)}",
+            )

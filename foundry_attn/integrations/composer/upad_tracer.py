@@ -1,0 +1,284 @@
+"""``upad_tracer``: how often transformers' flash-attention path unpads, and what reaches the kernel.
+
+See :class:`UpadTracer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer.core import State, Time
+from composer.loggers import Logger
+from composer.utils import dist
+from torch import nn
+
+from foundry_attn.attention.fa2_reference import REFERENCE_NAME
+from foundry_attn.flat.unwrap import compiled
+from foundry_attn.integrations.composer.common import (
+    COMPILED,
+    ReleasingCallback,
+    check_log_interval,
+    foundry_model,
+    open_event_log,
+    say_once,
+)
+from foundry_attn.observe.discovery import attn_implementation, find_hf_model, mpt_attn_impl
+from foundry_attn.observe.events import EventLog
+from foundry_attn.observe.flash_symbols import (
+    DENSE,
+    PAD,
+    POSIDS,
+    ROLES,
+    UPAD,
+    VARLEN,
+    FlashCallTracer,
+    FlashSymbols,
+    discover,
+    discover_mpt,
+    is_flash,
+    is_reference,
+    short_list,
+    symbol_label,
+)
+
+__all__ = ["UpadTracer"]
+
+
+def uses_reference_kernel(model: nn.Module) -> bool:
+    """Our registered model running FA2 on the pure-PyTorch reference kernel (through DDP)."""
+    return bool(getattr(foundry_model(model), "_fa2_reference", False))
+
+
+class UpadTracer(ReleasingCallback):
+    """Counts transformers' flash-attention unpad / varlen / dense calls per sampled step.
+
+    On a sampled batch (the first batch, then every ``log_interval``-th) this callback wraps the helpers that
+    ``_flash_attention_forward`` calls (transformers 4.51: ``_upad_input``, ``prepare_fa2_from_position_ids``,
+    ``flash_attn_varlen_func``, ``flash_attn_func``, ``pad_input``; the later names are found by
+    :func:`foundry_attn.observe.flash_symbols.discover`), counts their calls in the step, and records cu_seqlens_q/k and
+    max_seqlen_q/k of the first call and which kernel entry ran first (``varlen`` or ``dense``). For LLM-Foundry's
+    MPT (``attn_config.attn_impl: flash``), which calls flash-attn itself, it wraps what MPT looks up at call time
+    instead (``flash_attn.flash_attn_interface.flash_attn_varlen_func`` / ``flash_attn_func``,
+    ``flash_attn.bert_padding.pad_input``, see :func:`foundry_attn.observe.flash_symbols.discover_mpt`); MPT unpads once
+    per forward, so its ``upad`` / ``posids`` counts stay 0. The implementation named is the one that runs
+    (:func:`foundry_attn.observe.discovery.attn_implementation`: HF's ``_attn_implementation``, MPT's ``attn_impl``).
+
+    The wrappers are installed when the model's forward starts and removed when it ends, even when it raises
+    (an ``always_call`` forward hook), and again at :attr:`.Event.BATCH_END`, :attr:`.Event.FIT_END` and
+    ``close``. They are layers (:mod:`foundry_attn.patching`), so two tracers, and the FA2 reference kernel
+    context that our model enters per forward, nest in any order. Calls recomputed by activation
+    checkpointing during backward are not counted. A symbol missing from the installed transformers is
+    reported once (which, which version) and training goes on; a run whose implementation is not flash
+    attention, or that runs under ``torch.compile``, is told once that there is nothing to trace.
+
+    Example, in an LLM-Foundry YAML:
+
+    .. code-block:: yaml
+
+        callbacks:
+          upad_tracer:
+            log_interval: 50        # or '50ba'; the first batch is always traced
+            events_dir: null        # default: the model's events_dir, else default_events_dir(run_name)
+            print_counts: true      # one console line per traced batch (rank 0)
+
+    Example, with Composer's Trainer:
+
+    .. code-block:: python
+
+        from composer import Trainer
+        from foundry_attn.integrations.composer.upad_tracer import UpadTracer
+
+        trainer = Trainer(
+            model=model,
+            train_dataloader=train_dataloader,
+            max_duration="1ep",
+            callbacks=[UpadTracer(log_interval="50ba")],
+        )
+
+    The metrics are logged by the :class:`.Logger` at :attr:`.Event.BATCH_END` of each sampled batch, when
+    the model runs a flash-attention implementation (``flash_attention_2``, also on the pure-PyTorch reference
+    kernel; MPT's ``flash``) and at least one flash-attention symbol was found (this callback logs no
+    hyperparameters). Counts are calls in the traced forward of the step (every microbatch of it), summed over all
+    layers:
+
+    .. list-table::
+        :header-rows: 1
+        :widths: 30 50 20
+
+        * - Key
+          - Logged data
+          - When
+        * - ``attn/upad_calls_per_step``
+          - Calls of transformers' per-layer unpad helper (``_upad_input``): a 2-D padding mask reached the
+            flash path. 0 when our model unpadded once before the layers, and for MPT (it unpads once per forward).
+          - Every traced batch.
+        * - ``attn/posids_calls_per_step``
+          - Calls of the position-ids helper (``prepare_fa2_from_position_ids``): packed rows split by
+            ``position_ids``.
+          - Every traced batch.
+        * - ``attn/varlen_calls_per_step``
+          - Calls of the variable-length kernel (``flash_attn_varlen_func``; MPT's flash path: one per layer).
+          - Every traced batch.
+        * - ``attn/dense_calls_per_step``
+          - Calls of the dense kernel (``flash_attn_func``): no unpadding, every position computed.
+          - Every traced batch.
+        * - ``attn/pad_calls_per_step``
+          - Calls of ``pad_input``: outputs padded back after an unpad (MPT: ``bert_padding.pad_input`` per layer).
+          - Every traced batch.
+        * - ``attn/max_seqlen``
+          - ``max_seqlen_q`` of the first kernel call of the step (else of the first unpad / position-ids call).
+          - Traced batches where one of those calls reported it.
+
+    It also appends an ``upad_trace`` event (JSONL: counts, entry, cu_seqlens, the first call of each helper,
+    the kernel) per traced batch to the event log, and prints one line of counts per traced batch (rank 0).
+
+    Args:
+        log_interval (int | str | Time, optional): Batches between traced batches: an integer >= 1, a time
+            string in batches such as ``'25ba'``, or a :class:`.Time` in batches. The first batch is always
+            traced. Default: ``50``.
+        events_dir (str, optional): Folder of the ``upad_trace`` events. Default: the model's own
+            ``events_dir`` (``foundry_attn_causal_lm``), else ``default_events_dir(run_name)``.
+        print_counts (bool, optional): Print one line of counts per traced batch (rank 0). Default: ``True``.
+    """
+
+    def __init__(
+        self,
+        log_interval: int | str | Time = 50,
+        events_dir: str | None = None,
+        print_counts: bool = True,
+    ) -> None:
+        self.log_interval = check_log_interval("upad_tracer", log_interval)
+        self.events_dir = events_dir
+        self.print_counts = print_counts
+        self.events: EventLog | None = None
+        self.tracer: FlashCallTracer | None = None
+        self.symbols: FlashSymbols | None = None
+        self.implementation: str | None = None
+        self.idle_reason: str | None = None
+        self.last_summary: dict[str, Any] = {}
+        self.last_metrics: dict[str, float] = {}
+        self._hf: nn.Module | None = None
+        self._model_id: int | None = None
+        self._reference = False
+        self._handles: list[Any] = []
+        self._step = 0
+        self._said: set[str] = set()
+
+    # -- helpers
+    def _say_once(self, key: str, message: str, **event: Any) -> None:
+        if say_once(self._said, key, message) and self.events is not None:
+            self.events.append(key, message=message, **event)
+
+    def _resolve(self, state: State) -> None:
+        """Find the HF model and decide once per model whether there is anything to trace."""
+        if self._model_id == id(state.model):
+            return
+        self._model_id = id(state.model)
+        found = find_hf_model(state.model)
+        self._hf = found[1] if found else None
+        self.implementation = attn_implementation(self._hf)
+        mpt = mpt_attn_impl(self._hf)
+        self._reference = uses_reference_kernel(state.model)
+        if compiled(state.model):
+            self.idle_reason = "the model runs under torch.compile"
+            self._say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer"))
+        elif self._hf is None:
+            self.idle_reason = "no Hugging Face PreTrainedModel in state.model"
+        elif mpt is not None and mpt != "flash":
+            self.idle_reason = (
+                f"the attention implementation is {mpt!r} (MPT's attn_config['attn_impl']), not 'flash': "
+                f"MPT calls no flash-attn kernel"
+            )
+        elif mpt is None and not is_flash(self.implementation):
+            self.idle_reason = (
+                f"the attention implementation is {self.implementation!r}, not flash_attention_2: "
+                f"transformers' flash-attention utilities never run"
+            )
+        else:
+            self.symbols = discover_mpt() if mpt is not None else discover()
+            self._reference = self._reference or is_reference(self.symbols)
+            missing = self.symbols.describe_missing()
+            if missing:
+                self._say_once(
+                    "upad_trace_missing",
+                    "upad_tracer: " + "; ".join(missing) + "; training continues",
+                    symbols=self.symbols.as_dict(),
+                )
+            self.idle_reason = None if self.symbols.found else "no flash-attention symbol could be found"
+        if self.idle_reason is not None:
+            self.tracer = None
+            self._say_once(
+                "upad_trace_idle",
+                f"upad_tracer: nothing to trace ({self.idle_reason})",
+                attn_implementation=self.implementation,
+            )
+        else:
+            assert self.symbols is not None
+            self.tracer = FlashCallTracer(self.symbols, record=True)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.tracer is not None:
+            self.tracer.attach()
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.detach()
+
+    def release(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        if self.tracer is not None:
+            self.tracer.detach(force=True)
+
+    # -- events
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if self.events is None:
+            self.events = open_event_log(state, self.events_dir)
+        self._resolve(state)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self.release()
+        self._step = int(state.timestamp.batch)
+        if self._step % self.log_interval:
+            return
+        self._resolve(state)
+        if self.tracer is None or self._hf is None:
+            return
+        self.tracer.reset(record=True)
+        self._handles = [
+            self._hf.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            self._hf.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
+        ]
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        traced = bool(self._handles)
+        self.release()
+        if not traced or self.tracer is None:
+            return
+        tracer = self.tracer
+        summary = tracer.summary()
+        metrics = {f"attn/{role}_calls_per_step": float(tracer.counts[role]) for role in ROLES}
+        if tracer.max_seqlen is not None:
+            metrics["attn/max_seqlen"] = float(tracer.max_seqlen)
+        self.last_summary, self.last_metrics = summary, metrics
+        logger.log_metrics(metrics)
+        ran = tracer.ran_reference  # what ran; before any kernel ran, what the model was built with
+        kernel = REFERENCE_NAME if (ran if ran is not None else self._reference) else "flash-attn"
+        if self.events is not None:
+            self.events.append(
+                "upad_trace", step=self._step, attn_implementation=self.implementation, kernel=kernel, **summary
+            )
+        if self.print_counts and dist.get_global_rank() == 0:
+            assert self.symbols is not None
+            label = {role: symbol_label(self.symbols, role) for role in ROLES}
+            found, missing = self.symbols.found, self.symbols.missing
+            shown = [r for r in (UPAD, POSIDS, VARLEN, DENSE, PAD) if r in found or r in missing]
+            counts = ", ".join(f"{label[r]} {tracer.counts[r]}" for r in shown)
+            note = f" [kernel: {kernel}]" if "kernel_note" not in self._said else ""
+            self._said.add("kernel_note")
+            print(
+                f"upad_tracer: batch {self._step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
+                f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen}{note}",
+                flush=True,
+            )

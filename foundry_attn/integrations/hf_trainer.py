@@ -1,0 +1,562 @@
+"""transformers ``Trainer`` and TRL: what attention really did, as transformers ``TrainerCallback`` objects.
+
+    from foundry_attn.integrations import hf_trainer
+    from foundry_attn.flat.attach import attach
+
+    attach(model, "sdpa")      # optional: padding-free batches then train exactly (docs/trainer.md)
+    trainer = SFTTrainer(model=model, args=SFTConfig(padding_free=True, output_dir="out"), train_dataset=data)
+    hf_trainer.install(trainer)        # or Trainer(..., callbacks=hf_trainer.callbacks())
+    trainer.train()
+
+The Composer callbacks' twins (:mod:`foundry_attn.integrations.composer`), on the same core: :class:`AttnDecision` (each
+rank's attention: ``attach``'s backend and path, or the model's own setting; one line over every rank on rank 0),
+:class:`AttentionInspector` (masks, fill and the measured verdict on packed documents of sampled steps) and
+:class:`UpadTracer` (flash-attention unpad / varlen / dense calls of sampled steps). Metrics join the next logs
+the Trainer reports, ahead of every reporter (W&B, TensorBoard, MLflow, the console), however the callbacks were
+added; ``trainer.log`` is never called, so the Trainer's and TRL's own logged values stay as they are. A second
+:func:`install` adds nothing. Events go to ``<output_dir>/attn_events/events-rank<r>.jsonl``, the kinds Composer runs
+write, so ``foundry-attn events`` and ``foundry-attn report`` read Trainer runs and mixed fleets alike. Hooks live
+for one forward of a sampled step and are gone by its end, even when it raises. transformers only (TRL optional).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import types
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
+
+from foundry_attn.attention.fa2_reference import REFERENCE_NAME
+from foundry_attn.flat.attach import PathState, path_of
+from foundry_attn.flat.comparison import PrecisionProbe, evaluating, hidden, proving
+from foundry_attn.flat.unwrap import compiled
+from foundry_attn.observe.console_table import format_table
+from foundry_attn.observe.discovery import attn_implementation, find_hf_model
+from foundry_attn.observe.events import EventLog
+from foundry_attn.observe.flash_symbols import (
+    ROLES,
+    FlashCallTracer,
+    FlashSymbols,
+    discover,
+    is_flash,
+    is_reference,
+    short_list,
+    symbol_label,
+)
+from foundry_attn.observe.inspection import BatchInfo, ModelInspector, summarize
+from foundry_attn.observe.verdict import LEAKS, NOT_PACKED, Verdict, judge
+from foundry_attn.selection.policy import summarize as summarize_ranks
+
+__all__ = ["AttentionInspector", "AttnDecision", "UpadTracer", "callbacks", "install"]
+
+log = logging.getLogger(__name__)
+
+#: what a Trainer user changes so that packed documents stop seeing each other
+FIX = (
+    "call foundry_attn.flat.attach.attach(model, backend) before building the Trainer (padding-free batches then train "
+    "on the proven path), or train without padding_free"
+)
+
+
+#: what a training call passes for its loss alone (TRL's fused LM head among them): left out of the verdict's forward
+LOSS_ONLY = frozenset({"labels", "shift_labels", "num_items_in_batch", "fused_lm_head"})
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class Run:
+    """What the three callbacks of one :func:`callbacks` call share: the trainer (if known), the event log (one
+    launch id for every rank, rank 0's) and the metrics waiting for the Trainer's next logs."""
+
+    def __init__(self, trainer: Any = None, events_dir: str | None = None) -> None:
+        self.trainer, self.events_dir = trainer, events_dir
+        self.events: EventLog | None = None
+        self.pending: dict[str, float] = {}
+        self.merger = _Merger(self)
+        self.placed = False
+
+    def open(self, args: Any) -> EventLog:
+        """The event log, opened once, at train begin (every rank calls it there)."""
+        if self.events is None:
+            launch = [uuid.uuid4().hex[:12]]
+            if _distributed():
+                torch.distributed.broadcast_object_list(launch, src=0)
+            folder = self.events_dir or Path(args.output_dir) / "attn_events"
+            run = getattr(args, "run_name", None) or Path(args.output_dir).name
+            self.events = EventLog(folder, args.process_index, run=run, launch=launch[0])
+        return self.events
+
+    def place(self, handler: CallbackHandler | None) -> None:
+        """Put :class:`_Merger` first among ``handler``'s callbacks, before the Trainer's reporters (once per
+        Trainer); None (no handler found) leaves the merging to our own ``on_log``."""
+        self.placed = handler is not None
+        if handler is not None and self.merger not in handler.callbacks:
+            handler.callbacks = [self.merger, *handler.callbacks]  # a new list: the running event goes on over the old
+
+    def log(self, metrics: Mapping[str, float]) -> None:
+        """Hold ``metrics`` for the Trainer's next logs (never ``trainer.log``: TRL folds its own metrics into
+        every call of it and clears them)."""
+        self.pending.update(metrics)
+
+    def merge(self, logs: dict | None, state: Any) -> None:
+        """``pending`` into the logs being reported, and into their copy the Trainer just kept in its history."""
+        if not self.pending or logs is None:
+            return
+        history = getattr(state, "log_history", None)
+        if history and history[-1] == {**logs, "step": state.global_step}:  # the Trainer's copy of these logs
+            history[-1].update(self.pending)
+        logs.update(self.pending)
+        self.pending.clear()
+
+
+class _Merger(TrainerCallback):
+    """First among the Trainer's callbacks: the ``attn/*`` metrics waiting since the last log join the logs the
+    Trainer is about to report, so every reporter (TensorBoard, W&B, MLflow, the console) gets them."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        self.run.merge(logs, state)
+
+
+def _calling_handler() -> CallbackHandler | None:
+    """The Trainer's :class:`CallbackHandler` that is calling this callback event (a Trainer given our callbacks
+    with ``Trainer(callbacks=...)`` is not known to them otherwise)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, CallbackHandler):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class _Callback(TrainerCallback):
+    """Sampling (the first optimizer step, then every ``log_interval``-th), one-forward hooks, release."""
+
+    owner = ""
+
+    def __init__(self, run: Run | None = None, log_interval: int = 50) -> None:
+        if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 1:
+            raise ValueError(
+                f"{self.owner}: log_interval must be an integer >= 1 (optimizer steps between samples; the first "
+                f"step is always sampled); got {log_interval!r}"
+            )
+        self.run = run or Run()
+        self.log_interval = log_interval
+        self._handles: list[Any] = []
+        self._said: set[str] = set()
+
+    @property
+    def events(self) -> EventLog | None:
+        return self.run.events
+
+    def say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(message)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.run.open(args)
+        trainer = self.run.trainer
+        self.run.place(trainer.callback_handler if trainer is not None else _calling_handler())
+        found = find_hf_model(model) if model is not None else None
+        self.begin(args, model, found[1] if found is not None else model)
+
+    def begin(self, args: Any, model: Any, hf: Any) -> None:
+        """At train begin, with the model the Trainer calls and the HF model inside it."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if not self.run.placed:  # no handler found to go first in: the reporters after us still get them
+            self.run.merge(logs, state)
+
+    def one_forward(self, model: Any, before: Callable[[dict], None], after: Callable[[dict, Any], None]) -> None:
+        """Hooks on ``model`` for its next forward that is the batch's (a proof's forwards are not): ``before``
+        with its keywords at its start (the first pre-hook), ``after`` with its keywords and output at its end
+        (None when it raised; the last hook, so :meth:`release` may remove every hook of ours there: torch calls a
+        hook removed while its forward runs without the keywords it was registered with)."""
+
+        def pre(_: Any, args: tuple, kwargs: dict) -> None:
+            if not proving():
+                before(kwargs)
+
+        def post(_: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            if proving():
+                return
+            self.release()
+            after(kwargs, output)
+
+        self._drop_hooks()
+        self._handles = [
+            model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True),
+            model.register_forward_hook(post, with_kwargs=True, always_call=True),
+        ]
+
+    def _drop_hooks(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def release(self) -> None:
+        """Every hook and patch of ours off the model (idempotent)."""
+        self._drop_hooks()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.release()
+
+
+# ---- the decision -------------------------------------------------------------------------------------------
+
+
+def decision_of(hf: Any) -> dict[str, Any]:
+    """The ``attn_impl`` event fields of ``hf``: what :func:`foundry_attn.flat.attach.attach` chose and proved, or the
+    implementation the model runs, set by the model."""
+    state: PathState | None = path_of(hf)
+    param = next(hf.parameters(), None)
+    info: dict[str, Any] = {
+        "fell_back": False,
+        "strict": False,
+        "compute_dtype": str(param.dtype if param is not None else torch.float32).removeprefix("torch."),
+        "proof": "",
+        "path": "",
+        "path_reason": "",
+        "candidates": [],
+    }
+    if state is None:
+        impl = attn_implementation(hf)
+        reason = "set by the model, not chosen by foundry_attn (not attached; its config._attn_implementation)"
+        return {**info, "requested": impl, "chosen": impl, "reason": reason}
+    return {
+        **info,
+        "requested": state.backend,
+        "chosen": state.backend,
+        "reason": f"attach(model, {state.backend!r})",
+        "strict": state.binding,
+        "proof": state.proofs[-1][1].describe() if state.proofs else "first batch",
+        "path": state.path,
+        "path_reason": state.reason,
+    }
+
+
+class AttnDecision(_Callback):
+    """Each rank's attention, at train begin: an ``attn_impl`` event, a log line, and on rank 0 one line over every
+    rank (``attention: 2/2 ranks sdpa; path flat``); a proof that moves the run to rows is another event. Metrics
+    ``attn/path_flat`` (1 flat, 0 rows; attached models) at the first step."""
+
+    owner = "attn_decision"
+
+    _hf: Any = None
+
+    def begin(self, args: Any, model: Any, hf: Any) -> None:
+        self._hf = hf
+        info = decision_of(hf)
+        rank = args.process_index
+        assert self.events is not None
+        self.events.append("attn_impl", **info)
+        log.info(
+            "attention rank %d: %s (%s); path %s (%s)",
+            rank,
+            info["chosen"],
+            info["reason"],
+            info["path"] or "-",
+            info["path_reason"] or "-",
+        )
+        gathered = [{"rank": rank, **info}]
+        if _distributed():
+            everyone: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, gathered[0])
+            gathered = everyone
+        if rank == 0:
+            log.warning(summarize_ranks(gathered))
+        state = path_of(hf)
+        if state is not None:
+            if self._moved not in state.listeners:
+                state.listeners.append(self._moved)
+            self.run.log({"attn/path_flat": float(state.path == "flat")})
+
+    def _moved(self, state: PathState) -> None:
+        """A proof on a training batch moved the run to rows."""
+        info = decision_of(self._hf)
+        if self.events is not None:
+            self.events.append("attn_impl", **info, at="path")
+        self.run.log({"attn/path_flat": float(info["path"] == "flat")})
+
+
+# ---- the inspector and its verdict ------------------------------------------------------------------------
+
+
+class AttentionInspector(_Callback):
+    """On sampled steps, what the first forward gave the model, its decoder layers and attention modules (mask,
+    fill, restarting positions; :class:`foundry_attn.observe.inspection.ModelInspector`), and every ``verdict_interval``
+    steps the verdict on packed documents: the first documents of the batch's row with the most run alone and
+    compared with the training forward's logits (:func:`foundry_attn.observe.verdict.measure`; the structural reading,
+    labelled so, under compile, FSDP or dropout). A leak is a warning that says what to change.
+    Metrics: the ``attn/*`` of the Composer inspector; events ``attn_inspect`` and ``attn_verdict``."""
+
+    owner = "attention_inspector"
+
+    def __init__(
+        self,
+        run: Run | None = None,
+        log_interval: int = 50,
+        verdict: bool = True,
+        verdict_interval: int = 100,
+        attention_selector: str | None = None,
+        print_table: bool = True,
+    ) -> None:
+        super().__init__(run, log_interval)
+        if isinstance(verdict_interval, bool) or not isinstance(verdict_interval, int) or verdict_interval < 1:
+            raise ValueError(f"attention_inspector: verdict_interval must be an integer >= 1; got {verdict_interval!r}")
+        self.verdict, self.verdict_interval = verdict, verdict_interval
+        self.attention_selector, self.print_table = attention_selector, print_table
+        self.inspector: ModelInspector | None = None
+        self.last_records: list[dict[str, Any]] = []
+        self.last_metrics: dict[str, float] = {}
+        self.last_verdict: Verdict | None = None
+        self._model: Any = None
+        self._hf: Any = None
+        self._pending: tuple[list[dict[str, Any]], BatchInfo, Verdict | None] | None = None
+        self._probe: PrecisionProbe | None = None
+        self._printed = False
+
+    def begin(self, args: Any, model: Any, hf: Any) -> None:
+        self._model, self._hf = model, hf
+        if compiled(model) or compiled(hf):
+            self.say_once("compiled", "attention_inspector: the model runs under torch.compile; it steps aside")
+            return
+        self.inspector = ModelInspector(hf, self.attention_selector)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = state.global_step
+        inspect, judge = step % self.log_interval == 0, self.verdict and step % self.verdict_interval == 0
+        if self.inspector is None or not (inspect or judge) or self._model is None:
+            return
+        inspector = self.inspector
+
+        probe = PrecisionProbe(self._hf) if judge else None  # the forward's own autocast (accelerate's, a user's)
+        self._probe = probe
+
+        def before(batch: dict) -> None:
+            inspector.batch = BatchInfo.from_batch(batch)
+
+        def after(batch: dict, output: Any) -> None:
+            records, inspector.records = inspector.records, []
+            verdict = None
+            if probe is not None and output is not None:
+                probe.remove()
+                verdict = self._judge(batch, output, probe.context())
+            self._pending = (records, inspector.batch, verdict)
+
+        if inspect:
+            inspector.arm()
+        self.one_forward(self._model, before, after)  # after arm: its post-hook is the last
+
+    def _judge(self, batch: Mapping, output: Any, precision: contextlib.AbstractContextManager) -> Verdict:
+        from torch.distributed.tensor import DTensor
+
+        hf = self._hf
+        blocked = (
+            "the model is compiled"
+            if compiled(self._model)
+            else "FSDP shards the weights (a second forward on one rank would hang the others)"
+            if isinstance(next(hf.parameters()), DTensor)
+            else None
+        )
+
+        def rerun() -> torch.Tensor:  # TRL's fused LM head returns no logits: the batch's own, eval mode
+            inputs = {k: v for k, v in batch.items() if k not in LOSS_ONLY}
+            with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), precision:
+                return hf(**{**inputs, "use_cache": False}).logits  # after the step's call: no re-entry
+
+        return judge(hf, batch, output, blocked, precision, rerun=rerun)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.release()
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        records, batch, verdict = pending
+        step = state.global_step - 1  # the step these records are of (global_step counts it done)
+        metrics: dict[str, float] = {}
+        if records:
+            metrics.update(summarize(records, batch))
+            self.last_records = records
+            if self.events is not None:
+                self.events.append(
+                    "attn_inspect",
+                    step=step,
+                    model=type(self._hf).__name__,
+                    attn_implementation=attn_implementation(self._hf),
+                    batch={"shape": batch.shape, "real_tokens": batch.real_tokens, "fill_ratio": batch.fill_ratio},
+                    metrics=dict(metrics),
+                    modules=records,
+                )
+        if verdict is not None:
+            self.last_verdict = verdict
+            if verdict.isolated is not None:
+                metrics["attn/documents_isolated"] = float(verdict.isolated)
+            if verdict.worst is not None and verdict.worst == verdict.worst:
+                metrics["attn/verdict_worst_diff"] = float(verdict.worst)
+            if self.events is not None:
+                self.events.append("attn_verdict", step=step, **verdict.as_dict())
+            log.info("attention_inspector: step %d: %s", step, verdict.line())
+            if verdict.state == LEAKS:
+                self.say_once(
+                    "leak",
+                    f"attention_inspector: step {step}: packed documents attend to each other: "
+                    f"{verdict.line()}; fix: {FIX}",
+                )
+        if records and self.print_table and not self._printed and args.process_index == 0:
+            self._printed = True
+            fill = batch.fill_ratio
+            title = f"attention_inspector: step {step}, implementation {attn_implementation(self._hf)}" + (
+                f", batch fill {fill:.3f} ({batch.real_tokens}/{batch.positions} real)" if fill is not None else ""
+            )
+            table = format_table(records, title)
+            if verdict is not None and verdict.state != NOT_PACKED:
+                table += f"\npacked documents: {verdict.line()}"
+            print(table, flush=True)
+        self.last_metrics = metrics
+        if metrics:
+            self.run.log(metrics)
+
+    def release(self) -> None:
+        super().release()
+        if self.inspector is not None:
+            self.inspector.disarm()
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
+
+
+# ---- the unpad tracer ---------------------------------------------------------------------------------------
+
+
+class UpadTracer(_Callback):
+    """On sampled steps where the model runs transformers' flash-attention code, its unpad, position-ids, varlen,
+    dense and pad calls in the first forward, the first ``cu_seqlens`` and ``max_seqlen``
+    (:class:`foundry_attn.observe.flash_symbols.FlashCallTracer`, patched for that forward only). Metrics
+    ``attn/<role>_calls_per_step`` and ``attn/max_seqlen``; event ``upad_trace``. Other implementations: said
+    once, nothing traced."""
+
+    owner = "upad_tracer"
+
+    def __init__(self, run: Run | None = None, log_interval: int = 50, print_counts: bool = True) -> None:
+        super().__init__(run, log_interval)
+        self.print_counts = print_counts
+        self.tracer: FlashCallTracer | None = None
+        self.symbols: FlashSymbols | None = None
+        self.implementation: str | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._model: Any = None
+        self._traced = False
+
+    def begin(self, args: Any, model: Any, hf: Any) -> None:
+        self._model = model
+        self.implementation = attn_implementation(hf)
+        idle = (
+            "the model runs under torch.compile"
+            if compiled(model)
+            else None
+            if is_flash(self.implementation)
+            else f"the attention implementation is {self.implementation!r}, not flash_attention_2"
+        )
+        if idle is None:
+            self.symbols = discover()
+            idle = None if self.symbols.found else "no flash-attention symbol could be found"
+        if idle is not None:
+            self.say_once("idle", f"upad_tracer: nothing to trace ({idle})")
+            if self.events is not None:
+                self.events.append("upad_trace_idle", message=f"upad_tracer: nothing to trace ({idle})")
+            return
+        assert self.symbols is not None
+        self.tracer = FlashCallTracer(self.symbols, record=True)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tracer = self.tracer
+        if tracer is None or state.global_step % self.log_interval:
+            return
+        tracer.reset(record=True)
+        self._traced = True
+
+        def after(_: dict, __: Any) -> None:
+            tracer.detach()
+
+        self.one_forward(self._model, lambda _: tracer.attach(), after)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.release()
+        tracer, traced, self._traced = self.tracer, self._traced, False
+        if tracer is None or not traced:
+            return
+        assert self.symbols is not None
+        step = state.global_step - 1
+        metrics = {f"attn/{role}_calls_per_step": float(tracer.counts[role]) for role in ROLES}
+        if tracer.max_seqlen is not None:
+            metrics["attn/max_seqlen"] = float(tracer.max_seqlen)
+        reference = tracer.ran_reference if tracer.ran_reference is not None else is_reference(self.symbols)
+        kernel = REFERENCE_NAME if reference else "flash-attn"
+        if self.events is not None:
+            self.events.append(
+                "upad_trace", step=step, attn_implementation=self.implementation, kernel=kernel, **tracer.summary()
+            )
+        if self.print_counts and args.process_index == 0:
+            counts = ", ".join(f"{symbol_label(self.symbols, r)} {tracer.counts[r]}" for r in ROLES)
+            print(
+                f"upad_tracer: step {step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
+                f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen} [kernel: {kernel}]",
+                flush=True,
+            )
+        self.last_metrics = metrics
+        self.run.log(metrics)
+
+    def release(self) -> None:
+        super().release()
+        if self.tracer is not None:
+            self.tracer.detach(force=True)
+
+
+# ---- what a user calls --------------------------------------------------------------------------------------
+
+
+def callbacks(
+    trainer: Any = None,
+    *,
+    events_dir: str | None = None,
+    log_interval: int = 50,
+    verdict_interval: int = 100,
+) -> list[TrainerCallback]:
+    """The decision, the inspector and the unpad tracer, sharing one event log (default
+    ``<output_dir>/attn_events``). With ``trainer`` their metrics go through ``trainer.log``."""
+    run = Run(trainer, events_dir)
+    return [
+        AttnDecision(run, log_interval),
+        AttentionInspector(run, log_interval, verdict_interval=verdict_interval),
+        UpadTracer(run, log_interval),
+    ]
+
+
+def install(trainer: Any, **options: Any) -> list[TrainerCallback]:
+    """Add :func:`callbacks` to ``trainer`` (``options``: its keywords); a second call adds nothing (a warning)."""
+    present: list[TrainerCallback] = [c for c in trainer.callback_handler.callbacks if isinstance(c, _Callback)]
+    if present:
+        log.warning(
+            "foundry_attn: install: this trainer already has foundry_attn's callbacks (%s); nothing added",
+            ", ".join(type(c).__name__ for c in present),
+        )
+        return present
+    added = callbacks(trainer, **options)
+    for callback in added:
+        trainer.add_callback(callback)
+    return added

@@ -1,0 +1,92 @@
+"""The attention keys of ``foundry_attn_causal_lm``, parsed once into one typed value.
+
+    model:
+      name: foundry_attn_causal_lm
+      attn_implementation: auto          # auto | flash_attention_2 | torch_varlen | flex_attention | sdpa | eager
+      attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
+      attn_strict: false
+      attn_compute_dtype: auto
+      attn_path: auto                    # auto | flat | rows
+      attn_proof_interval: 100
+      attn_prove_at_build: true          # the proof at build (false: on the first training batch)
+      fa2_reference_kernel: false
+      attn_rank_overrides: {1: {attn_implementation: sdpa}}
+
+Every check runs here, at build, with the valid values in its error: unknown names, unknown override keys, an
+unknown path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping, Sequence
+
+from foundry_attn.flat.attach import AUTO as AUTO_PATH
+from foundry_attn.flat.attach import PROOF_INTERVAL, check_path
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, FA2, validate_names
+
+RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")
+OWNER = "foundry_attn_causal_lm"
+
+
+def rank_override(overrides: Mapping | None, rank: int) -> dict:
+    """This rank's entry of ``attn_rank_overrides`` (keys: rank numbers), checked against what it may set."""
+    entry = (overrides or {}).get(rank, (overrides or {}).get(str(rank))) or {}
+    unknown = sorted(set(entry) - set(RANK_OVERRIDABLE))
+    if unknown:
+        raise ValueError(
+            f"attn_rank_overrides[{rank}]: unknown key(s) {', '.join(unknown)}; valid keys: "
+            f"{', '.join(RANK_OVERRIDABLE)}"
+        )
+    return dict(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnKeys:
+    """This rank's attention keys, validated, with its ``attn_rank_overrides`` entry applied."""
+
+    requested: str = AUTO
+    fallback: tuple[str, ...] = DEFAULT_FALLBACK
+    strict: bool = False
+    compute_dtype: str = "auto"
+    path: str = AUTO_PATH
+    proof_interval: int = PROOF_INTERVAL
+    prove_at_build: bool = True
+    fa2_reference: bool = False
+
+    @classmethod
+    def parse(
+        cls,
+        rank: int,
+        attn_implementation: str | None = AUTO,
+        attn_fallback: Sequence[str] = DEFAULT_FALLBACK,
+        attn_strict: bool = False,
+        attn_compute_dtype: str = "auto",
+        attn_path: str = AUTO_PATH,
+        attn_proof_interval: int = PROOF_INTERVAL,
+        attn_prove_at_build: bool = True,
+        fa2_reference_kernel: bool = False,
+        attn_rank_overrides: Mapping | None = None,
+        use_flash_attention_2: bool = False,
+    ) -> AttnKeys:
+        """The keys as the model got them; :data:`KEYS` names them, the model passes on the rest."""
+        override = rank_override(attn_rank_overrides, rank)
+        requested = override.get("attn_implementation", attn_implementation) or AUTO
+        if use_flash_attention_2 and requested == AUTO:
+            requested = FA2
+        requested, fallback = validate_names(requested, list(override.get("attn_fallback", attn_fallback)))
+        return cls(
+            requested,
+            tuple(fallback),
+            bool(override.get("attn_strict", attn_strict)),
+            str(override.get("attn_compute_dtype", attn_compute_dtype)),
+            check_path(attn_path),
+            int(attn_proof_interval),
+            bool(attn_prove_at_build),
+            bool(fa2_reference_kernel),
+        )
+
+
+#: the model keys :meth:`AttnKeys.parse` takes (every other key of the model goes on to ``hf_causal_lm``)
+KEYS: tuple[str, ...] = tuple(inspect.signature(AttnKeys.parse).parameters)[1:]

@@ -1,0 +1,230 @@
+"""``foundry_attn_causal_lm``: LLM-Foundry's ``hf_causal_lm`` with an attention fallback that says why.
+
+    model:
+      name: foundry_attn_causal_lm
+      pretrained_model_name_or_path: ./build/tiny/tiny-llama
+      pretrained: false
+      attn_implementation: auto            # auto | flash_attention_2 | flex_attention | sdpa | eager
+      attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
+      attn_strict: false                   # true: fail if the request cannot run, naming the check
+      attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
+      events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR, else ./<run_name>/attn_events
+      fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
+      attn_path: auto                      # auto | flat | rows: flat where proven exact, else one document per row
+      attn_proof_interval: 100             # prove flat again every N training batches (and on the first, and
+                                           # whenever the attention code changes); 0: first batch and changes only
+      attn_prove_at_build: true            # the proof at build on two synthetic documents (false: first batch only)
+      attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
+        1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
+    callbacks:
+      attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
+
+Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches (``doc_lens``)
+and 2-D masks under every backend, on one of two paths (``foundry_attn.flat.attach``): **flat** (one row of real
+tokens, unpadded once, the documents passed to every attention call as an argument) where it is proven
+against stock, **rows** (the stock backend, one document per row, a 2-D mask) where it is not. Either way the
+outputs come back in the batch's shape, as stock's do (``[rows, width, vocab]`` logits, zeros at padding), and
+the loss is the one computed on the layout. With ``pretrained: false`` and one seed the weights, and the RNG
+state after the build, are stock's; the weights load as often as stock loads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from composer.utils import dist
+from llmfoundry.models.hf import ComposerHFCausalLM
+from llmfoundry.utils.config_utils import set_config_overrides
+from transformers import AutoConfig
+
+from foundry_attn.attention.backends import backend_of
+from foundry_attn.attention.fa2_reference import REFERENCE_NAME
+from foundry_attn.flat.attach import PathState, attach
+from foundry_attn.flat.forward import ROWS, Prepared, finish_documents, has_layout, prepare_documents, run_prepared
+from foundry_attn.flat.unwrap import compiled
+from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
+from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
+from foundry_attn.selection.capability import probe
+from foundry_attn.selection.decision import decide, load_name, model_class_for
+from foundry_attn.selection.policy import (
+    FA2,
+    AttentionUnavailableError,
+    Decision,
+    summarize,
+)
+
+log = logging.getLogger(__name__)
+
+
+class FoundryAttnCausalLM(ComposerHFCausalLM):
+    """A ``ComposerHFCausalLM`` whose attention implementation is chosen by checks, per rank."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        pretrained_model_name_or_path: str,
+        events_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        rank = dist.get_global_rank()
+        # the attention keys (foundry.keys.KEYS, their defaults there) parsed once; the rest is hf_causal_lm's
+        keys = AttnKeys.parse(rank, **{key: kwargs.pop(key) for key in KEYS if key in kwargs})
+        self.attn_keys = keys
+        cap = probe()
+        launch = [uuid.uuid4().hex[:12]]  # one id for every rank of this launch: rank 0's
+        dist.broadcast_object_list(launch, src=0)
+        # an explicit folder is checked now; the default waits for the run's name (our callbacks bind it at
+        # FIT_START to ./<run_name>/attn_events; without them, the first forward binds the fallback folder)
+        known = events_dir or (default_events_dir() if os.environ.get(ENV_EVENTS_DIR) or run_from_env() else None)
+        self.attn_events = EventLog(known, rank, cap, launch=launch[0])
+        config = AutoConfig.from_pretrained(
+            pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code", True)
+        )
+        set_config_overrides(config, kwargs.get("config_overrides") or {})  # a bad key fails here, not as attention
+        try:
+            decision = decide(
+                pretrained_model_name_or_path,
+                keys.requested,
+                keys.fallback,
+                keys.strict,
+                keys.compute_dtype,
+                cap,
+                fa2_reference=keys.fa2_reference,
+                config=config,
+            )
+            self._build(tokenizer, pretrained_model_name_or_path, config, decision, keys.fa2_reference, kwargs)
+            decision = self._attach(decision, keys.fa2_reference, keys.prove_at_build)
+        except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
+            self.attn_events.append(
+                "attn_impl",
+                requested=keys.requested,
+                chosen=None,
+                fallback=True,
+                failed=True,
+                strict=keys.strict,
+                reason=str(exc),
+            )
+            if not self.attn_events.bound:  # no run will start: write it where the run's folder would be
+                self.attn_events.bind(default_events_dir())
+            raise
+        self.attn_decision = decision
+        self.attn_capability = cap
+        self._fa2_reference = keys.fa2_reference and decision.chosen == FA2
+        self._dtype_checked = False
+        self._record(decision, cap, rank)
+
+    def _build(self, tokenizer: Any, path: str, config: Any, decision: Decision, reference: bool, kwargs: dict) -> None:
+        """Build once, as stock builds. transformers' own attention check already ran on the config in ``decide``
+        (no weights), so an error here is the build's own: it surfaces unchanged, with no retry and no second
+        load; a later fallback (the path proof, the first-forward dtype check) switches the loaded model."""
+        super().__init__(
+            tokenizer=tokenizer,
+            pretrained_model_name_or_path=path,
+            attn_implementation=load_name(decision.chosen, reference, model_class_for(config)),
+            **kwargs,
+        )
+
+    def _attach(self, decision: Decision, reference: bool, at_build: bool) -> Decision:
+        """Prove the flat path for the choice (``foundry_attn.flat.attach``); rows where it does not hold. A backend
+        whose rows would be another backend (torch_varlen: sdpa) moves down the chain instead."""
+        keys = self.attn_keys
+        while True:
+            state = attach(
+                self.model,
+                decision.chosen,
+                keys.path,
+                fa2_reference=reference,
+                strict=keys.strict,
+                interval=keys.proof_interval,
+                prove_now=at_build and self._can_prove_at_build(decision, reference),
+            )
+            if state.path == ROWS and backend_of(state.rows_name) != decision.chosen:
+                decision = decision.with_rejection(decision.chosen, state.reason, check="flat path")
+                continue
+            state.listeners.append(self._path_changed)
+            note = state.proofs[-1][1].describe() if state.proofs else "off" if not at_build else "first batch"
+            return dataclasses.replace(decision, proof=note, path=state.path, path_reason=state.reason)
+
+    def _path_changed(self, state: PathState) -> None:
+        """A proof on a training batch moved the run to rows: record it in the decision and as an event."""
+        self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
+        self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
+
+    def _can_prove_at_build(self, decision: Decision, reference: bool) -> bool:
+        """The proof at build runs where the weights are: not on meta, not real FA2 on a CPU-built model."""
+        device = next(self.model.parameters()).device
+        return device.type != "meta" and not (decision.chosen == FA2 and not reference and device.type != "cuda")
+
+    def _record(self, decision: Decision, cap: Any, rank: int) -> None:
+        info = decision.as_dict()
+        level = logging.WARNING if decision.fell_back or self._fa2_reference else logging.INFO
+        log.log(
+            level,
+            "attention rank %d on %s (%s): requested %s, chose %s (%s); path %s (%s)",
+            rank,
+            cap.device_name,
+            cap.sm,
+            decision.requested,
+            decision.chosen,
+            decision.reason,
+            decision.path,
+            decision.path_reason,
+        )
+        if decision.warning:
+            log.warning("attention rank %d: %s kept, but: %s", rank, decision.chosen, decision.warning)
+        if self._fa2_reference:
+            log.warning(
+                "attention: flash_attention_2 runs on the pure-PyTorch REFERENCE kernel, not flash-attn "
+                "(fa2_reference_kernel: true). Use it for tests and diagnosis only."
+            )
+        self.attn_events.append("attn_impl", **info)
+        gathered = dist.all_gather_object({"rank": rank, "device_name": cap.device_name, "sm": cap.sm, **info})
+        #: every rank's choice in one line, gathered once here (``attn_decision`` logs it as ``attn/summary``)
+        self.attn_summary = summarize(gathered)
+        if rank == 0:
+            loud = any(d["fell_back"] for d in gathered) or REFERENCE_NAME in self.attn_summary
+            log.log(logging.WARNING if loud else logging.INFO, self.attn_summary)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    @property
+    def attn_implementation(self) -> str:
+        """The backend attention runs (``sdpa``, not our registered ``foundry_sdpa``)."""
+        return backend_of(self.model.config._attn_implementation)
+
+    def _check_fa2_dtype(self, device: torch.device) -> None:
+        """First forward only: FA2 with fp32 weights and no autocast fails inside flash-attn; fall back now."""
+        self._dtype_checked = True
+        if self.attn_implementation != FA2 or self._fa2_reference or device.type != "cuda":
+            return
+        if torch.is_autocast_enabled(device.type) or self.model.dtype in (torch.float16, torch.bfloat16):
+            return
+        reason = "fp32 weights without autocast at the first forward (FA2 needs fp16/bf16)"
+        self.attn_decision = self.attn_decision.with_rejection(  # strict: raises, naming check, device and fix
+            FA2, reason, check="dtype", fix="train with precision: amp_bf16 (or amp_fp16)"
+        )
+        self.attn_decision = self._attach(self.attn_decision, reference=False, at_build=False)  # first batch proves
+        log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
+        self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
+
+    def forward(self, batch: Mapping) -> Any:
+        routed = self._route(batch)
+        if routed is None:
+            return super().forward(batch)  # Composer passes on only the keys the HF forward names
+        out, routed = run_prepared(lambda inputs: self.model(**inputs, use_cache=False), self.model, batch, routed)
+        return finish_documents(out, routed.placed, routed.no_targets, shaped=True)  # [rows, width, vocab] logits
+
+    @torch.compiler.disable
+    def _route(self, batch: Mapping) -> Prepared | None:
+        """Host-side work before the model runs, never traced (``compile_config`` compiles ``forward``): the
+        first-forward dtype check, and our layout's inputs, or None for a batch that keeps the stock path."""
+        if not self._dtype_checked:
+            self._check_fa2_dtype(batch["input_ids"].device)
+            if not self.attn_events.bound:  # none of our callbacks named the run's folder
+                self.attn_events.bind(default_events_dir())
+        return prepare_documents(self.model, batch, in_step=not compiled(self)) if has_layout(batch) else None

@@ -1,0 +1,125 @@
+"""Where the attention is in a model: the Hugging Face model inside wrappers, its decoder layers and attention
+modules, and the attention implementation it runs.
+
+    name, hf = find_hf_model(state.model)        # through DDP / FSDP / checkpoint / compile wrappers
+    modules = discover_modules(hf)               # .layers, .attention: (clean name, module) pairs
+    attn_implementation(hf)                      # "sdpa" (HF's _attn_implementation, MPT's attn_impl, ...)
+
+Imports torch and the core (transformers only when it looks for a ``PreTrainedModel``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+from foundry_attn.attention.backends import backend_of
+from foundry_attn.flat.unwrap import find_inside
+
+_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+_ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
+
+
+# ---- finding the Hugging Face model inside wrappers ---------------------------------------------------------
+
+
+def clean_name(name: str) -> str:
+    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers), with its
+    name less the wrapper segments."""
+    found = find_inside(model, _is_hf_model)
+    return None if found is None else (clean_name(found[0]), found[1])
+
+
+def mpt_attn_impl(module: nn.Module | None) -> str | None:
+    """LLM-Foundry MPT's ``attn_config['attn_impl']`` (``torch``, ``flash``, ``flex``) of ``module``, or None.
+
+    MPT's config is a ``PretrainedConfig`` whose ``_attn_implementation`` stays ``eager`` whatever runs: its
+    attention is chosen by ``attn_config``, which is read first.
+    """
+    attn_config = getattr(getattr(module, "config", None), "attn_config", None)
+    impl = attn_config.get("attn_impl") if isinstance(attn_config, Mapping) else None
+    return impl if isinstance(impl, str) else None
+
+
+def attn_implementation(module: nn.Module | None) -> str | None:
+    """The attention implementation that really runs in ``module``; None without a module.
+
+    MPT's ``attn_impl`` (:func:`mpt_attn_impl`), else the config's ``_attn_implementation`` (``sdpa`` for our
+    registered ``foundry_sdpa``), else ``unknown (class X)``.
+    """
+    if module is None:
+        return None
+    mpt = mpt_attn_impl(module)
+    if mpt is not None:
+        return mpt
+    impl = backend_of(getattr(getattr(module, "config", None), "_attn_implementation", None))
+    return impl if impl else f"unknown (class {type(module).__name__})"
+
+
+# ---- model discovery ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ModuleMap:
+    """The modules inspected: decoder layers and attention modules (name, module), in model order."""
+
+    layers: list[tuple[str, nn.Module]]
+    attention: list[tuple[str, nn.Module]]
+    attention_like: dict[str, int]  # class name -> count, found by the heuristic
+    selector: str | None = None
+    selector_matched: bool = True
+
+
+def discover_modules(model: nn.Module, attention_selector: str | None = None) -> ModuleMap:
+    """Decoder layers (the largest ``ModuleList`` of blocks holding attention) and attention modules.
+
+    Attention modules are, by default, the outermost modules whose class name says attention
+    (``LlamaAttention``, ``Qwen2Attention``, ``GPTNeoXAttention``, ...); ``attention_selector`` (a regex
+    searched in the module path and the class name) replaces that rule.
+    """
+    named = [(clean_name(n), m) for n, m in model.named_modules() if m is not model]
+    heuristic: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if _ATTENTION_LIKE.search(type(module).__name__) and not any(
+            name.startswith(parent + ".") for parent, _ in heuristic
+        ):
+            heuristic.append((name, module))
+    like: dict[str, int] = {}
+    for _, module in heuristic:
+        like[type(module).__name__] = like.get(type(module).__name__, 0) + 1
+    attention = heuristic
+    matched = True
+    if attention_selector:
+        pattern = re.compile(attention_selector)
+        attention = [(n, m) for n, m in named if pattern.search(n) or pattern.search(type(m).__name__)]
+        matched = bool(attention)
+    attn_ids = {id(m) for _, m in heuristic}
+    layers: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if isinstance(module, nn.ModuleList) and len(module) > len(layers):
+            children = [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(module)]
+            if all(any(id(sub) in attn_ids for sub in child.modules()) for _, child in children):
+                layers = children
+    if not layers:  # no stack of blocks: the parents of the attention modules
+        by_name = dict(named)
+        for name, _ in heuristic:
+            parent = name.rpartition(".")[0]
+            if parent in by_name and all(parent != n for n, _ in layers):
+                layers.append((parent, by_name[parent]))
+    return ModuleMap(layers, attention, like, attention_selector, matched)

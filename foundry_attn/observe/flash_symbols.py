@@ -1,0 +1,446 @@
+"""transformers' flash-attention utilities: find them, patch them in layers, count their calls.
+
+    from foundry_attn.observe.flash_symbols import FlashCallTracer, discover
+
+    print(discover().describe())            # which names this transformers uses; which are missing
+    with FlashCallTracer() as tracer:       # counts unpad / position-id / varlen / dense / pad calls
+        model(input_ids=ids, attention_mask=mask)
+    tracer.counts["upad"], tracer.first["varlen"]["cu_seqlens_q"]
+
+``_flash_attention_forward`` looks its helpers up in its own module at call time, so wrapping the module
+attributes reaches every caller. Which names it looks up changed across releases, so :func:`discover` reads
+them from the function's code instead of assuming them:
+
+============  =====================================  ==============================================
+role          4.51                                   later releases (4.54 ... 5.x)
+============  =====================================  ==============================================
+``upad``      ``_upad_input``                        ``_upad_input`` (+ unpad fn), then
+                                                     ``prepare_fa_kwargs_from_attn_mask``
+``posids``    ``prepare_fa2_from_position_ids``      ``_prepare_from_posids``, then
+                                                     ``prepare_fa_kwargs_from_position_ids``
+``varlen``    ``flash_attn_varlen_func`` (global)    2nd kernel of ``lazy_import_flash_attention()``
+``dense``     ``flash_attn_func`` (global)           1st kernel of ``lazy_import_flash_attention()``
+``pad``       ``pad_input`` (global)                 ``_pad_input`` / next-to-last kernel of the lazy import
+============  =====================================  ==============================================
+
+LLM-Foundry MPT (``attn_impl: flash``) bypasses these utilities and calls flash-attn itself:
+:func:`discover_mpt` finds what it looks up at call time (``flash_attn.flash_attn_interface.flash_attn_varlen_func``
+/ ``flash_attn_func``, ``flash_attn.bert_padding.pad_input``), which the same tracer wraps.
+
+The tracer's wrappers are layers (``foundry_attn.patching``) that sit above the FA2 reference kernel's
+replacements, so two tracers and the reference context nest in any order.
+Core module: torch, transformers and the standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from foundry_attn.attention import fa2_reference
+from foundry_attn.flat.comparison import proving
+from foundry_attn.patching import Patch, original, patch_attribute  # noqa: F401 - original is re-exported
+
+FA_UTILS = "transformers.modeling_flash_attention_utils"
+UPAD, POSIDS, VARLEN, DENSE, PAD = "upad", "posids", "varlen", "dense", "pad"
+ROLES: tuple[str, ...] = (UPAD, POSIDS, VARLEN, DENSE, PAD)
+KERNEL_ROLES: tuple[str, ...] = (VARLEN, DENSE)
+#: per role, module-level names in order of preference (newest last)
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    UPAD: ("_upad_input", "prepare_fa_kwargs_from_attn_mask"),
+    POSIDS: ("prepare_fa2_from_position_ids", "_prepare_from_posids", "prepare_fa_kwargs_from_position_ids"),
+    VARLEN: ("flash_attn_varlen_func",),
+    DENSE: ("flash_attn_func",),
+    PAD: ("pad_input", "_pad_input"),
+}
+#: globals that the module imports from flash-attn (absent until flash-attn or the reference provides them)
+KERNEL_GLOBALS = frozenset({"flash_attn_varlen_func", "flash_attn_func", "pad_input"})
+LAZY_IMPORT = "lazy_import_flash_attention"
+#: position of each kernel in the first element returned by ``lazy_import_flash_attention``, by its length:
+#: 4.54-4.57 ``(dense, varlen, pad, unpad)``, 5.x ``(dense, varlen, kvcache, pad, unpad)``
+LAZY_LAYOUTS = {4: {DENSE: 0, VARLEN: 1, PAD: 2}, 5: {DENSE: 0, VARLEN: 1, PAD: 3}}
+LAZY_INDEX = {DENSE: 0, VARLEN: 1, PAD: -2}  # for names; pad is next to last in both layouts
+
+_lock = threading.RLock()  # a tracer's attach depth
+
+# ---- discovery ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashSymbols:
+    """What the installed transformers calls, by role. ``found[role]`` is a module attribute name, or
+    ``lazy_import_flash_attention()[i]`` for kernels handed out by the lazy importer."""
+
+    transformers_version: str  # the version of ``library`` (historic name)
+    module: str
+    found: dict[str, str]
+    missing: dict[str, tuple[str, ...]]
+    lazy_import: str | None = None
+    error: str | None = None
+    #: what calls these symbols: ``transformers`` (its FA utilities) or ``flash-attn`` (MPT's direct calls)
+    library: str = "transformers"
+    #: role -> the module its symbol lives in, where not ``module``
+    modules: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def module_of(self, role: str) -> str:
+        return self.modules.get(role, self.module)
+
+    def describe_missing(self) -> list[str]:
+        """One line per role the library does not expose (empty when all are traceable)."""
+        if self.error:
+            return [f"{self.library} {self.transformers_version}: cannot inspect {self.module}: {self.error}"]
+        return [
+            f"{self.library} {self.transformers_version} has none of {', '.join(names)} in {self.module}: "
+            f"{role} calls are not counted"
+            for role, names in self.missing.items()
+        ]
+
+    def describe(self) -> str:
+        found = ", ".join(f"{role}={name}" for role, name in self.found.items()) or "nothing"
+        lines = [f"{self.library} {self.transformers_version} ({self.module}): {found}", *self.describe_missing()]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+
+        return str(transformers.__version__)
+    except Exception:  # a broken install is reported, not raised
+        return "unknown"
+
+
+def discover(module: ModuleType | None = None) -> FlashSymbols:
+    """Which flash-attention helpers ``_flash_attention_forward`` really looks up, per role; never raises."""
+    version = _transformers_version()
+    try:
+        mod = module if module is not None else importlib.import_module(FA_UTILS)
+    except Exception as exc:
+        return FlashSymbols(version, FA_UTILS, {}, dict(CANDIDATES), error=f"{type(exc).__name__}: {exc}")
+    forward = getattr(mod, "_flash_attention_forward", None)
+    code = getattr(forward, "__code__", None)
+    referenced = set(code.co_names) if code is not None else None
+
+    def usable(name: str) -> bool:
+        if referenced is not None and name not in referenced:
+            return False
+        return name in mod.__dict__ or (referenced is not None and name in KERNEL_GLOBALS)
+
+    lazy = LAZY_IMPORT if usable(LAZY_IMPORT) and callable(mod.__dict__.get(LAZY_IMPORT)) else None
+    lazy_code = getattr(mod.__dict__.get(LAZY_IMPORT), "__code__", None) if lazy else None
+    lazy_has_pad = lazy_code is not None and "_pad_fn" in lazy_code.co_names
+    found: dict[str, str] = {}
+    missing: dict[str, tuple[str, ...]] = {}
+    for role, names in CANDIDATES.items():
+        name = next((n for n in names if usable(n)), None)
+        if name is None and lazy and role in LAZY_INDEX and (role != PAD or lazy_has_pad):
+            name = f"{LAZY_IMPORT}()[{LAZY_INDEX[role]}]"
+        if name is None:
+            missing[role] = names + ((LAZY_IMPORT,) if role in LAZY_INDEX else ())
+        else:
+            found[role] = name
+    return FlashSymbols(version, getattr(mod, "__name__", FA_UTILS), found, missing, lazy)
+
+
+#: where LLM-Foundry MPT (``attn_impl: flash``) looks up flash-attn at call time:
+#: ``from flash_attn import bert_padding, flash_attn_interface`` inside ``flash_attn_fn``, then
+#: ``flash_attn_interface.flash_attn_varlen_func(...)`` and ``bert_padding.pad_input(...)`` per layer
+MPT_INTERFACE, MPT_PADDING = "flash_attn.flash_attn_interface", "flash_attn.bert_padding"
+MPT_CANDIDATES: dict[str, tuple[str, str]] = {
+    VARLEN: (MPT_INTERFACE, "flash_attn_varlen_func"),
+    DENSE: (MPT_INTERFACE, "flash_attn_func"),
+    PAD: (MPT_PADDING, "pad_input"),
+}
+
+
+def discover_mpt() -> FlashSymbols:
+    """What LLM-Foundry MPT's flash path calls, found on flash-attn's own modules; never raises.
+
+    MPT unpads once per forward (``bert_padding.unpad_input`` before its blocks) and calls flash-attn's kernels
+    directly, so the ``upad`` / ``posids`` roles (transformers' per-layer helpers) are neither found nor missing.
+    """
+    try:
+        import flash_attn
+
+        version = str(getattr(flash_attn, "__version__", "unknown"))
+    except Exception as exc:
+        names: dict[str, tuple[str, ...]] = {role: (name,) for role, (_, name) in MPT_CANDIDATES.items()}
+        error = f"{type(exc).__name__}: {exc}"
+        return FlashSymbols("none", MPT_INTERFACE, {}, names, error=error, library="flash-attn")
+    found: dict[str, str] = {}
+    missing: dict[str, tuple[str, ...]] = {}
+    modules: dict[str, str] = {}
+    for role, (module_name, name) in MPT_CANDIDATES.items():
+        try:
+            mod = importlib.import_module(module_name)
+        except Exception:
+            mod = None
+        if mod is not None and callable(mod.__dict__.get(name)):
+            found[role] = name
+            if module_name != MPT_INTERFACE:
+                modules[role] = module_name
+        else:
+            missing[role] = (name,)
+    return FlashSymbols(version, MPT_INTERFACE, found, missing, library="flash-attn", modules=modules)
+
+
+# ---- tracing -----------------------------------------------------------------------------------------------
+
+
+def _as_list(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.detach().flatten().tolist()]  # host read: sampled calls only
+    return [int(v) for v in value]
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+
+
+def _is_cu_pair(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in value)
+    )
+
+
+def _seqlens_from_output(out: Any) -> dict[str, Any]:
+    """``(cu_q, cu_k), (max_q, max_k)`` wherever they sit in an unpad/position-id helper's result."""
+    items = list(out) if isinstance(out, tuple) else []
+    for i, item in enumerate(items):
+        if _is_cu_pair(item):
+            rec: dict[str, Any] = {"cu_seqlens_q": _as_list(item[0]), "cu_seqlens_k": _as_list(item[1])}
+            if i + 1 < len(items) and isinstance(items[i + 1], tuple) and len(items[i + 1]) == 2:
+                rec["max_seqlen_q"], rec["max_seqlen_k"] = (_as_int(v) for v in items[i + 1])
+            return rec
+    return {}
+
+
+def _describe_call(role: str, args: tuple, kwargs: dict, out: Any) -> dict[str, Any]:
+    """What a traced call was given / gave back, as plain Python (reads device values: sampled calls only)."""
+    if role == VARLEN:
+
+        def arg(key: str, pos: int) -> Any:
+            return kwargs[key] if key in kwargs else (args[pos] if len(args) > pos else None)
+
+        return {
+            "cu_seqlens_q": _as_list(arg("cu_seqlens_q", 3)),
+            "cu_seqlens_k": _as_list(arg("cu_seqlens_k", 4)),
+            "max_seqlen_q": _as_int(arg("max_seqlen_q", 5)),
+            "max_seqlen_k": _as_int(arg("max_seqlen_k", 6)),
+            "q_shape": list(q.shape) if isinstance(q := arg("q", 0), torch.Tensor) else None,
+        }
+    if role == DENSE:
+        q = args[0] if args else kwargs.get("q")
+        shape = list(q.shape) if isinstance(q, torch.Tensor) else None
+        return {"q_shape": shape, "max_seqlen_q": shape[1] if shape else None}
+    if role == PAD:
+        return {"out_shape": list(out.shape) if isinstance(out, torch.Tensor) else None}
+    return _seqlens_from_output(out)
+
+
+class FlashCallTracer:
+    """Counts calls into transformers' flash-attention helpers while attached.
+
+    ``counts[role]`` (calls since :meth:`reset`), ``first[role]`` (cu_seqlens / max_seqlen / shapes of the
+    first call of each role, only while ``record`` is true), ``entry`` (the first kernel that ran: ``varlen``
+    or ``dense``). ``attach``/``detach`` nest (a depth count); ``with tracer:`` attaches for the block.
+    """
+
+    def __init__(self, symbols: FlashSymbols | None = None, record: bool = True, module: ModuleType | None = None):
+        self.symbols = symbols if symbols is not None else discover(module)
+        self._module = module
+        self.record = record
+        self.counts: dict[str, int] = dict.fromkeys(ROLES, 0)
+        self.first: dict[str, dict[str, Any]] = {}
+        self.order: list[str] = []
+        #: a flash kernel ran under the reference (not flash-attn) since :meth:`reset`; None: no kernel ran
+        self.ran_reference: bool | None = None
+        self._patches: list[Patch] = []
+        self._depth = 0
+
+    # -- lifecycle
+    def reset(self, record: bool | None = None) -> None:
+        self.counts = dict.fromkeys(ROLES, 0)
+        self.first, self.order, self.ran_reference = {}, [], None
+        if record is not None:
+            self.record = record
+
+    @property
+    def attached(self) -> bool:
+        return self._depth > 0
+
+    def attach(self) -> None:
+        with _lock:
+            self._depth += 1
+            if self._depth > 1:
+                return
+            try:
+                mod = self._module if self._module is not None else importlib.import_module(self.symbols.module)
+                lazy_roles = []
+                for role, name in self.symbols.found.items():
+                    if name.startswith(LAZY_IMPORT):
+                        lazy_roles.append(role)
+                    else:
+                        home = mod
+                        if self._module is None and self.symbols.module_of(role) != self.symbols.module:
+                            home = importlib.import_module(self.symbols.module_of(role))
+                        self._patches.append(patch_attribute(home, name, wrap=functools.partial(self._wrap, role)))
+                if lazy_roles and self.symbols.lazy_import:
+                    factory = functools.partial(self._wrap_lazy, tuple(lazy_roles))
+                    self._patches.append(patch_attribute(mod, self.symbols.lazy_import, wrap=factory))
+            except BaseException:
+                self._depth = 1
+                self.detach()
+                raise
+
+    def detach(self, force: bool = False) -> None:
+        """Undo one :meth:`attach` (all of them with ``force``); originals come back when the last goes."""
+        with _lock:
+            if self._depth == 0:
+                return
+            self._depth = 0 if force else self._depth - 1
+            if self._depth == 0:
+                patches, self._patches = self._patches, []
+                for patch in reversed(patches):
+                    patch.remove()
+
+    def __enter__(self) -> FlashCallTracer:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # -- wrappers
+    def _seen(self, role: str, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.record and role not in self.first:
+            try:
+                self.first[role] = _describe_call(role, args, kwargs, out)
+            except Exception as exc:  # tracing never breaks the forward
+                self.first[role] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _wrap(self, role: str, inner: Callable) -> Callable:
+        @functools.wraps(inner)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if proving():  # the flat-path proof's own forwards are not the step's
+                return inner(*args, **kwargs)
+            self.counts[role] += 1
+            if role not in self.order:
+                self.order.append(role)
+            if role in KERNEL_ROLES:  # what ran, not what the module holds after: 5.x hands kernels out lazily
+                self.ran_reference = bool(self.ran_reference) or fa2_reference.active() or _from_reference(inner)
+            out = inner(*args, **kwargs)
+            self._seen(role, args, kwargs, out)
+            return out
+
+        traced.__foundry_attn_traced__ = role  # type: ignore[attr-defined]
+        return traced
+
+    def _wrap_lazy(self, roles: tuple[str, ...], inner: Callable) -> Callable:
+        """``lazy_import_flash_attention`` -> the same result with its kernels wrapped (cached per kernel)."""
+        cache: dict[int, Callable] = {}
+
+        @functools.wraps(inner)
+        def traced_lazy(*args: Any, **kwargs: Any) -> Any:
+            result = inner(*args, **kwargs)
+            try:
+                kernels, rest = result[0], result[1:]
+                kernels = list(kernels)
+            except (TypeError, IndexError, KeyError):
+                return result
+            layout = LAZY_LAYOUTS.get(len(kernels), {})
+            for role in roles:
+                i = layout.get(role, len(kernels))
+                if i < len(kernels) and callable(kernels[i]):
+                    fn = kernels[i]
+                    if id(fn) not in cache:
+                        cache[id(fn)] = self._wrap(role, fn)
+                    kernels[i] = cache[id(fn)]
+            return (tuple(kernels), *rest)
+
+        return traced_lazy
+
+    # -- results
+    @property
+    def entry(self) -> str | None:
+        """The first flash kernel that ran since :meth:`reset`: ``varlen`` or ``dense`` (None if neither)."""
+        return next((r for r in self.order if r in KERNEL_ROLES), None)
+
+    @property
+    def max_seqlen(self) -> int | None:
+        for role in (self.entry, VARLEN, DENSE, UPAD, POSIDS):
+            if role and role in self.first and self.first[role].get("max_seqlen_q") is not None:
+                return self.first[role]["max_seqlen_q"]
+        return None
+
+    @property
+    def cu_seqlens(self) -> list[int] | None:
+        """cu_seqlens_q of the first varlen call (else of the first unpad / position-id call)."""
+        for role in (VARLEN, UPAD, POSIDS):
+            if self.first.get(role, {}).get("cu_seqlens_q") is not None:
+                return self.first[role]["cu_seqlens_q"]
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "entry": self.entry,
+            "max_seqlen": self.max_seqlen,
+            "cu_seqlens": self.cu_seqlens,
+            "first": {k: dict(v) for k, v in self.first.items()},
+            "symbols": dict(self.symbols.found),
+        }
+
+
+def symbol_label(symbols: FlashSymbols, role: str) -> str:
+    """A short human name for a role in this transformers, e.g. ``_upad_input``."""
+    return symbols.found.get(role) or f"{CANDIDATES[role][0]} (missing)"
+
+
+def is_flash(impl: str | None) -> bool:
+    """Implementations that run transformers' flash-attention utilities (FA2, FA3, flash kernels)."""
+    return impl is not None and "flash" in impl
+
+
+def short_list(values: list[int] | None, keep: int = 8) -> str:
+    if values is None:
+        return "-"
+    if len(values) <= keep:
+        return str(values)
+    head = ", ".join(map(str, values[: keep - 2]))
+    return f"[{head}, ..., {values[-1]}] ({len(values)} entries)"
+
+
+def _from_reference(fn: Callable) -> bool:
+    """Whether ``fn`` (under its wrappers and partials) is one of the pure-PyTorch reference kernels."""
+    fn = inspect.unwrap(fn)
+    return getattr(getattr(fn, "func", fn), "__module__", None) == fa2_reference.__name__
+
+
+def is_reference(symbols: FlashSymbols) -> bool:
+    """The varlen kernel that ``symbols`` names is the pure-PyTorch reference (installed in flash-attn's place)."""
+    name = symbols.found.get(VARLEN)
+    if name is None or name.startswith(LAZY_IMPORT):
+        return False
+    try:
+        fn = vars(importlib.import_module(symbols.module_of(VARLEN))).get(name)
+    except Exception:  # the kernel's module went away: not the reference
+        return False
+    return callable(fn) and _from_reference(fn)

@@ -1,0 +1,143 @@
+"""What this machine and this install can run: a plain, serialisable snapshot.
+
+    >>> from foundry_attn.selection.capability import probe
+    >>> probe().as_dict()["device_name"]
+    'cpu'
+
+Core module: torch, transformers and the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import socket
+import sys
+
+import torch
+
+from foundry_attn import guard
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """Facts the attention policy decides on. Tests build these by hand to inject hardware."""
+
+    cuda: bool
+    device_name: str
+    compute_capability: tuple[int, int] | None
+    torch_version: str
+    transformers_version: str | None
+    flash_attn_version: str | None  # the version that imports here, else None
+    flash_attn_error: str | None  # why it does not, by kind (foundry_attn.guard), else None
+    transformer_engine_version: str | None
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+    #: the installed flash-attn distribution's version, whether it imports or not (events group nodes by it)
+    flash_attn_installed: str | None = None
+    #: the command that mends ``flash_attn_error`` (versions filled in), else None
+    flash_attn_fix: str | None = None
+    #: why FlexAttention cannot train (backward) on this device with this torch, or None when it can
+    flex_backward_error: str | None = None
+    #: the hub kernel transformers 5.x loads for ``flash_attention_2`` when flash-attn is missing and the
+    #: ``kernels`` package is installed (silently, from the network), else None
+    hub_kernel: str | None = None
+
+    @property
+    def sm(self) -> str:
+        """``sm80``-style name of the compute capability, or ``cpu``."""
+        if self.compute_capability is None:
+            return "cpu"
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
+        out["sm"] = self.sm
+        return out
+
+
+def probe_flash_attn() -> tuple[str | None, str | None]:
+    """Version of flash-attn if it really imports, else why not, by kind (the guard's one import of it)."""
+    tried = guard.check()
+    if not tried.imported:
+        return None, tried.reason
+    return getattr(sys.modules["flash_attn"], "__version__", None) or tried.installed, None
+
+
+def _hub_kernel() -> str | None:
+    if importlib.util.find_spec("kernels") is None:
+        return None
+    try:
+        from transformers.modeling_flash_attention_utils import (  # type: ignore[attr-defined,unused-ignore]
+            FLASH_ATTN_KERNEL_FALLBACK,
+        )
+    except ImportError:  # 4.51: no hub fallback
+        return None
+    return FLASH_ATTN_KERNEL_FALLBACK.get("flash_attention_2")
+
+
+def rng_untouched(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """A block that leaves the global RNG as it found it: the CPU's, and ``device``'s when it is CUDA (probes and
+    smoke calls draw their inputs inside, so a seeded model build starts from the weights stock gives)."""
+    device = torch.device(device)
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+@functools.cache
+def flex_backward_error(device_type: str) -> str | None:
+    """One tiny FlexAttention forward + backward on ``device_type``: None when it trains, else why not.
+
+    torch 2.7 runs eager flex backward on the CPU; later releases raise ``NotImplementedError`` there.
+    """
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        with rng_untouched(device_type):
+            q = torch.randn(1, 1, 8, 8, device=device_type, requires_grad=True)
+            out = flex_attention(q, q, q)
+            assert isinstance(out, torch.Tensor)
+            out.sum().backward()
+    except Exception as exc:  # the reason is reported, the policy rejects flex
+        first = str(exc).split(". ")[0]
+        return (
+            f"torch {torch.__version__} FlexAttention has no backward on {device_type} ({type(exc).__name__}: {first})"
+        )
+    return None
+
+
+def probe(device: torch.device | str | None = None) -> Capability:
+    """Collect the capability of ``device`` (default: the current CUDA device, else CPU)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device(device) if device is not None else torch.device("cuda" if cuda else "cpu")
+    if device.type == "cuda" and cuda:
+        name = torch.cuda.get_device_name(device)
+        cc: tuple[int, int] | None = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+    else:
+        name, cc = "cpu", None
+    tried = guard.check()  # the one import of flash_attn in this process
+    fa_version, fa_error = probe_flash_attn()
+    return Capability(
+        cuda=cuda and device.type == "cuda",
+        device_name=name,
+        compute_capability=cc,
+        torch_version=torch.__version__,
+        transformers_version=_dist_version("transformers"),
+        flash_attn_version=fa_version,
+        flash_attn_error=fa_error,
+        flash_attn_installed=tried.installed,
+        flash_attn_fix=None if tried.imported else tried.fix,
+        transformer_engine_version=_dist_version("transformer-engine") or _dist_version("transformer_engine"),
+        hub_kernel=_hub_kernel() if fa_version is None else None,
+        flex_backward_error=flex_backward_error(device.type if device.type == "cuda" and cuda else "cpu"),
+    )

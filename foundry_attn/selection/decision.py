@@ -1,0 +1,145 @@
+"""From a model path to an attention decision: traits of the model class, compute dtype, load checks.
+
+Core module: torch and transformers only. The Composer model (``foundry_attn.integrations.llm_foundry.model``) calls
+``decide`` before it builds anything, so a bad name or a strict failure costs no model build, and transformers'
+own attention check runs here, on the config: the model then builds once, with what it accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from foundry_attn.selection.capability import Capability
+from foundry_attn.selection.policy import (
+    AUTO,
+    DEFAULT_FALLBACK,
+    EAGER,
+    FA2,
+    FLEX,
+    SDPA,
+    TORCH_VARLEN,
+    Decision,
+    ModelTraits,
+    choose,
+    fa2_smoke_test,
+)
+
+if TYPE_CHECKING:
+    from transformers.modeling_utils import PreTrainedModel  # the top-level name is a dummy class to mypy
+
+COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_compute_dtype(name: str, cap: Capability) -> torch.dtype:
+    """The dtype attention computes in.
+
+    ``auto``: bf16 on a CUDA device that has it (else fp16), because LLM-Foundry trains on GPUs under
+    Composer's ``precision: amp_bf16``/``amp_fp16`` autocast, where fp32 master weights still run
+    attention in half precision; fp32 on CPU. Name the dtype when you train in fp32 on a GPU.
+    """
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"attn_compute_dtype: unknown value {name!r}; valid values: {', '.join(COMPUTE_DTYPES)}")
+    named = COMPUTE_DTYPES[name]
+    if named is not None:
+        return named
+    if not cap.cuda:
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The class ``AutoModelForCausalLM`` would build for ``config`` (for its ``_supports_*`` flags)."""
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) in mapping:
+        return mapping[type(config)]
+    auto_map = getattr(config, "auto_map", None) or {}
+    raise ValueError(f"no causal-LM class for {type(config).__name__} (auto_map: {auto_map or 'none'})")
+
+
+def load_name(chosen: str, fa2_reference: bool = False, model_class: type | None = None) -> str:
+    """The implementation transformers builds the model with for ``chosen``: our backends that transformers
+    does not know (torch_varlen, FA2 on the reference kernel) load as sdpa, or eager where ``model_class`` has no
+    sdpa (GPT-J in 4.51); ``attach.attach`` points them after."""
+    if chosen != TORCH_VARLEN and not (chosen == FA2 and fa2_reference):
+        return chosen
+    return SDPA if model_class is None or getattr(model_class, "_supports_sdpa", False) else EAGER
+
+
+def transformers_load_check(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, name: str, dtype: torch.dtype
+) -> str | None:
+    """Run transformers' own load-time validation for ``name``; the error text, or None when it passes.
+
+    4.51: the class-level ``_check_and_enable_*``. 4.54+/5.x: ``_check_and_adjust_attn_implementation``, an
+    instance method, run on an instance that skipped ``__init__`` (no weights: only its class and the config);
+    there it may also try a hub kernel for a missing flash-attn, and any failure of that is a refusal too.
+    """
+    try:
+        if hasattr(model_class, "_check_and_adjust_attn_implementation"):
+            instance: Any = model_class.__new__(model_class)  # half-built on purpose: no __init__, no weights
+            instance.config = copy.deepcopy(config)
+            instance._check_and_adjust_attn_implementation(name, is_init_check=True)
+            return None
+        checks = {
+            FA2: ("_check_and_enable_flash_attn_2", {"torch_dtype": dtype}),
+            SDPA: ("_check_and_enable_sdpa", {}),
+            FLEX: ("_check_and_enable_flex_attn", {}),
+        }
+        method, kwargs = checks.get(name, ("", {}))
+        check = getattr(model_class, method, None) if method else None
+        if check is not None:  # eager, or a release without this private check: our checks stand
+            check(copy.deepcopy(config), hard_check_only=True, **kwargs)
+    except (ValueError, ImportError) as exc:
+        return f"transformers refused it at load: {exc}"
+    except Exception as exc:  # 5.x hub-kernel loading fails with network errors, among others
+        return f"transformers refused it at load: {type(exc).__name__}: {exc}"
+    return None
+
+
+def decide(
+    model_path: str | None,
+    requested: str = AUTO,
+    fallback: tuple[str, ...] | list[str] = DEFAULT_FALLBACK,
+    strict: bool = False,
+    compute_dtype: str = "auto",
+    cap: Capability | None = None,
+    fa2_reference: bool = False,
+    trust_remote_code: bool = True,
+    config_overrides: dict | None = None,
+    config: PretrainedConfig | None = None,
+    model_class: type[PreTrainedModel] | None = None,
+) -> Decision:
+    """Choose the attention implementation for the model at ``model_path`` (or ``config``) on this device;
+    ``model_class``: the class that will be built, where ``AutoModelForCausalLM`` cannot tell it from the config."""
+    from foundry_attn.selection.capability import probe
+
+    cap = cap or probe()
+    if config is None:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        for key, value in (config_overrides or {}).items():
+            setattr(config, key, value)
+    model_class = model_class or model_class_for(config)
+    traits = ModelTraits.from_model_class(model_class, config)
+    dtype = resolve_compute_dtype(compute_dtype, cap)
+    decision = choose(
+        requested,
+        fallback,
+        cap,
+        dtype,
+        traits,
+        strict,
+        smoke_test=None if fa2_reference else fa2_smoke_test,
+        fa2_reference=fa2_reference,
+    )
+    for cand in decision.candidates:  # transformers' own checks, for what we are about to load
+        if cand.name != decision.chosen or (cand.name == FA2 and fa2_reference):
+            continue
+        error = transformers_load_check(model_class, config, load_name(cand.name, model_class=model_class), dtype)
+        if error is None:
+            break
+        decision = decision.with_rejection(cand.name, error)
+    return decision

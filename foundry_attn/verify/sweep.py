@@ -1,0 +1,427 @@
+"""The zoo sweep: every causal-LM type transformers ships, as the registered model and as a core user meet it.
+
+    foundry-attn conformance --zoo --markdown        # the tables in docs/zoo.md
+    zoo_cell("mistral", "auto")                      # the registered model's choice, trained on packed documents
+    core_cell("mistral", "sdpa")                     # attach(model, "sdpa") + forward_documents, as a core user
+
+Each cell builds the type's tiny config (:mod:`foundry_attn.verify.zoo`), trains one packed batch and compares its loss
+and gradients with stock transformers on each document alone (:mod:`foundry_attn.verify.conformance`'s measures):
+``exact`` (flat or rows), ``refused`` (why), ``stock differs`` / ``stock fails`` / ``unbuildable`` (stock's own result),
+or ``WRONG`` / ``crash`` (ours: never expected). Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from foundry_attn.attention.backends import EAGER, FA2, SDPA
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.forward import forward_documents, kernel_context, pad_id, repad_logits
+from foundry_attn.verify.conformance import (
+    GRAD_TOL,
+    LOSS_TOL,
+    collated,
+    document_loss,
+    grad_error,
+    grads_of,
+    rows_inputs,
+)
+
+ZOO_BACKENDS = ("auto", SDPA, EAGER, FA2)  # FA2: transformers' FA2 code path on the CPU reference kernel
+ZOO_LENGTHS = (5, 11, 3, 9)  # windows of zoo.WINDOW (4) bite; rows of PACK_WIDTH hold two documents each
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooCell:
+    """One (model type, requested backend): ``exact`` (on ``path``), ``refused`` (why), ``WRONG``, ``crash``,
+    ``stock differs`` (rows equal stock's own padded rows, which differ from each document alone), or
+    ``unbuildable`` / ``stock fails`` (stock transformers itself cannot run it here: not ours to train)."""
+
+    model_type: str
+    requested: str
+    status: str
+    chosen: str = ""
+    path: str = ""
+    detail: str = ""
+    loss_err: float | None = None
+    grad_err: float | None = None
+
+
+def _zoo_model(config: Any, model_class: type, backend: str) -> Any:
+    """Built for ``backend`` (``zoo.build``: the same model every time); FA2 on the reference kernel, so families
+    that pick an attention class per backend at construction get their FA2 class. Where transformers will not
+    build FA2 here (5.x checks for the package), a family that dispatches by name at call time (the same module
+    classes under eager and sdpa) is built eager and switched; any other cannot run FA2 here (ValueError)."""
+    from foundry_attn.verify import zoo
+
+    load_as = backend if backend in (SDPA, EAGER, FA2) else EAGER
+    try:
+        with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+            model = zoo.build(config, model_class, load_as)
+    except ImportError as exc:
+        if not _dispatches_by_name(config, model_class):
+            raise ValueError(f"{model_class.__name__} picks its attention classes at construction: {exc}") from exc
+        model = zoo.build(config, model_class, EAGER)
+    model.config._attn_implementation = backend
+    return model
+
+
+_DISPATCHES_BY_NAME: dict[type, bool] = {}
+
+
+def _dispatches_by_name(config: Any, model_class: type) -> bool:
+    """Whether ``model_class`` builds the same modules under eager and sdpa (it reads the attention name at call
+    time); two builds, once per class."""
+    from foundry_attn.verify import zoo
+
+    if model_class not in _DISPATCHES_BY_NAME:
+        try:
+            kinds = [{type(m) for m in zoo.build(config, model_class, name).modules()} for name in (EAGER, SDPA)]
+            _DISPATCHES_BY_NAME[model_class] = kinds[0] == kinds[1]
+        except Exception:
+            _DISPATCHES_BY_NAME[model_class] = False
+    return _DISPATCHES_BY_NAME[model_class]
+
+
+def _zoo_truth(config: Any, model_class: type, backend: str, docs: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+    """Stock, each document alone, this backend: the loss and its gradient."""
+    model = _zoo_model(config, model_class, backend)
+    targets = sum(d.numel() - 1 for d in docs)
+    with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+        # all-ones masks, as a padded batch gives (Moshi is not causal without one); one backward (recurrent state)
+        losses = [
+            document_loss(
+                model(input_ids=d[None], attention_mask=torch.ones_like(d[None]), use_cache=False).logits[0], d, targets
+            )
+            for d in docs
+        ]
+        total = torch.stack(losses).sum()
+        total.backward()
+    return total.item(), grads_of(model)
+
+
+def _zoo_stock_rows(
+    config: Any, model_class: type, backend: str, docs: list[torch.Tensor]
+) -> tuple[float, torch.Tensor]:
+    """Stock, one document per row, right-padded (the model's pad id), a 2-D mask: what stock trains on."""
+    model = _zoo_model(config, model_class, backend)
+    targets = sum(d.numel() - 1 for d in docs)
+    with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+        batch = rows_inputs(docs, pad_id(model))
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        loss = sum(document_loss(logits[r, : d.numel()], d, targets) for r, d in enumerate(docs))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+    return loss.item(), grads_of(model)
+
+
+def _outcome(
+    loss: float,
+    grad: torch.Tensor,
+    truth: tuple[float, torch.Tensor],
+    path: str,
+    built: tuple[Any, type, str, list[torch.Tensor]],
+) -> tuple[str, float, float]:
+    """``exact`` or ``WRONG`` against each document alone, or ``stock differs`` where a rows result that is not
+    exact equals stock's own padded rows (``built``: config, class, backend, documents); with the loss and
+    gradient errors."""
+    loss_err, grad_err = abs(loss - truth[0]), grad_error(grad, truth[1])
+    if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL:
+        return "exact", loss_err, grad_err
+    if path == "rows":
+        rows_loss, rows_grad = _zoo_stock_rows(*built)
+        if abs(loss - rows_loss) <= LOSS_TOL and grad_error(grad, rows_grad) <= GRAD_TOL:
+            return "stock differs", loss_err, grad_err
+    return "WRONG", loss_err, grad_err
+
+
+def _default_backend(model_class: type) -> str:
+    """What ``from_pretrained`` builds: sdpa where the class has it, else eager."""
+    return SDPA if getattr(model_class, "_supports_sdpa", False) else EAGER
+
+
+def _zoo_ours(model: Any, docs: list[torch.Tensor]) -> float:
+    """Ours on the packed batch (no labels: the loss is :func:`document_loss` on the re-padded logits)."""
+    batch = collated(docs, "pack")
+    del batch["labels"]
+    logits = repad_logits(forward_documents(model, batch))
+    targets = sum(d.numel() - 1 for d in docs)
+    it = iter(docs)
+    loss = sum(
+        document_loss(logits[r, start : start + n], next(it), targets)
+        for r, row in enumerate(batch["doc_lens"])
+        for start, n in zip(itertools.accumulate(row, initial=0), row, strict=False)
+    )
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    return loss.item()
+
+
+def raised_by_us(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in our own code (the reference kernel, the zoo's documents, this module), not in
+    stock transformers or torch under it: a zoo cell files it as a ``crash``, never as ``stock fails``. One we raise
+    ``from`` another (the zoo's builder saying why stock cannot build a class) is judged by its cause."""
+    if exc.__cause__ is not None:
+        return raised_by_us(exc.__cause__)
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(__file__).parent in Path(tb.tb_frame.f_code.co_filename).parents
+
+
+def zoo_cell(model_type: str, requested: str) -> ZooCell:
+    """Run ``model_type``'s tiny config under ``requested`` (``auto``: the default chain; a backend: strict) through
+    ``attach`` + ``forward_documents`` on packed documents, against stock on each document alone."""
+    from foundry_attn.flat.proof import synthetic_documents
+    from foundry_attn.selection.decision import decide
+    from foundry_attn.selection.policy import DEFAULT_FALLBACK, AttentionUnavailableError
+    from foundry_attn.verify import zoo
+
+    def done(status: str, detail: str = "", **kw: Any) -> ZooCell:
+        return ZooCell(model_type, requested, status, detail=detail.splitlines()[0][:300] if detail else "", **kw)
+
+    try:
+        config, model_class = zoo.tiny(model_type)
+    except zoo.Unbuildable as exc:
+        return done("unbuildable", str(exc))
+    auto = requested == "auto"
+    try:
+        decision = decide(
+            None,
+            requested,
+            DEFAULT_FALLBACK if auto else (requested,),
+            strict=not auto,
+            compute_dtype="fp32",
+            fa2_reference=requested == FA2,
+            config=config,
+            model_class=model_class,  # type: ignore[arg-type]  # (mypy reads transformers' dummy class)
+        )
+    except (AttentionUnavailableError, ValueError) as exc:
+        return done("refused", str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0])
+    backend = decision.chosen
+    try:
+        docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
+        want_loss, want_grad = _zoo_truth(config, model_class, backend, docs)
+    except Exception as exc:
+        return done("crash" if raised_by_us(exc) else "stock fails", f"{type(exc).__name__}: {exc}", chosen=backend)
+    try:
+        model = _zoo_model(config, model_class, backend)
+        # FA2 exists on this CPU only as the reference kernel: installed around the whole run, as for the truth
+        with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+            state = attach(model, backend, fa2_reference=backend == FA2)
+            loss = _zoo_ours(model, docs)
+    except Exception as exc:
+        return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
+    truth = (want_loss, want_grad)
+    status, loss_err, grad_err = _outcome(
+        loss, grads_of(model), truth, state.path, (config, model_class, backend, docs)
+    )
+    return done(
+        status,
+        state.reason,
+        chosen=backend,
+        path=state.path,
+        loss_err=loss_err,
+        grad_err=grad_err,
+    )
+
+
+#: the backends a core user names in ``attach(model, backend)`` (not strict), on a model built as they build it
+CORE_BACKENDS = (SDPA, EAGER, FA2)
+
+
+def core_cell(model_type: str, backend: str) -> ZooCell:
+    """A core user's cell: the model built as ``from_pretrained`` builds it (sdpa where its class has it, else eager),
+    then ``attach(model, backend)`` (explicit, not strict) and ``forward_documents`` on packed documents, against
+    stock on each document alone under ``backend``. ``refused`` only where stock cannot train the pair either
+    (``over-refused`` otherwise); an exception out of our code is a ``crash``."""
+    from foundry_attn.flat.proof import synthetic_documents
+    from foundry_attn.selection.policy import AttentionUnavailableError
+    from foundry_attn.verify import zoo
+
+    def done(status: str, detail: str = "", **kw: Any) -> ZooCell:
+        first = detail.splitlines()[0][:300] if detail else ""
+        return ZooCell(model_type, f"attach {backend}", status, detail=first, **kw)
+
+    try:
+        config, model_class = zoo.tiny(model_type)
+        model = _zoo_model(config, model_class, _default_backend(model_class))
+    except zoo.Unbuildable as exc:
+        return done("unbuildable", str(exc))
+    except Exception as exc:  # stock cannot build its own default here
+        return done("stock fails", f"{type(exc).__name__}: {exc}")
+    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
+    try:
+        truth: tuple[float, torch.Tensor] | None = _zoo_truth(config, model_class, backend, docs)
+    except Exception as exc:  # ours is a crash, unless attach refuses the pair anyway (below)
+        truth, stock_error, ours = None, f"{type(exc).__name__}: {exc}", raised_by_us(exc)
+    try:
+        with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
+            state = attach(model, backend, fa2_reference=backend == FA2)
+            loss = _zoo_ours(model, docs)
+    except AttentionUnavailableError as exc:
+        # stock fails too, or runs something else than the model (4.51's sdpa drops Gemma2's softcap silently)
+        refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0]
+        inexact = "check 'exactness'" in str(exc)
+        return done("refused" if truth is None or inexact else "over-refused", refused, chosen=backend)
+    except Exception as exc:
+        return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
+    if truth is None:
+        return done("crash" if ours else "stock fails", stock_error, chosen=backend, path=state.path)
+    built = (config, model_class, backend, docs)
+    status, loss_err, grad_err = _outcome(loss, grads_of(model), truth, state.path, built)
+    return done(status, state.reason, chosen=backend, path=state.path, loss_err=loss_err, grad_err=grad_err)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingFreeCell:
+    """One model type as a Trainer / TRL ``padding_free`` user meets it: the loss of one flattened batch
+    (``DataCollatorWithFlattening``) against each document alone, stock (``stock_err``, or why stock cannot run it)
+    and attached (``status``: ``exact`` on ``path``; ``refused`` (why); ``stock differs``: rows equal stock's own
+    padded rows; ``unbuildable`` / ``stock fails``: stock cannot build or run it; ``WRONG`` / ``crash``: ours)."""
+
+    model_type: str
+    backend: str
+    status: str
+    path: str = ""
+    stock_err: float | None = None
+    stock_error: str = ""
+    loss_err: float | None = None
+    grad_err: float | None = None
+    detail: str = ""
+
+
+def padding_free_cell(model_type: str) -> PaddingFreeCell:
+    """The model built as ``from_pretrained`` builds it (sdpa where its class has it, else eager); one flattened batch
+    of the zoo's documents through stock, then through ``attach(model, backend)`` and ``model(**batch)``."""
+    from transformers import DataCollatorWithFlattening
+
+    from foundry_attn.flat.proof import synthetic_documents
+    from foundry_attn.selection.policy import AttentionUnavailableError
+    from foundry_attn.verify import zoo
+
+    try:
+        config, model_class = zoo.tiny(model_type)
+        backend = _default_backend(model_class)
+        model = _zoo_model(config, model_class, backend)
+        stock = _zoo_model(config, model_class, backend)
+    except zoo.Unbuildable as exc:
+        return PaddingFreeCell(model_type, "", "unbuildable", detail=str(exc).splitlines()[0][:200])
+    except Exception as exc:  # stock cannot build its own default here
+        return PaddingFreeCell(model_type, "", "stock fails", detail=f"{type(exc).__name__}: {exc}"[:200])
+    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
+    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
+    try:
+        truth = _zoo_truth(config, model_class, backend, docs)
+    except Exception as exc:
+        return PaddingFreeCell(model_type, backend, "stock fails", detail=f"{type(exc).__name__}: {exc}"[:200])
+    targets = sum(d.numel() - 1 for d in docs)
+    starts = list(itertools.accumulate((d.numel() for d in docs), initial=0))
+
+    def loss_of(out: Any) -> torch.Tensor:  # next-token loss from the logits (some classes' own loss is not)
+        logits = out.logits[0]
+        return torch.stack(
+            [document_loss(logits[s : s + d.numel()], d, targets) for s, d in zip(starts, docs, strict=False)]
+        ).sum()
+
+    stock_err, stock_error = None, ""
+    try:
+        with torch.no_grad():
+            stock_err = abs(loss_of(stock(**batch, use_cache=False)).item() - truth[0])
+    except Exception as exc:  # a model whose forward takes no position_ids, say
+        stock_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+    try:
+        state = attach(model, backend)
+        model.train()
+        loss = loss_of(model(**batch, use_cache=False))
+        loss.backward()
+    except AttentionUnavailableError as exc:  # stock runs this backend, but not exactly (4.51: Gemma2's softcap)
+        refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0]
+        return PaddingFreeCell(model_type, backend, "refused", "", stock_err, stock_error, detail=refused[:200])
+    except Exception as exc:  # ours, or the model's own code failing on a flattened batch as stock's does
+        status = "crash" if raised_by_us(exc) or not stock_error else "stock fails"
+        detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return PaddingFreeCell(model_type, backend, status, "", stock_err, stock_error, detail=detail)
+    built = (config, model_class, backend, docs)
+    status, loss_err, grad_err = _outcome(loss.item(), grads_of(model), truth, state.path, built)
+    return PaddingFreeCell(
+        model_type, backend, status, state.path, stock_err, stock_error, loss_err, grad_err, state.reason[:200]
+    )
+
+
+def padding_free_labels(cell: PaddingFreeCell) -> tuple[str, str]:
+    """How the table opens a cell's two columns: stock (``exact``, ``leaks``, ``fails`` or empty) and attached
+    (``exact flat``, ``exact rows``, or the status)."""
+    if cell.stock_err is not None:
+        stock = "exact" if cell.stock_err <= LOSS_TOL else "leaks"
+    else:
+        stock = "fails" if cell.stock_error else ""
+    return stock, f"exact {cell.path}" if cell.status == "exact" else cell.status
+
+
+def padding_free_table(cells: list[PaddingFreeCell]) -> str:
+    """Markdown: per model type, stock padding-free against each document alone, and ours attached."""
+    lines = ["| model type | backend | stock padding-free | attached |", "| --- | --- | --- | --- |"]
+    for c in cells:
+        stock, ours = padding_free_labels(c)
+        if stock == "leaks":
+            stock = f"**leaks**: loss {c.stock_err:.1e} off"
+        elif stock == "fails":
+            stock = f"fails: {c.stock_error}".replace("|", "/")
+        if c.status not in ("exact",):
+            ours = f"{c.status}: {c.detail}".replace("|", "/")[:160]
+        lines.append(f"| {c.model_type} | {c.backend} | {stock} | {ours} |")
+    return "\n".join(lines)
+
+
+def run_zoo(
+    model_types: tuple[str, ...] | None = None,
+    backends: tuple[str, ...] = ZOO_BACKENDS,
+    core: tuple[str, ...] = CORE_BACKENDS,
+) -> list[ZooCell]:
+    """Every type under each of ``backends`` (the registered model's policy) and, as a core user calls it, ``attach``
+    with each of ``core`` (cells named ``attach <backend>``)."""
+    from foundry_attn.verify import zoo
+
+    types = model_types or tuple(zoo.model_types())
+    return [zoo_cell(t, b) for t in types for b in backends] + [core_cell(t, b) for t in types for b in core]
+
+
+def zoo_counts(cells: list[ZooCell]) -> dict[str, int]:
+    """Counts by outcome: ``exact flat``, ``exact rows``, ``refused``, ``WRONG``, ``crash``, ``unbuildable``, ..."""
+    return dict(collections.Counter(zoo_label(c) for c in cells))
+
+
+def zoo_label(cell: ZooCell) -> str:
+    """A cell's outcome as the zoo table opens it: ``exact flat``, ``exact rows``, ``refused``, ``stock fails``, ..."""
+    return f"exact {cell.path}" if cell.status == "exact" else cell.status
+
+
+def zoo_table(cells: list[ZooCell]) -> str:
+    """Markdown: one row per model type, one column per requested backend (``exact flat``, ``exact rows``, the
+    refusal, ...), then the reason each type runs rows."""
+    by = {(c.model_type, c.requested): c for c in cells}
+    types = list(dict.fromkeys(c.model_type for c in cells))
+    backends = list(dict.fromkeys(c.requested for c in cells))
+    lines = ["| model type | " + " | ".join(backends) + " | why rows |", "| --- |" + " --- |" * (len(backends) + 1)]
+    for t in types:
+        row, why = [], ""
+        for b in backends:
+            c = by.get((t, b))
+            if c is None:
+                row.append("")
+            elif c.status == "exact":
+                row.append(f"exact {c.path}" + (f" ({c.chosen})" if b == "auto" else ""))
+                why = why or (c.detail if c.path == "rows" else "")
+            elif c.status in ("refused", "unbuildable", "stock fails"):
+                row.append(f"{c.status}: {c.detail}".replace("|", "/")[:160])
+            else:
+                row.append(f"**{c.status}**: {c.detail}".replace("|", "/")[:160])
+        lines.append(f"| {t} | " + " | ".join(row) + f" | {why.replace('|', '/')[:200]} |")
+    return "\n".join(lines)

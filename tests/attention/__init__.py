@@ -1,0 +1,1 @@
+"""Tests of the attention functions and the documents they take (foundry_attn/attention)."""

@@ -1,0 +1,1 @@
+"""Tests of the collator, the flat path and its proof, under every wrapper (foundry_attn/flat)."""

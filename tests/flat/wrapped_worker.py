@@ -1,0 +1,90 @@
+"""One rank of a DDP / FSDP2 run on CPU (gloo): packed documents vs each alone through stock transformers.
+
+    torchrun --nproc_per_node 2 tests/flat/wrapped_worker.py llama sdpa fsdp2 out.json [checkpoint_wrapper]
+
+Each rank gets every other document of ``conformance.sample_documents()``, packed. Its loss is scaled by its share
+of the targets, so the gradients the wrapper averages are those of the mean loss over all documents, which
+rank 0 compares with stock transformers running each document alone. Every attention call is recorded:
+the mask it got (the [1, 1, 1, 1] placeholder, never an L x L mask) and whether the documents came with it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers.modeling_utils import AttentionInterface
+
+from foundry_attn.attention.documents import DOCS_KEY, is_placeholder
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.forward import forward_documents
+from foundry_attn.verify import conformance
+
+
+def recorded(name: str, calls: list[bool]) -> None:
+    inner = AttentionInterface._global_mapping[name]
+
+    def record(module, query, key, value, attention_mask, **kwargs):  # transformers' signature
+        calls.append(is_placeholder(attention_mask) and kwargs.get(DOCS_KEY) is not None)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface._global_mapping[name] = record
+
+
+def fsdp2_gloo_scale() -> float:
+    """What FSDP2 on gloo multiplies an averaged gradient by here: the world size where #162338 bites, else 1."""
+    from torch.distributed.fsdp import fully_shard
+
+    probe = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.ones_(probe.weight)
+    fully_shard(probe)
+    probe(torch.ones(1, 2)).sum().backward()  # the same input on every rank: the average is the local gradient
+    return probe.weight.grad.full_tensor()[0, 0].item()
+
+
+def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str = "plain") -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = conformance.build(family, backend)
+    calls: list[bool] = []
+    recorded(attach(model, backend, fa2_reference=True).flat_name, calls)
+    conformance.enable_checkpointing(model, checkpointing)
+    if wrapper == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    docs = conformance.sample_documents()
+    mine = docs[rank::world]
+    targets = sum(d.numel() - 1 for d in docs)
+    loss = forward_documents(wrapped, conformance.collated(mine, "pack")).loss
+    share = sum(d.numel() - 1 for d in mine) * world / targets
+    (loss * share).backward()
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    grad = torch.cat([g.reshape(-1) for g in grads])
+    if wrapper == "fsdp2":  # torch 2.7: gloo's reduce-scatter sums where FSDP2 asks for AVG (pytorch/pytorch#162338)
+        grad = grad / fsdp2_gloo_scale()
+    total = (loss.detach() * share / world).clone()
+    dist.all_reduce(total)
+    if rank == 0:
+        want_loss, want_grad = conformance.truth_alone(family, backend)
+        result = dict(
+            loss_err=abs(total.item() - want_loss),
+            grad_err=((grad - want_grad).norm() / want_grad.norm()).item(),
+            calls=len(calls),
+            fast=all(calls),
+            wrapped=type(wrapped).__name__,
+        )
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()  # both ranks done before gloo tears down (torch 2.13 aborted a rank still in flight, once)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
