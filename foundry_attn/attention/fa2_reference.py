@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from foundry_attn.attention.backends import FA2
 from foundry_attn.patching import Patch, patch_attribute
 
 REFERENCE_NAME = "fa2-reference (pure PyTorch, not flash-attn)"
@@ -266,3 +267,14 @@ def reference_flash_attn(varlen: Callable | None = None, dense: Callable | None 
     finally:
         for patch in reversed(patches):
             patch.remove()
+
+
+def kernel_context(impl: str, device: torch.device, fa2_reference: bool = False) -> contextlib.AbstractContextManager:
+    """The FA2 reference kernel around a block that runs transformers' *stock* FA2 code (CPU stand-in).
+
+    Models attached with ``attach(model, "flash_attention_2", fa2_reference=True)`` need no context: their
+    attention function installs the reference kernel for each call itself.
+    """
+    if impl == FA2 and fa2_reference:
+        return reference_flash_attn()
+    return contextlib.nullcontext()

@@ -179,7 +179,7 @@ class _PerBatch:
 
 
 def _callback_name(cb: Any) -> str:
-    names = {"AttnDecisionLogger": "attn_decision", "AttentionInspector": "attention_inspector"}
+    names = {"AttnDecision": "attn_decision", "AttentionInspector": "attention_inspector"}
     names["UpadTracer"] = "upad_tracer"
     return names.get(type(cb).__name__, type(cb).__name__)
 

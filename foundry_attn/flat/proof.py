@@ -37,6 +37,7 @@ import torch
 
 from foundry_attn.attention.backends import config_value, set_implementation
 from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
+from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.comparison import (
     HeadCall,
     Limits,
@@ -54,7 +55,7 @@ from foundry_attn.flat.comparison import (
     run,
     training_noise,
 )
-from foundry_attn.flat.forward import kernel_context, one_per_row
+from foundry_attn.flat.inputs import one_per_row
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.unwrap import unwrapped
 
@@ -158,7 +159,7 @@ def prove_flat(
     grads: bool = True,
     own_positions: bool = False,
 ) -> Proof:
-    """Run ``inputs`` (the flat row of :func:`foundry_attn.flat.forward.flat_inputs`, with its documents) through the
+    """Run ``inputs`` (the flat row of :func:`foundry_attn.flat.inputs.flat_inputs`, with its documents) through the
     flat path (the model's current ``config._attn_implementation``, ours) and the documents in ``compare`` (default:
     :func:`pick`) alone through ``stock``; compare logits and, with ``grads``, input-embedding gradients.
     ``own_positions``: the documents alone get the row's ``position_ids`` (a user's positions) instead of the model's
@@ -181,7 +182,7 @@ def prove_rows(
     grads: bool = True,
     own_positions: bool = False,
 ) -> Proof:
-    """The rows path as it trains (:func:`foundry_attn.flat.forward.one_per_row`: the documents in ``compare``, one per
+    """The rows path as it trains (:func:`foundry_attn.flat.inputs.one_per_row`: the documents in ``compare``, one per
     row, right-padded, a 2-D mask, under ``rows_name``) against each document alone under ``stock``: logits and
     input-embedding gradients, the limits of :func:`prove_flat`. A failure says the model's padded rows differ from
     its documents alone (stock's own padded batches do the same)."""

@@ -2,7 +2,7 @@
 (``._orig_mod``), Composer's model (the HF model as an attribute).
 
     hf = unwrapped(model)                                          # the module that holds the HF config
-    name, hf = find_inside(model, lambda m: isinstance(m, PreTrainedModel))   # the outermost one, and where
+    name, hf = find_hf_model(model)                                # the outermost PreTrainedModel, and its name
 
 Core module: torch and transformers only.
 """
@@ -25,15 +25,31 @@ def find_inside(model: Any, wanted: Callable[[Any], bool]) -> tuple[str, Any] | 
     return next(((name, m) for name, m in model.named_modules() if wanted(m)), None)
 
 
-def unwrapped(model: Any) -> Any:
-    """The HF model inside wrappers: the outermost ``PreTrainedModel`` (inside DDP / FSDP1, which hide its
-    ``config``, and PEFT, whose ``PeftModel`` forwards ``config`` but is not the model that runs); else the
-    outermost module with a ``config``; ``model`` itself when nothing inside has one."""
+_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def clean_name(name: str) -> str:
+    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+
+
+def _is_hf_model(module: Any) -> bool:
     from transformers import PreTrainedModel
 
-    found = find_inside(model, lambda m: isinstance(m, PreTrainedModel)) or find_inside(
-        model, lambda m: hasattr(m, "config")
-    )
+    return isinstance(module, PreTrainedModel)
+
+
+def find_hf_model(model: Any) -> tuple[str, Any] | None:
+    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP1, PEFT: its
+    ``PeftModel`` forwards ``config`` but is not the model that runs), with its name less the wrapper segments."""
+    found = find_inside(model, _is_hf_model)
+    return None if found is None else (clean_name(found[0]), found[1])
+
+
+def unwrapped(model: Any) -> Any:
+    """The HF model inside wrappers (:func:`find_hf_model`); else the outermost module with a ``config``; ``model``
+    itself when nothing inside has one."""
+    found = find_hf_model(model) or find_inside(model, lambda m: hasattr(m, "config"))
     return model if found is None else found[1]
 
 

@@ -35,11 +35,11 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.attach import PathState, path_of
 from foundry_attn.flat.comparison import PrecisionProbe, evaluating, hidden, proving
-from foundry_attn.flat.unwrap import compiled
+from foundry_attn.flat.state import PathState, path_of
+from foundry_attn.flat.unwrap import compiled, find_hf_model
 from foundry_attn.observe.console_table import format_table
-from foundry_attn.observe.discovery import attn_implementation, find_hf_model
+from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.flash_symbols import (
     ROLES,

@@ -1,5 +1,5 @@
-"""Where the attention is in a model: the Hugging Face model inside wrappers, its decoder layers and attention
-modules, and the attention implementation it runs.
+"""Where the attention is in a model: its decoder layers and attention modules, and the attention implementation it
+runs (the HF model inside wrappers: :func:`foundry_attn.flat.unwrap.find_hf_model`).
 
     name, hf = find_hf_model(state.model)        # through DDP / FSDP / checkpoint / compile wrappers
     modules = discover_modules(hf)               # .layers, .attention: (clean name, module) pairs
@@ -17,33 +17,9 @@ from collections.abc import Mapping
 from torch import nn
 
 from foundry_attn.attention.backends import backend_of
-from foundry_attn.flat.unwrap import find_inside
+from foundry_attn.flat.unwrap import clean_name
 
-_WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
-
-
-# ---- finding the Hugging Face model inside wrappers ---------------------------------------------------------
-
-
-def clean_name(name: str) -> str:
-    """A module path without DDP / FSDP / checkpoint / compile wrapper segments (``module.``, ...)."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(module, PreTrainedModel)
-
-
-def find_hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The outermost Hugging Face ``PreTrainedModel`` inside ``model`` (Composer, DDP, FSDP wrappers), with its
-    name less the wrapper segments."""
-    found = find_inside(model, _is_hf_model)
-    return None if found is None else (clean_name(found[0]), found[1])
 
 
 def mpt_attn_impl(module: nn.Module | None) -> str | None:

@@ -38,8 +38,8 @@ from foundry_attn.flat.comparison import (
     run,
     training_noise,
 )
-from foundry_attn.flat.forward import path_state
 from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
+from foundry_attn.flat.state import path_of
 from foundry_attn.observe.discovery import mpt_attn_impl
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
@@ -136,7 +136,7 @@ def structural(hf: Any, features: Features) -> Verdict:
     """What the model does with packed documents, read from the model and the batch's keys (not measured)."""
     if not features.packed:
         return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
-    state = path_state(hf)
+    state = path_of(hf)
     if state is not None:
         return Verdict(ISOLATED, STRUCTURAL, f"foundry_attn's {state.path} path, proven against stock per document")
     uses = _mpt_uses_sequence_id(hf)

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from foundry_attn.attention.backends import EAGER, FA2, SDPA
+from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents, kernel_context, pad_id, repad_logits
+from foundry_attn.flat.forward import forward_documents, repad_logits
+from foundry_attn.flat.inputs import pad_id
 from foundry_attn.verify.conformance import (
     GRAD_TOL,
     LOSS_TOL,

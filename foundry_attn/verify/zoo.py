@@ -31,8 +31,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from foundry_attn.attention.backends import EAGER, SDPA
-from foundry_attn.flat.attach import PathState, attach
-from foundry_attn.flat.forward import kernel_context
+from foundry_attn.attention.fa2_reference import kernel_context
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.state import PathState
 
 WINDOW = 4
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn.attention.documents import DOCS_KEY
-from foundry_attn.flat.attach import FlatPathError, attach, path_of
+from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.proof import proof_lengths
+from foundry_attn.flat.state import FlatPathError, path_of
 from foundry_attn.verify import conformance
 from tests.conftest import leaky_attention, registered_attention
 

@@ -115,7 +115,7 @@ def test_every_logged_key_is_in_its_callback_docstring() -> None:
 
     for modules, cls, computed in (  # the inspector's metrics are summed in the core (inspection.summarize)
         ((attention_inspector, document_verdict, inspection), attention_inspector.AttentionInspector, set()),
-        ((attn_decision,), attn_decision.AttnDecisionLogger, set()),
+        ((attn_decision,), attn_decision.AttnDecision, set()),
         ((upad_tracer,), upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
     ):
         module = modules[0]
@@ -141,12 +141,12 @@ def test_registered_as_llmfoundry_callbacks() -> None:
     from llmfoundry.registry import callbacks
 
     from foundry_attn.integrations.composer.attention_inspector import AttentionInspector
-    from foundry_attn.integrations.composer.attn_decision import AttnDecisionLogger
+    from foundry_attn.integrations.composer.attn_decision import AttnDecision
     from foundry_attn.integrations.composer.upad_tracer import UpadTracer
 
     assert callbacks.get("attention_inspector") is AttentionInspector
     assert callbacks.get("upad_tracer") is UpadTracer
-    assert callbacks.get("attn_decision") is AttnDecisionLogger
+    assert callbacks.get("attn_decision") is AttnDecision
 
 
 # ---- real Composer Trainer runs ---------------------------------------------------------------------------

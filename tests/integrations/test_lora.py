@@ -123,7 +123,7 @@ def step(model: Any, optimizer: torch.optim.Optimizer, batch: dict) -> tuple[flo
 def test_lora_trains_as_stock(
     tokenizer: Any, assets: Path, pretrained: Path, tmp_path: Path, padding: str, attn: str
 ) -> None:
-    from foundry_attn.flat.forward import FLAT, path_state
+    from foundry_attn.flat.state import FLAT, path_of
 
     stock = build(STOCK, tokenizer, pretrained, tmp_path, attn)
     ours = build(OURS, tokenizer, pretrained, tmp_path, attn)
@@ -155,7 +155,7 @@ def test_lora_trains_as_stock(
         assert any(float(g.abs().max()) > 0 for n, g in want.items() if "lora_A" in n) or len(losses) == 0
         losses.append(got_loss)
     assert losses[-1] < losses[0]  # LoRA trains
-    state = path_state(ours.model)  # the proof found the HF model inside the PeftModel, and holds on LoRA
+    state = path_of(ours.model)  # the proof found the HF model inside the PeftModel, and holds on LoRA
     assert state is not None and state.path == FLAT and state.proven_on_batch, state
 
 

@@ -135,7 +135,7 @@ def _traced(module: types.ModuleType) -> list[str]:
 
 def test_mpt_torch_is_named_torch_by_every_callback(tmp_path: Path, caplog) -> None:
     from foundry_attn.integrations.composer.attention_inspector import AttentionInspector
-    from foundry_attn.integrations.composer.attn_decision import AttnDecisionLogger
+    from foundry_attn.integrations.composer.attn_decision import AttnDecision
     from foundry_attn.integrations.composer.upad_tracer import UpadTracer
     from foundry_attn.observe.discovery import attn_implementation
 
@@ -144,7 +144,7 @@ def test_mpt_torch_is_named_torch_by_every_callback(tmp_path: Path, caplog) -> N
     assert attn_implementation(model.model) == "torch"
     tracer = UpadTracer(log_interval=1, events_dir=str(tmp_path / "ev"))
     inspector = AttentionInspector(log_interval=1, events_dir=str(tmp_path / "ev"), print_table=False)
-    trainer, memory = _trainer(model, [tracer, inspector, AttnDecisionLogger()], tmp_path)
+    trainer, memory = _trainer(model, [tracer, inspector, AttnDecision()], tmp_path)
     with caplog.at_level(logging.WARNING):
         trainer.fit()
     said = [r.getMessage() for r in caplog.records if "upad_tracer: nothing to trace" in r.getMessage()]

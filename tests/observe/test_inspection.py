@@ -32,7 +32,8 @@ class _DDPLike(torch.nn.Module):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt_neox"])
 def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
-    from foundry_attn.observe.discovery import discover_modules, find_hf_model
+    from foundry_attn.flat.unwrap import find_hf_model
+    from foundry_attn.observe.discovery import discover_modules
     from foundry_attn.observe.inspection import ModelInspector
 
     model = _tiny(arch)

@@ -14,7 +14,7 @@ from composer.core import State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundry_attn.flat.unwrap import compiled
+from foundry_attn.flat.unwrap import compiled, find_hf_model
 from foundry_attn.integrations.composer.common import (
     COMPILED,
     ReleasingCallback,
@@ -24,7 +24,7 @@ from foundry_attn.integrations.composer.common import (
 )
 from foundry_attn.integrations.composer.document_verdict import DocumentVerdicts
 from foundry_attn.observe.console_table import format_table
-from foundry_attn.observe.discovery import attn_implementation, find_hf_model
+from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.inspection import BatchInfo, ModelInspector, summarize
 from foundry_attn.observe.verdict import (

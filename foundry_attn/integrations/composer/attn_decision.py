@@ -1,6 +1,6 @@
 """``attn_decision``: each rank's attention decision in the run's loggers (MLflow, W&B, ...).
 
-See :class:`AttnDecisionLogger`.
+See :class:`AttnDecision`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from typing import Any
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.integrations.composer.common import foundry_model
-from foundry_attn.observe.discovery import attn_implementation, find_hf_model, mpt_attn_impl
+from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
 
-__all__ = ["AttnDecisionLogger", "decision_hparams", "stock_hparams"]
+__all__ = ["AttnDecision", "decision_hparams", "stock_hparams"]
 
 
 def stock_hparams(model: Any) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def decision_hparams(model: Any) -> dict[str, Any]:
     }
 
 
-class AttnDecisionLogger(Callback):
+class AttnDecision(Callback):
     """Logs the attention decision of a ``foundry_attn_causal_lm`` as run hyperparameters.
 
     At :attr:`.Event.INIT` this callback reads the decision the model made when it was built (which attention
@@ -74,13 +75,13 @@ class AttnDecisionLogger(Callback):
     .. code-block:: python
 
         from composer import Trainer
-        from foundry_attn.integrations.composer.attn_decision import AttnDecisionLogger
+        from foundry_attn.integrations.composer.attn_decision import AttnDecision
 
         trainer = Trainer(
             model=model,  # a foundry_attn.integrations.llm_foundry.model.FoundryAttnCausalLM
             train_dataloader=train_dataloader,
             max_duration="1ep",
-            callbacks=[AttnDecisionLogger()],
+            callbacks=[AttnDecision()],
         )
 
     The hyperparameters are logged once, at :attr:`.Event.INIT`: all of them when the model is a
@@ -123,7 +124,7 @@ class AttnDecisionLogger(Callback):
           - ``INIT``.
 
     Args:
-        (none): ``AttnDecisionLogger()`` takes no arguments (``attn_decision: {}`` in YAML).
+        (none): ``AttnDecision()`` takes no arguments (``attn_decision: {}`` in YAML).
     """
 
     def __init__(self) -> None:

@@ -1,8 +1,7 @@
 """What our callbacks share: finding the models inside ``state.model``, events, one-time notices, intervals.
 
-Composer glue; the callbacks are ``attn_decision``, ``attention_inspector`` and ``upad_tracer``, and the
-torch-only probe (``find_hf_model``, ``attn_implementation``, ``clean_name``) lives in
-:mod:`foundry_attn.observe.inspection`.
+Composer glue; the callbacks are ``attn_decision``, ``attention_inspector`` and ``upad_tracer``. The HF model inside
+wrappers is :func:`foundry_attn.flat.unwrap.find_hf_model`'s; the torch-only probe is :mod:`foundry_attn.observe`'s.
 """
 
 from __future__ import annotations
@@ -14,16 +13,12 @@ from composer.core import Callback, State, Time, TimeUnit
 from composer.utils import dist
 
 from foundry_attn.flat.unwrap import find_inside
-from foundry_attn.observe.discovery import attn_implementation, clean_name, find_hf_model
 from foundry_attn.observe.events import EventLog, default_events_dir
 
 __all__ = [
     "COMPILED",
     "ReleasingCallback",
-    "attn_implementation",
     "check_log_interval",
-    "clean_name",
-    "find_hf_model",
     "foundry_model",
     "open_event_log",
     "say_once",

@@ -19,9 +19,8 @@ from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 
 from foundry_attn.flat.packing import PaddingCollator
-from foundry_attn.flat.unwrap import compiled
+from foundry_attn.flat.unwrap import compiled, find_hf_model
 from foundry_attn.integrations.composer.common import say_once
-from foundry_attn.observe.discovery import find_hf_model
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.verdict import (
     LEAKS,

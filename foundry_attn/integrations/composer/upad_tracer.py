@@ -13,7 +13,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.unwrap import compiled
+from foundry_attn.flat.unwrap import compiled, find_hf_model
 from foundry_attn.integrations.composer.common import (
     COMPILED,
     ReleasingCallback,
@@ -22,7 +22,7 @@ from foundry_attn.integrations.composer.common import (
     open_event_log,
     say_once,
 )
-from foundry_attn.observe.discovery import attn_implementation, find_hf_model, mpt_attn_impl
+from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.flash_symbols import (
     DENSE,

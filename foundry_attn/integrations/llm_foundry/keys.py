@@ -22,8 +22,8 @@ import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 
-from foundry_attn.flat.attach import AUTO as AUTO_PATH
-from foundry_attn.flat.attach import PROOF_INTERVAL, check_path
+from foundry_attn.flat.state import AUTO as AUTO_PATH
+from foundry_attn.flat.state import PROOF_INTERVAL, check_path
 from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, FA2, validate_names
 
 RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")

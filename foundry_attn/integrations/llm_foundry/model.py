@@ -45,8 +45,9 @@ from transformers import AutoConfig
 
 from foundry_attn.attention.backends import backend_of
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.attach import PathState, attach
-from foundry_attn.flat.forward import ROWS, Prepared, finish_documents, has_layout, prepare_documents, run_prepared
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
+from foundry_attn.flat.state import ROWS, PathState
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env

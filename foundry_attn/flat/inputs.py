@@ -1,0 +1,175 @@
+"""A batch's real tokens laid out for the model: one flat row with its documents, or one document per row.
+
+    inputs, placed = flat_inputs(hf_model, ids, positions, labels, layout)   # the flat row + Documents
+    inputs, placed = one_per_row(hf_model, ids, positions, labels, layout)   # rows, right-padded, a 2-D mask
+    logits = placed_back(out.logits, placed)                                 # [rows, width, vocab] again
+
+Pure functions of the batch, its :class:`~foundry_attn.flat.layout.Layout` and the model's config: no state, no
+decision (which layout a batch gets is :meth:`foundry_attn.flat.state.PathState.choose`'s). Core module: torch and
+transformers only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from foundry_attn.attention.backends import config_value
+from foundry_attn.attention.documents import DOCS_KEY, Documents
+from foundry_attn.flat.layout import Layout, flattened_lengths
+from foundry_attn.flat.packing import IGNORE_INDEX
+from foundry_attn.flat.unwrap import unwrapped
+
+
+class Placed(NamedTuple):
+    """Where a batch's real tokens went: ``src`` indexes them in the model's layout (its flat row or padded rows),
+    ``dst`` in the batch's ``[rows, width]``; both ascending."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    rows: int
+    width: int
+
+
+#: what the ecosystem's packed batches carry that our documents stand for (everything else passes on to the model)
+FLATTENED_KEYS = frozenset(
+    {"input_ids", "labels", "position_ids", "attention_mask", "use_cache", "cu_seq_lens_q", "cu_seq_lens_k"}
+    | {"max_length_q", "max_length_k", "seq_idx"}
+)
+
+
+def packed_call(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A call's keywords as the batch :func:`prepare_documents` lays out (``doc_lens`` read by
+    :func:`foundry_attn.flat.layout.flattened_lengths`, its ``labels`` and ``position_ids``) and the keywords that pass
+    on to the model; None for a call that is not one packed row."""
+    lengths = flattened_lengths(kwargs)
+    if lengths is None:
+        return None
+    batch: dict[str, Any] = {"input_ids": kwargs["input_ids"], "doc_lens": [lengths]}
+    for key in ("labels", "position_ids"):
+        if kwargs.get(key) is not None:
+            batch[key] = kwargs[key]
+    return batch, {k: v for k, v in kwargs.items() if k not in FLATTENED_KEYS}
+
+
+def real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
+    """A layer's router logits (``[tokens, experts]`` or ``[rows, width, experts]``) at the real tokens only."""
+    if not isinstance(router_logits, torch.Tensor):
+        return router_logits
+    flat = router_logits.reshape(-1, router_logits.shape[-1])
+    return flat[src] if flat.shape[0] != src.numel() else router_logits
+
+
+def flat_positions(ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The batch's own; else ours restart per document; a user's mask keeps HF's default (index in the row)."""
+    if layout.positions is not None:
+        return layout.positions
+    if layout.marked:
+        return layout.position_ids(ids.device)
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+
+def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
+    """Whether any token has a target (host counts when the collator gave them: no device sync)."""
+    counts = batch.get("loss_generating_tokens")
+    if counts is not None:
+        return sum(counts) > 0
+    return labels.device.type != "cpu" or bool((labels[:, 1:] != IGNORE_INDEX).any())
+
+
+def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[int]) -> torch.Tensor | None:
+    if labels is None:
+        return None
+    labels = labels.reshape(-1)[flat][None].clone()
+    labels[0, torch.tensor(starts, device=labels.device)] = IGNORE_INDEX  # no document predicts the next
+    return labels
+
+
+def flat_inputs(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
+) -> tuple[dict[str, Any], Placed]:
+    """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
+    (:mod:`foundry_attn.flat.proof`) runs these very inputs: the layout that trains."""
+    flat = layout.real_indices(ids.device)
+    docs = Documents.of(layout.bounds(), ids.device)
+    total = docs.bounds[-1]
+    inputs: dict[str, Any] = dict(
+        input_ids=ids.reshape(-1)[flat][None],
+        position_ids=positions.reshape(-1)[flat][None],
+        labels=_flat_labels(labels, flat, list(docs.bounds[:-1])),
+    )
+    # under torch.compile: the row length and the document count vary from batch to batch; one dynamic graph
+    for value in (*inputs.values(), docs.device_bounds, docs.host_bounds):
+        if value is not None:
+            torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
+    hf = unwrapped(model)
+    # Gemma2/3 read last_cache_position from a 4-D mask with .item() (a graph break); the mask is ours, so is the value
+    # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
+    if "last_cache_position" in base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
+        inputs["last_cache_position"] = total
+    inputs["attention_mask"] = (
+        # a MoE forward hands its mask to the router loss, which reads it as [batch, seq]: every token of the
+        # flat row is real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)
+        torch.ones(1, total, dtype=torch.long, device=ids.device)
+        if config_value(hf.config, "output_router_logits", False)
+        else torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
+    )
+    inputs[DOCS_KEY] = docs
+    return inputs, Placed(torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
+
+
+@functools.lru_cache(maxsize=64)
+def base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
+    """The parameter names of a base model's ``forward`` (what it reads besides ``**kwargs``)."""
+    return frozenset(inspect.signature(base_class.forward).parameters)
+
+
+def one_per_row(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor | None, layout: Layout
+) -> tuple[dict[str, Any], Placed]:
+    """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
+    flat = layout.real_indices(ids.device)
+    lengths = layout.lengths
+    width = max(lengths)
+    dst = torch.cat([torch.arange(d * width, d * width + n) for d, n in enumerate(lengths)]).to(ids.device)
+    rows = len(lengths)
+
+    def scatter(values: torch.Tensor, fill: int) -> torch.Tensor:
+        out = values.new_full((rows * width,), fill)
+        out[dst] = values.reshape(-1)[flat]
+        return out.view(rows, width)
+
+    row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
+    if row_labels is not None:
+        row_labels[:, 0] = IGNORE_INDEX
+    inputs: dict[str, torch.Tensor | None] = {
+        "input_ids": scatter(ids, pad_id(model)),
+        "attention_mask": scatter(torch.ones_like(ids), 0),
+    }
+    if positions is not None:
+        inputs["position_ids"] = scatter(positions, 0)
+    inputs["labels"] = row_labels
+    return inputs, Placed(dst, flat, layout.rows, layout.width)
+
+
+def pad_id(model: Any) -> int:
+    """The id right padding is filled with: the model's pad token where it has one (RoBERTa-style position ids
+    count from it), else 0."""
+    pad = getattr(unwrapped(model).config, "pad_token_id", None)
+    return pad if isinstance(pad, int) and pad >= 0 else 0
+
+
+def placed_back(values: torch.Tensor, placed: Placed) -> torch.Tensor:
+    """``[..., C]`` values in the model's layout as ``[rows, width, C]`` in the batch's (zeros at its padding); a
+    view, no copy, where neither layout has padding (a packed row, full rows)."""
+    src, dst, rows, width = placed  # both ascending: where the real tokens are in the model's layout, the batch's
+    flat = values.reshape(-1, values.shape[-1])
+    if src.numel() != flat.shape[0]:  # the rows layout pads its own rows
+        flat = flat[src]
+    if dst.numel() != rows * width:  # the batch has padding: zeros there
+        flat = flat.new_zeros(rows * width, flat.shape[-1]).index_copy_(0, dst, flat)
+    return flat.view(rows, width, -1)

@@ -1,0 +1,357 @@
+"""The path a model runs, flat or rows, and the one per-batch choice: which layout, and whether a proof is due.
+
+    state = path_of(hf_model)                        # kept on the HF model by attach (foundry_attn.flat.attach)
+    state.path, state.reason                         # "flat" | "rows", and why
+    choice = state.choose(hf_model, tokens, longest, in_step=True)   # what forward_documents does with a batch
+
+**flat** (unpad once, the documents as an argument of every attention call) is used only while the proof
+(:mod:`foundry_attn.flat.proof`: the flat row that trains against stock on each document alone, logits and gradients)
+holds: at attach on two synthetic documents; on a training batch before it trains: the first, any batch longer than
+every length proven so far (the flat row beyond the next power of two of the longest proven, or a document beyond
+that of the longest proven document: the number of such proofs grows with the log of the lengths), and whenever a
+function behind the dispatch, a kernel the flat path calls or a module's ``forward`` changes (an identity check per
+batch); and every ``interval`` batches, forward only. **rows** (the stock backend, one document per row, a 2-D mask)
+is used otherwise: a failed proof moves the run there, from the batch it failed on, with one warning (or, binding,
+raises with the reason and the batch). :mod:`foundry_attn.flat.forward` asks :meth:`PathState.choose` once per batch
+and acts on the answer; nothing here calls back up. Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from foundry_attn.attention.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, set_implementation
+from foundry_attn.attention.documents import DOCS_KEY, Documents
+from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls
+from foundry_attn.flat.proof import Proof, prove_flat, prove_rows, prove_step, step_blocker
+from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.selection.policy import AttentionUnavailableError
+
+log = logging.getLogger(__name__)
+
+FLAT, ROWS = "flat", "rows"
+PATH_ATTR = "foundry_path"  # the PathState :func:`foundry_attn.flat.attach.attach` keeps on the HF model
+
+AUTO = "auto"
+
+
+PATHS = (AUTO, FLAT, ROWS)
+
+
+PROOF_INTERVAL = 100
+
+
+#: the stock backend each of ours is proven against (torch_varlen: sdpa's window convention; flex: the exact
+#: eager math, as stock flex cannot run everywhere) and the stock name its rows path runs
+TRUTH = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: EAGER}
+ROWS_NAME = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: FLEX}
+
+
+def ceil2(n: int) -> int:
+    """The next power of two of ``n`` (``n`` itself when it is one)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _agreed(lengths: tuple[int, int], hf: Any) -> tuple[int, int]:
+    """The longest ``lengths`` over the ranks of a sharded model (FSDP2: its parameters are DTensors), so every rank
+    proves the same batches and all-gathers as often as the others; this rank's own elsewhere (DDP's proofs run
+    the inner module, with no collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return lengths
+    from torch.distributed.tensor import DTensor
+
+    param = next(hf.parameters())
+    if not isinstance(param, DTensor):
+        return lengths
+    values = torch.tensor(lengths, dtype=torch.long, device=param.to_local().device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return int(values[0]), int(values[1])
+
+
+def kernels() -> tuple:
+    """The kernels the flat path calls, by identity: transformers' ``_flash_attention_forward`` and the flash
+    symbols it looks up at call time, torch's SDPA, varlen and flex functions. A patch on any of them is a change."""
+    from torch.nn.attention import flex_attention as flex
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    from foundry_attn.attention.torch_varlen import torch_varlen_kernel
+
+    return (
+        torch.nn.functional.scaled_dot_product_attention,
+        fa_utils._flash_attention_forward,
+        *(getattr(fa_utils, n, None) for n in ("flash_attn_varlen_func", "flash_attn_func", "_flash_varlen_fn")),
+        torch_varlen_kernel(),
+        getattr(flex, "flex_attention", None),
+    )
+
+
+class FlatPathError(AttentionUnavailableError):
+    """``attn_path: flat`` with ``attn_strict: true`` on a model whose flat path is not proven."""
+
+
+def check_path(path: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"attn_path: unknown value {path!r}; valid values: {', '.join(PATHS)}")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What a batch runs (:meth:`PathState.choose`): its ``path``, and the proof due on it, if any: why (``at``),
+    with gradients or forward only, and whether it takes the batch's own forward (``in_step``)."""
+
+    path: str
+    at: str | None = None
+    grads: bool = True
+    in_step: bool = False
+
+
+@dataclasses.dataclass
+class PathState:
+    """The path a model runs and why, kept on the HF model (``model.foundry_path``) by :func:`attach`."""
+
+    backend: str
+    path: str
+    reason: str
+    flat_name: str  # ours, in config._attn_implementation while flat
+    rows_name: str  # stock, in config._attn_implementation while rows
+    reference: bool = False  # FA2 on the pure-PyTorch reference kernel
+    binding: bool = False  # attn_path: flat + strict: a failed proof raises
+    interval: int = PROOF_INTERVAL
+    proofs: list[tuple[str, Proof]] = dataclasses.field(default_factory=list)
+    batches: int = 0
+    proven_on_batch: bool = False
+    covered: tuple[int, int] = (0, 0)  # (flat row, document) lengths proven, each up to its next power of two
+    notes: list[str] = dataclasses.field(default_factory=list)
+    listeners: list[Callable[[PathState], None]] = dataclasses.field(default_factory=list)
+    _fingerprint: tuple = ()
+    _modules: tuple = ()
+
+    def __deepcopy__(self, memo: dict) -> PathState:
+        """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch, and tells nobody
+        who listened to the original."""
+        return dataclasses.replace(
+            self, proofs=list(self.proofs), notes=list(self.notes), listeners=[], proven_on_batch=False, _modules=()
+        )
+
+    # ---- the proof --------------------------------------------------------------------------------------
+    def prove(
+        self,
+        model: Any,
+        inputs: Mapping[str, Any],
+        at: str,
+        *,
+        grads: bool = True,
+        own_positions: bool = False,
+    ) -> Proof:
+        """Prove the flat path on ``inputs`` (:func:`foundry_attn.flat.inputs.flat_inputs`); a failure moves to rows
+        (or raises, binding)."""
+        hf = unwrapped(model)
+        set_implementation(hf, self.flat_name)
+        proof = prove_flat(
+            hf,
+            inputs,
+            TRUTH[self.backend],
+            reference=self.reference,
+            grads=grads,
+            own_positions=own_positions,
+        )
+        return self._judge(hf, inputs, at, proof, grads, own_positions)
+
+    def _judge(
+        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, own_positions: bool
+    ) -> Proof:
+        """Keep ``proof`` of the flat path: proven lengths and code, or rows from now on (proven there too)."""
+        self.proofs.append((at, proof))
+        self._modules = tuple(hf.modules())
+        self._fingerprint = self.fingerprint()
+        if not proof.ok:
+            self.refuse(hf, f"proof at {at} {proof.describe()}", check="proof")
+            self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
+            return proof
+        self._cover(inputs[DOCS_KEY])
+        if self.path == FLAT:
+            self.reason = f"proven at {at}: {proof.describe()}"
+        return proof
+
+    def prove_rows(
+        self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
+    ) -> Proof:
+        """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.flat.proof.prove_rows`). A failure is
+        said, once, and not refused: stock's own padded batches train the same (never worse than stock)."""
+        hf = unwrapped(model)
+        proof = prove_rows(
+            hf,
+            inputs,
+            self.rows_name,
+            TRUTH[self.backend],
+            reference=self.reference,
+            grads=grads,
+            own_positions=own_positions,
+        )
+        self.proofs.append((f"rows at {at}", proof))
+        docs: Documents = inputs[DOCS_KEY]
+        if proof.ok:
+            self._cover(docs)
+            self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
+            return proof
+        note = f"rows at {at} {proof.describe()}"
+        said = any(n.startswith("rows at ") for n in self.notes)
+        self.notes.append(note)
+        (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)  # one warning a run
+        return proof
+
+    def _cover(self, docs: Documents) -> None:
+        """Lengths up to the next power of two of this row's and its longest document's are proven."""
+        self.covered = max(self.covered[0], ceil2(docs.bounds[-1])), max(self.covered[1], ceil2(docs.max_length))
+
+    def fingerprint(self) -> tuple:
+        """What the flat path's exactness rests on, by identity: the dispatch entries of our name and the stock
+        one, the kernels the flat path calls (:func:`kernels`), every module's ``forward`` (class and instance) and
+        HF checkpointing. Costs microseconds (measured in ``bench proof``)."""
+        from transformers.modeling_utils import AttentionInterface
+
+        table = AttentionInterface._global_mapping
+        return (
+            table.get(self.flat_name),
+            table.get(self.rows_name),
+            *kernels(),
+            # a module's forward (class, instance) and HF gradient checkpointing switched on or off
+            *(
+                (type(m).forward, m.__dict__.get("forward"), m.__dict__.get("gradient_checkpointing"))
+                for m in self._modules
+            ),
+        )
+
+    def due(self, hf: Any, tokens: int, longest: int) -> tuple[str, bool] | None:
+        """Why a proof is due on a training batch of ``tokens`` real tokens whose longest document is ``longest``,
+        and whether it compares gradients."""
+        if not self.proven_on_batch:
+            return "the first training batch", True
+        if self.fingerprint() != self._fingerprint:
+            return "a change of the attention code", True
+        tokens, longest = _agreed((tokens, longest), hf)
+        if tokens > self.covered[0] or longest > self.covered[1]:
+            return f"a longer batch: {tokens} tokens, documents up to {longest}; proven up to {self.covered}", True
+        if self.interval and self.batches % self.interval == 0:
+            return f"the {self.interval}-batch interval", False
+        return None
+
+    def choose(self, hf: Any, tokens: int, longest: int, in_step: bool = False) -> Choice:
+        """The one per-batch choice, for a batch of ``tokens`` real tokens whose longest document is ``longest``:
+        its layout (flat while proven and in place, else rows), and for a training batch the proof due on it, if
+        any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
+        uncompiled, so a flat proof may take that forward as its packed side where
+        :func:`foundry_attn.flat.proof.step_blocker` allows."""
+        if self.path == FLAT and hf.config._attn_implementation != self.flat_name:
+            return Choice(ROWS)  # someone set another implementation: stock runs it, one document per row
+        if not (hf.training and torch.is_grad_enabled()):
+            return Choice(self.path)
+        self.batches += 1
+        due = self.due(hf, tokens, longest)
+        if due is None:
+            return Choice(self.path)
+        self.proven_on_batch = True
+        at = f"batch {self.batches} ({due[0]})"
+        return Choice(self.path, at, due[1], in_step and self.path == FLAT and step_blocker(hf) is None)
+
+    def prove_batch(self, hf: Any, inputs: Mapping[str, Any], choice: Choice, own_positions: bool) -> str:
+        """Prove ``choice``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
+        row); the path the batch runs after (a failed flat proof: rows)."""
+        assert choice.at is not None
+        if choice.path == FLAT:
+            self.prove(hf, inputs, choice.at, grads=choice.grads, own_positions=own_positions)
+            return self.path
+        self._modules = tuple(hf.modules())
+        self.prove_rows(hf, inputs, choice.at, grads=choice.grads, own_positions=own_positions)
+        self._fingerprint = self.fingerprint()
+        return ROWS
+
+    def step_proof(self, hf: Any, inputs: Mapping[str, Any], choice: Choice, own_positions: bool) -> StepProof:
+        """The proof ``choice`` calls for on the batch's own forward (``choice.in_step``)."""
+        assert choice.at is not None
+        return StepProof(self, hf, inputs, choice.at, choice.grads, own_positions)
+
+    # ---- moving to rows ---------------------------------------------------------------------------------
+    def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:
+        """Flat is refused for this model: rows from now on, one warning; binding: the error."""
+        if self.binding:
+            raise FlatPathError(
+                f"attn_path: flat cannot run {type(hf).__name__} with {self.backend}: check '{check}' failed: "
+                f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
+            )
+        self.path, self.reason = ROWS, reason
+        set_implementation(hf, self.rows_name)
+        log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
+        for listener in self.listeners:
+            listener(self)
+
+
+@dataclasses.dataclass
+class StepProof:
+    """A proof due on a training batch that takes the batch's own forward as its packed side, so the flat row runs
+    once: :func:`foundry_attn.flat.forward.forward_documents` runs the forward inside :meth:`capturing`, then
+    :meth:`settle`. A difference there is judged again by the full proof (its own forward in eval mode): it decides,
+    and a difference only training mode shows moves the run to rows too. A training forward that raises on the flat
+    row (a model's own loss reading the mask, a layer refusing an argument) moves the run to rows, where the batch
+    runs again: never worse than stock."""
+
+    state: PathState
+    hf: Any
+    inputs: Mapping[str, Any]
+    at: str
+    grads: bool
+    own_positions: bool
+    captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    head: list[HeadCall] = dataclasses.field(default_factory=list)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around the training forward: its input embeddings and output layer's calls, for the gradient part."""
+        with embeddings(self.hf, self.grads) as captured, head_calls(self.hf, self.grads) as head:
+            self.captured, self.head = captured, head
+            yield
+
+    def settle(self, out: Any, error: BaseException | None = None) -> bool:
+        """Prove on the forward's ``out`` (or the ``error`` it raised); whether the batch's flat forward stands
+        (False: the run is on rows now and the batch runs again there)."""
+        state, hf = self.state, self.hf
+        if error is not None:
+            text = str(error).strip().splitlines()
+            reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
+            failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1])
+            state._judge(hf, self.inputs, self.at, failed, self.grads, self.own_positions)
+            return state.path == FLAT
+        proof = None
+        if out is not None:
+            proof = prove_step(
+                hf,
+                self.inputs,
+                out,
+                self.captured,
+                TRUTH[state.backend],
+                head=self.head,
+                reference=state.reference,
+                grads=self.grads,
+                own_positions=self.own_positions,
+            )
+        if proof is not None and proof.ok:
+            state._judge(hf, self.inputs, self.at, proof, self.grads, self.own_positions)
+            return True
+        full = state.prove(hf, self.inputs, self.at, grads=self.grads, own_positions=self.own_positions)
+        if full.ok and proof is not None:  # eval mode holds, the training forward does not: never run silently
+            state._judge(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.own_positions)
+        return state.path == FLAT
+
+
+def path_of(model: Any) -> PathState | None:
+    """The :class:`PathState` of ``model`` (or of the HF model inside a wrapper), or None if never attached."""
+    return getattr(unwrapped(model), PATH_ATTR, None)
