@@ -20,14 +20,14 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[foundry,dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[foundry,dev,report]'
 	touch $(STAMP)
 
 LATEST := .venv-latest
 $(LATEST)/.installed: pyproject.toml constraints-latest.txt
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
-	$(LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[dev,hf]'
+	$(LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[dev,hf,report]'
 	touch $@
 
 $(ASSETS)/.done: $(STAMP)

@@ -5,7 +5,7 @@ The public API, for a transformers user (LLM-Foundry users name our registered c
     from foundry_attn import PaddingCollator, attach, forward_documents, install
 
     attach(model, "sdpa")                                  # prove the flat path: packed documents never mix
-    batch = PaddingCollator(pad_token_id=0, mode="pack", max_seq_len=2048)(examples)
+    batch = PaddingCollator(pad_id=0, eos_id=2, max_seq_len=2048, mode="pack")(examples)
     out = forward_documents(model, batch)                  # out.loss: each document as if alone
     install(trainer)                                       # transformers' Trainer / TRL: what attention did
 
@@ -13,8 +13,9 @@ The folders, by job, each importing only the ones before it (``tests/test_layers
 ``attention`` (our attention functions and the documents they take), ``selection`` (which backend runs here),
 ``flat`` (the flat path, its inputs and its proof), ``observe`` (what attention did: probe, verdict, events),
 ``verify`` (conformance matrix, zoo, sweeps), ``integrations`` (LLM-Foundry, Composer, the Trainer: the only code
-importing them); ``bench`` and ``cli`` are the tools, ``patching`` the one helper all share. ``guard`` runs at every
-interpreter start (``foundry_attn_guard.pth``), so this file imports nothing until a name is asked for (PEP 562).
+importing them); ``bench`` and ``cli`` are the tools, ``patching`` and ``checks`` the helpers all share. ``guard`` runs
+at every interpreter start (``foundry_attn_guard.pth``), so this file imports nothing until a name is asked for (PEP
+562).
 """
 
 TYPE_CHECKING = False  # typing is not imported at interpreter start (the guard's cost: bench guard)

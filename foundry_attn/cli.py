@@ -256,6 +256,11 @@ def report(args: argparse.Namespace) -> int:
     from foundry_attn.observe.report import build_report
 
     try:
+        import matplotlib  # noqa: F401  # the report extra
+    except ImportError:
+        print("foundry-attn report: needs matplotlib: pip install 'foundry-attn[report]'", file=sys.stderr)
+        return 2
+    try:
         written = build_report(args.path, args.out)
     except fleet.EventsError as exc:
         print(f"foundry-attn report: {exc}", file=sys.stderr)

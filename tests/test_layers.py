@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "foundry_attn"
 #: the folders by job, lowest first: each may import the ones before it
 FOLDERS = ("attention", "selection", "flat", "observe", "verify", "integrations")
-BASE = frozenset({"guard", "patching"})  # importable by every folder; they import nothing of ours
+BASE = frozenset({"guard", "patching", "checks"})  # importable by every folder; they import nothing of ours
 TOOLS = frozenset({"cli", "bench"})  # entry points: import anything, imported by nothing of the runtime
 TOP_LEVEL = BASE | {"__init__", "cli"}
 GLUE = frozenset({"composer", "llmfoundry", "accelerate", "trl", "peft", "streaming", "omegaconf"})

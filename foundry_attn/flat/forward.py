@@ -60,7 +60,24 @@ class Prepared:
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
-    """Run ``model`` (a HF causal LM, or a DDP / FSDP / compiled wrapper of one) so that no document sees another."""
+    """Run ``model`` on ``batch`` so that no document sees another: flat where :func:`~foundry_attn.flat.attach.attach`
+    proved it (one row of real tokens, unpadded once), else one document per row.
+
+    Args:
+        model: a transformers causal LM, or a DDP / FSDP / compiled wrapper of one.
+        batch: ``input_ids`` with ``doc_lens`` (:class:`~foundry_attn.flat.packing.PaddingCollator`'s packed
+            rows) or a 2-D ``attention_mask`` (either padding side); ``labels`` and ``position_ids`` optional.
+
+    Returns:
+        The model's output. Its ``loss`` is each document's as if alone; its ``logits`` are in the model's layout
+        (:func:`repad_logits` gives them back as ``[rows, width, vocab]``).
+
+    Example::
+
+        >>> batch = PaddingCollator(pad_id=0, eos_id=2, max_seq_len=64, mode="pack")(examples)
+        >>> out = forward_documents(model, batch)
+        >>> out.loss.backward()
+    """
     prepared = prepare_documents(model, batch, in_step=not compiled(model))
     out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
     return finish_documents(out, prepared.placed, prepared.no_targets)

@@ -101,6 +101,26 @@ class PaddingCollator:
     ``mode="pack"``: documents (a text row split at EOS; a whole finetuning example) laid end to end
     into rows of at most ``max_seq_len`` tokens, first fit in order, ``position_ids`` restarting at
     every document. In both modes the batch is trimmed to its longest row.
+
+    Args:
+        pad_id: the pad token (the EOS token is fine: true lengths come from the data, not from the pad).
+        eos_id: the EOS token, where text rows split into documents (None: never split).
+        max_seq_len: the longest row.
+        mode: ``mask`` or ``pack``.
+        overflow: what a document longer than ``max_seq_len`` does (``split`` into rows, ...).
+        split_text_at_eos: split text rows at EOS into documents (``pack``).
+
+    Returns:
+        A callable: examples in, a batch out: ``input_ids`` and ``labels``; with ``mask`` the ``attention_mask``;
+        with ``pack`` the ``position_ids``, ``sequence_id`` and ``doc_lens`` (the document lengths of each row,
+        which :func:`~foundry_attn.flat.forward.forward_documents` reads).
+
+    Example::
+
+        >>> collate = PaddingCollator(pad_id=0, eos_id=2, max_seq_len=8, mode="pack")
+        >>> batch = collate([torch.tensor([5, 6, 2, 7, 8, 9, 2]), torch.tensor([4, 4, 2])])
+        >>> batch["doc_lens"]
+        [[3, 4], [3]]
     """
 
     def __init__(

@@ -35,6 +35,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
+from foundry_attn.checks import check_interval
 from foundry_attn.flat.comparison import PrecisionProbe, evaluating, hidden, proving
 from foundry_attn.flat.state import PathState, path_of
 from foundry_attn.flat.unwrap import compiled, find_hf_model
@@ -148,13 +149,8 @@ class _Callback(TrainerCallback):
     owner = ""
 
     def __init__(self, run: Run | None = None, log_interval: int = 50) -> None:
-        if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 1:
-            raise ValueError(
-                f"{self.owner}: log_interval must be an integer >= 1 (optimizer steps between samples; the first "
-                f"step is always sampled); got {log_interval!r}"
-            )
         self.run = run or Run()
-        self.log_interval = log_interval
+        self.log_interval = check_interval(self.owner, "log_interval", log_interval)
         self._handles: list[Any] = []
         self._said: set[str] = set()
 
@@ -316,9 +312,8 @@ class AttentionInspector(_Callback):
         print_table: bool = True,
     ) -> None:
         super().__init__(run, log_interval)
-        if isinstance(verdict_interval, bool) or not isinstance(verdict_interval, int) or verdict_interval < 1:
-            raise ValueError(f"attention_inspector: verdict_interval must be an integer >= 1; got {verdict_interval!r}")
-        self.verdict, self.verdict_interval = verdict, verdict_interval
+        self.verdict = verdict
+        self.verdict_interval = check_interval(self.owner, "verdict_interval", verdict_interval)
         self.attention_selector, self.print_table = attention_selector, print_table
         self.inspector: ModelInspector | None = None
         self.last_records: list[dict[str, Any]] = []
@@ -548,7 +543,25 @@ def callbacks(
 
 
 def install(trainer: Any, **options: Any) -> list[TrainerCallback]:
-    """Add :func:`callbacks` to ``trainer`` (``options``: its keywords); a second call adds nothing (a warning)."""
+    """Add the decision, the inspector and the unpad tracer (:func:`callbacks`) to ``trainer``, first among its
+    callbacks' reporters; a second call adds nothing (a warning).
+
+    Args:
+        trainer: a transformers ``Trainer`` or TRL ``SFTTrainer``, before ``train()``.
+        **options: :func:`callbacks`' keywords: ``events_dir`` (default ``<output_dir>/attn_events``),
+            ``log_interval`` (optimizer steps between samples, default 50), ``verdict_interval`` (default 100).
+
+    Returns:
+        The callbacks in the trainer (the ones already there on a second call).
+
+    Example::
+
+        >>> from foundry_attn import attach, install
+        >>> attach(model, "sdpa")                      # optional: padding-free batches then train exactly
+        >>> trainer = SFTTrainer(model=model, args=SFTConfig(padding_free=True, output_dir="out"), train_dataset=data)
+        >>> install(trainer)
+        >>> trainer.train()                            # attn/* metrics in every reporter; events in out/attn_events
+    """
     present: list[TrainerCallback] = [c for c in trainer.callback_handler.callbacks if isinstance(c, _Callback)]
     if present:
         log.warning(

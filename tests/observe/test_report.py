@@ -6,6 +6,7 @@ import base64
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,15 @@ def test_every_image_loads_in_headless_chromium(report: Path, tmp_path: Path) ->
         timeout=120,
     )
     assert "<title>images:4 broken:0</title>" in out.stdout, out.stderr[-2000:]
+
+
+def test_without_matplotlib_the_report_says_which_extra_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib is the ``report`` extra, not a dependency of the package."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "out")]) == 2
+    assert "pip install 'foundry-attn[report]'" in capsys.readouterr().err
 
 
 def test_a_path_without_events_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

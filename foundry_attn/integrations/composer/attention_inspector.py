@@ -172,7 +172,7 @@ class AttentionInspector(ReleasingCallback):
     ) -> None:
         owner = "attention_inspector"
         self.log_interval = check_log_interval(owner, log_interval)
-        self.verdict_interval = check_log_interval("attention_inspector: verdict_interval", verdict_interval)
+        self.verdict_interval = check_log_interval(owner, verdict_interval, "verdict_interval")
         if attention_selector is not None:
             try:
                 re.compile(attention_selector)

@@ -12,6 +12,7 @@ from typing import Any
 from composer.core import Callback, State, Time, TimeUnit
 from composer.utils import dist
 
+from foundry_attn.checks import check_interval
 from foundry_attn.flat.unwrap import find_inside
 from foundry_attn.observe.events import EventLog, default_events_dir
 
@@ -39,7 +40,7 @@ _LOG_INTERVAL = (
 )
 
 
-def check_log_interval(owner: str, log_interval: Any) -> int:
+def check_log_interval(owner: str, log_interval: Any, key: str = "log_interval") -> int:
     """``log_interval`` in batches: an integer >= 1, a time string in batches (``'25ba'``) or a :class:`.Time`
     in batches (``Time(25, TimeUnit.BATCH)``), as Composer's own callbacks take intervals. Any other unit
     (``'2ep'``, ``'100tok'``, ...) is a ValueError that says what is accepted."""
@@ -48,16 +49,14 @@ def check_log_interval(owner: str, log_interval: Any) -> int:
         try:
             parsed = Time.from_input(log_interval)
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r} ({exc})") from None
+            raise ValueError(f"{owner}: {key} must be {_LOG_INTERVAL}; got {log_interval!r} ({exc})") from None
         if parsed.unit != TimeUnit.BATCH:
             raise ValueError(
-                f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}, whose unit is "
+                f"{owner}: {key} must be {_LOG_INTERVAL}; got {log_interval!r}, whose unit is "
                 f"{parsed.unit.name.lower()} ('{parsed.unit.value}'), not batches ('ba')"
             )
         value = parsed.value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: log_interval must be {_LOG_INTERVAL}; got {log_interval!r}")
-    return value
+    return check_interval(owner, key, value, accepted=_LOG_INTERVAL)
 
 
 def open_event_log(state: State, events_dir: str | None) -> EventLog:

@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 
+from foundry_attn.checks import check_interval
 from foundry_attn.flat.state import AUTO as AUTO_PATH
 from foundry_attn.flat.state import PROOF_INTERVAL, check_path
 from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, FA2, validate_names
@@ -82,7 +83,7 @@ class AttnKeys:
             bool(override.get("attn_strict", attn_strict)),
             str(override.get("attn_compute_dtype", attn_compute_dtype)),
             check_path(attn_path),
-            int(attn_proof_interval),
+            check_interval(OWNER, "attn_proof_interval", attn_proof_interval, minimum=0),
             bool(attn_prove_at_build),
             bool(fa2_reference_kernel),
         )

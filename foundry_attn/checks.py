@@ -1,0 +1,28 @@
+"""The checks a key goes through where it is parsed: one wording everywhere, what is accepted in the error.
+
+    check_interval("upad_tracer", "log_interval", 50)                          # 50
+    check_interval("foundry_attn_causal_lm", "attn_proof_interval", 0, minimum=0)   # 0: first batch and changes only
+
+Core module: standard library only.
+"""
+
+from __future__ import annotations
+
+
+def check_interval(owner: str, key: str, value: object, *, minimum: int = 1, accepted: str = "") -> int:
+    """``value`` as an interval: an integer (not a bool) >= ``minimum``, else a ValueError that names ``owner``,
+    ``key``, what is accepted (``accepted``, default "an integer >= minimum") and the value given.
+
+    Args:
+        owner: who reads the key (``attention_inspector``, ``foundry_attn_causal_lm``, ...).
+        key: the key's name as the user wrote it.
+        value: what the user gave, already parsed from any unit (Composer's ``'25ba'`` is 25).
+        minimum: the smallest value that means something (0 where 0 switches a repetition off).
+        accepted: the whole "what is accepted" text, where more forms than an integer are.
+
+    Returns:
+        ``value``, an ``int``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: {key} must be {accepted or f'an integer >= {minimum}'}; got {value!r}")
+    return value
