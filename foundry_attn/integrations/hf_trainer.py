@@ -34,26 +34,16 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
-from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 from foundry_attn.checks import check_interval
 from foundry_attn.flat.comparison import PrecisionProbe, evaluating, hidden, proving
 from foundry_attn.flat.state import PathState, path_of
-from foundry_attn.flat.unwrap import compiled, find_hf_model
-from foundry_attn.observe.console_table import format_table
+from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
 from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.flash_symbols import (
-    ROLES,
-    FlashCallTracer,
-    FlashSymbols,
-    discover,
-    is_flash,
-    is_reference,
-    short_list,
-    symbol_label,
-)
-from foundry_attn.observe.inspection import BatchInfo, ModelInspector, summarize
-from foundry_attn.observe.verdict import LEAKS, NOT_PACKED, Verdict, judge
+from foundry_attn.observe.inspection import BatchInfo, ModelInspector
+from foundry_attn.observe.inspector import InspectorCore
+from foundry_attn.observe.tracing import UnpadTrace
+from foundry_attn.observe.verdict import Verdict, judge
 from foundry_attn.selection.policy import summarize as summarize_ranks
 
 __all__ = ["AttentionInspector", "AttnDecision", "UpadTracer", "callbacks", "install"]
@@ -62,7 +52,7 @@ log = logging.getLogger(__name__)
 
 #: what a Trainer user changes so that packed documents stop seeing each other
 FIX = (
-    "call foundry_attn.flat.attach.attach(model, backend) before building the Trainer (padding-free batches then train "
+    "call foundry_attn.attach(model, backend) before building the Trainer (padding-free batches then train "
     "on the proven path), or train without padding_free"
 )
 
@@ -152,16 +142,10 @@ class _Callback(TrainerCallback):
         self.run = run or Run()
         self.log_interval = check_interval(self.owner, "log_interval", log_interval)
         self._handles: list[Any] = []
-        self._said: set[str] = set()
 
     @property
     def events(self) -> EventLog | None:
         return self.run.events
-
-    def say_once(self, key: str, message: str) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            log.warning(message)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self.run.open(args)
@@ -314,23 +298,32 @@ class AttentionInspector(_Callback):
         super().__init__(run, log_interval)
         self.verdict = verdict
         self.verdict_interval = check_interval(self.owner, "verdict_interval", verdict_interval)
-        self.attention_selector, self.print_table = attention_selector, print_table
+        self.core = InspectorCore(attention_selector, print_table, unit="step")  # the Composer inspector's core
         self.inspector: ModelInspector | None = None
-        self.last_records: list[dict[str, Any]] = []
-        self.last_metrics: dict[str, float] = {}
-        self.last_verdict: Verdict | None = None
         self._model: Any = None
         self._hf: Any = None
         self._pending: tuple[list[dict[str, Any]], BatchInfo, Verdict | None] | None = None
         self._probe: PrecisionProbe | None = None
-        self._printed = False
+
+    @property
+    def last_records(self) -> list[dict[str, Any]]:
+        return self.core.last_records
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return self.core.last_metrics
+
+    @property
+    def last_verdict(self) -> Verdict | None:
+        return self.core.last_verdict
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         self._model, self._hf = model, hf
+        self.core.events = self.events
         if compiled(model) or compiled(hf):
-            self.say_once("compiled", "attention_inspector: the model runs under torch.compile; it steps aside")
+            self.core.say_once("compiled", COMPILED.format(owner=self.owner))
             return
-        self.inspector = ModelInspector(hf, self.attention_selector)
+        self.inspector = self.core.probe(hf)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
@@ -383,46 +376,11 @@ class AttentionInspector(_Callback):
             return
         records, batch, verdict = pending
         step = state.global_step - 1  # the step these records are of (global_step counts it done)
-        metrics: dict[str, float] = {}
-        if records:
-            metrics.update(summarize(records, batch))
-            self.last_records = records
-            if self.events is not None:
-                self.events.append(
-                    "attn_inspect",
-                    step=step,
-                    model=type(self._hf).__name__,
-                    attn_implementation=attn_implementation(self._hf),
-                    batch={"shape": batch.shape, "real_tokens": batch.real_tokens, "fill_ratio": batch.fill_ratio},
-                    metrics=dict(metrics),
-                    modules=records,
-                )
+        implementation = attn_implementation(self._hf)
+        metrics = self.core.inspected(step, records, batch, type(self._hf).__name__, implementation) if records else {}
         if verdict is not None:
-            self.last_verdict = verdict
-            if verdict.isolated is not None:
-                metrics["attn/documents_isolated"] = float(verdict.isolated)
-            if verdict.worst is not None and verdict.worst == verdict.worst:
-                metrics["attn/verdict_worst_diff"] = float(verdict.worst)
-            if self.events is not None:
-                self.events.append("attn_verdict", step=step, **verdict.as_dict())
-            log.info("attention_inspector: step %d: %s", step, verdict.line())
-            if verdict.state == LEAKS:
-                self.say_once(
-                    "leak",
-                    f"attention_inspector: step {step}: packed documents attend to each other: "
-                    f"{verdict.line()}; fix: {FIX}",
-                )
-        if records and self.print_table and not self._printed and args.process_index == 0:
-            self._printed = True
-            fill = batch.fill_ratio
-            title = f"attention_inspector: step {step}, implementation {attn_implementation(self._hf)}" + (
-                f", batch fill {fill:.3f} ({batch.real_tokens}/{batch.positions} real)" if fill is not None else ""
-            )
-            table = format_table(records, title)
-            if verdict is not None and verdict.state != NOT_PACKED:
-                table += f"\npacked documents: {verdict.line()}"
-            print(table, flush=True)
-        self.last_metrics = metrics
+            metrics.update(self.core.judged(step, verdict, FIX))
+        self.core.table(step, records, batch, implementation, verdict, args.process_index)
         if metrics:
             self.run.log(metrics)
 
@@ -440,8 +398,8 @@ class AttentionInspector(_Callback):
 
 class UpadTracer(_Callback):
     """On sampled steps where the model runs transformers' flash-attention code, its unpad, position-ids, varlen,
-    dense and pad calls in the first forward, the first ``cu_seqlens`` and ``max_seqlen``
-    (:class:`foundry_attn.observe.flash_symbols.FlashCallTracer`, patched for that forward only). Metrics
+    dense and pad calls in the first forward, the first ``cu_seqlens`` and ``max_seqlen``: the Composer tracer's
+    core (:class:`foundry_attn.observe.tracing.UnpadTrace`), patched for that forward only. Metrics
     ``attn/<role>_calls_per_step`` and ``attn/max_seqlen``; event ``upad_trace``. Other implementations: said
     once, nothing traced."""
 
@@ -449,77 +407,34 @@ class UpadTracer(_Callback):
 
     def __init__(self, run: Run | None = None, log_interval: int = 50, print_counts: bool = True) -> None:
         super().__init__(run, log_interval)
-        self.print_counts = print_counts
-        self.tracer: FlashCallTracer | None = None
-        self.symbols: FlashSymbols | None = None
-        self.implementation: str | None = None
-        self.last_metrics: dict[str, float] = {}
+        self.trace = UnpadTrace(print_counts)
         self._model: Any = None
         self._traced = False
 
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return self.trace.last_metrics
+
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         self._model = model
-        self.implementation = attn_implementation(hf)
-        idle = (
-            "the model runs under torch.compile"
-            if compiled(model)
-            else None
-            if is_flash(self.implementation)
-            else f"the attention implementation is {self.implementation!r}, not flash_attention_2"
-        )
-        if idle is None:
-            self.symbols = discover()
-            idle = None if self.symbols.found else "no flash-attention symbol could be found"
-        if idle is not None:
-            self.say_once("idle", f"upad_tracer: nothing to trace ({idle})")
-            if self.events is not None:
-                self.events.append("upad_trace_idle", message=f"upad_tracer: nothing to trace ({idle})")
-            return
-        assert self.symbols is not None
-        self.tracer = FlashCallTracer(self.symbols, record=True)
+        self.trace.events = self.events
+        self.trace.resolve(model, hf)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        tracer = self.tracer
-        if tracer is None or state.global_step % self.log_interval:
+        if state.global_step % self.log_interval or not self.trace.start():
             return
-        tracer.reset(record=True)
         self._traced = True
-
-        def after(_: dict, __: Any) -> None:
-            tracer.detach()
-
-        self.one_forward(self._model, lambda _: tracer.attach(), after)
+        self.one_forward(self._model, lambda _: self.trace.attach(), lambda _, __: self.trace.detach())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.release()
-        tracer, traced, self._traced = self.tracer, self._traced, False
-        if tracer is None or not traced:
-            return
-        assert self.symbols is not None
-        step = state.global_step - 1
-        metrics = {f"attn/{role}_calls_per_step": float(tracer.counts[role]) for role in ROLES}
-        if tracer.max_seqlen is not None:
-            metrics["attn/max_seqlen"] = float(tracer.max_seqlen)
-        reference = tracer.ran_reference if tracer.ran_reference is not None else is_reference(self.symbols)
-        kernel = REFERENCE_NAME if reference else "flash-attn"
-        if self.events is not None:
-            self.events.append(
-                "upad_trace", step=step, attn_implementation=self.implementation, kernel=kernel, **tracer.summary()
-            )
-        if self.print_counts and args.process_index == 0:
-            counts = ", ".join(f"{symbol_label(self.symbols, r)} {tracer.counts[r]}" for r in ROLES)
-            print(
-                f"upad_tracer: step {step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
-                f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen} [kernel: {kernel}]",
-                flush=True,
-            )
-        self.last_metrics = metrics
-        self.run.log(metrics)
+        traced, self._traced = self._traced, False
+        if traced:  # global_step counts the step done
+            self.run.log(self.trace.report(state.global_step - 1, rank0=args.process_index == 0, unit="step"))
 
     def release(self) -> None:
         super().release()
-        if self.tracer is not None:
-            self.tracer.detach(force=True)
+        self.trace.release()
 
 
 # ---- what a user calls --------------------------------------------------------------------------------------

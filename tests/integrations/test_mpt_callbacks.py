@@ -167,7 +167,11 @@ def test_upad_tracer_counts_mpt_flash_calls_on_the_reference_kernel(
     tracer = UpadTracer(log_interval=1, events_dir=str(tmp_path / "ev"))
     trainer, memory = _trainer(_mpt("flash"), [tracer], tmp_path)
     trainer.fit()
-    assert tracer.implementation == "flash" and tracer.symbols is not None and tracer.symbols.library == "flash-attn"
+    assert (
+        tracer.implementation == "flash"
+        and tracer.trace.symbols is not None
+        and tracer.trace.symbols.library == "flash-attn"
+    )
     # MPT unpads once per forward, then one varlen kernel call and one pad_input per layer; no dense call
     assert _series(memory, "attn/varlen_calls_per_step") == [2.0, 2.0]
     assert _series(memory, "attn/pad_calls_per_step") == [2.0, 2.0]

@@ -6,7 +6,6 @@ on packed documents, the callback's second job, is :mod:`foundry_attn.integratio
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
@@ -14,27 +13,16 @@ from composer.core import State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundry_attn.flat.unwrap import compiled, find_hf_model
-from foundry_attn.integrations.composer.common import (
-    COMPILED,
-    ReleasingCallback,
-    check_log_interval,
-    open_event_log,
-    say_once,
-)
+from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
+from foundry_attn.integrations.composer.common import ReleasingCallback, check_log_interval, open_event_log
 from foundry_attn.integrations.composer.document_verdict import DocumentVerdicts
-from foundry_attn.observe.console_table import format_table
 from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.inspection import BatchInfo, ModelInspector, summarize
-from foundry_attn.observe.verdict import (
-    NOT_PACKED,
-    Verdict,
-)
+from foundry_attn.observe.inspector import InspectorCore
+from foundry_attn.observe.verdict import Verdict
 
 __all__ = ["AttentionInspector", "summarize"]
-
-log = logging.getLogger(__name__)
 
 
 class AttentionInspector(ReleasingCallback):
@@ -182,39 +170,41 @@ class AttentionInspector(ReleasingCallback):
                     f"regular expression: {exc}"
                 ) from exc
         self.events_dir = events_dir
-        self.attention_selector = attention_selector
-        self.print_table = print_table
         self.verdict = verdict
-        self.events: EventLog | None = None
-        self.last_records: list[dict[str, Any]] = []
-        self.last_metrics: dict[str, float] = {}
+        self.core = InspectorCore(attention_selector, print_table)  # what is reported: shared with the Trainer's
         self._inspector: ModelInspector | None = None
         self._model_id: int | None = None
         self._hf_name: str | None = None
         self._sampled = False
         self._step = 0
         self._batch = BatchInfo()
-        self._printed = False
-        self._warned: set[str] = set()
-        self.verdicts = DocumentVerdicts(self.verdict_interval, self._warned)  # the second job: document_verdict
+        self.verdicts = DocumentVerdicts(self.verdict_interval, self.core)  # the second job: document_verdict
+
+    @property
+    def events(self) -> EventLog | None:
+        return self.core.events
+
+    @property
+    def last_records(self) -> list[dict[str, Any]]:
+        return self.core.last_records
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return self.core.last_metrics
 
     @property
     def last_verdict(self) -> Verdict | None:
-        return self.verdicts.last
-
-    # -- helpers
-    def _warn_once(self, key: str, message: str) -> None:
-        say_once(self._warned, key, message)
+        return self.core.last_verdict
 
     def _resolve(self, state: State) -> ModelInspector | None:
         if self._inspector is not None and self._model_id == id(state.model):
             return self._inspector
         if compiled(state.model):
-            self._warn_once("compiled", COMPILED.format(owner="attention_inspector"))
+            self.core.say_once("compiled", COMPILED.format(owner="attention_inspector"))
             return None
         found = find_hf_model(state.model)
         if found is None:
-            self._warn_once(
+            self.core.say_once(
                 "no_hf",
                 "attention_inspector: no Hugging Face PreTrainedModel in state.model; "
                 "inspecting the whole model without decoder-layer discovery",
@@ -222,24 +212,8 @@ class AttentionInspector(ReleasingCallback):
             self._hf_name, model = "", state.model
         else:
             self._hf_name, model = found
-        inspector = ModelInspector(model, self.attention_selector)
-        mods = inspector.modules
-        if not mods.selector_matched:
-            classes = ", ".join(f"{c} x{n}" for c, n in mods.attention_like.items()) or "none"
-            self._warn_once(
-                "selector",
-                f"attention_inspector: attention_selector {mods.selector!r} matched no "
-                f"module; attention-like classes found: {classes}. The attention level is "
-                f"not inspected.",
-            )
-        elif not mods.attention:
-            self._warn_once(
-                "no_attn",
-                "attention_inspector: found no attention-like module (class names with "
-                "'Attention'/'Attn'); set attention_selector",
-            )
-        self._inspector, self._model_id = inspector, id(state.model)
-        return inspector
+        self._inspector, self._model_id = self.core.probe(model), id(state.model)
+        return self._inspector
 
     def release(self) -> None:
         if self._inspector is not None:
@@ -247,9 +221,8 @@ class AttentionInspector(ReleasingCallback):
 
     # -- events
     def fit_start(self, state: State, logger: Logger) -> None:
-        if self.events is None:
-            self.events = open_event_log(state, self.events_dir)
-        self.verdicts.events = self.events
+        if self.core.events is None:
+            self.core.events = open_event_log(state, self.events_dir)
         self._resolve(state)
         if self.verdict:
             self.verdicts.predict(state)
@@ -282,37 +255,6 @@ class AttentionInspector(ReleasingCallback):
         if inspector is None or not inspector.records:
             return
         records, inspector.records = inspector.records, []
-        metrics = summarize(records, self._batch)
-        self.last_records, self.last_metrics = records, metrics
-        logger.log_metrics(metrics)
-        if self.events is not None:
-            self.events.append(
-                "attn_inspect",
-                step=self._step,
-                model=self._hf_name,
-                attn_implementation=attn_implementation(inspector.model),
-                batch={
-                    "shape": self._batch.shape,
-                    "real_tokens": self._batch.real_tokens,
-                    "fill_ratio": self._batch.fill_ratio,
-                },
-                metrics=metrics,
-                modules=records,
-            )
-        if self.print_table and not self._printed and dist.get_global_rank() == 0:
-            self._printed = True
-            fill = self._batch.fill_ratio
-            title = (
-                f"attention_inspector: batch {self._step}, rank {dist.get_global_rank()}, "
-                f"implementation {attn_implementation(inspector.model)}"
-                + (
-                    f", batch fill {fill:.3f} ({self._batch.real_tokens}/{self._batch.positions} real)"
-                    if fill is not None
-                    else ""
-                )
-            )
-            table = format_table(records, title)
-            if verdict is not None and verdict.state != NOT_PACKED:  # the first verdict, under the first table
-                table += f"\npacked documents: {verdict.line()}"
-            log.info("\n%s", table)
-            print(table, flush=True)
+        implementation = attn_implementation(inspector.model)
+        logger.log_metrics(self.core.inspected(self._step, records, self._batch, self._hf_name or "", implementation))
+        self.core.table(self._step, records, self._batch, implementation, verdict, dist.get_global_rank())

@@ -6,7 +6,6 @@ wrappers is :func:`foundry_attn.flat.unwrap.find_hf_model`'s; the torch-only pro
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from composer.core import Callback, State, Time, TimeUnit
@@ -17,15 +16,11 @@ from foundry_attn.flat.unwrap import find_inside
 from foundry_attn.observe.events import EventLog, default_events_dir
 
 __all__ = [
-    "COMPILED",
     "ReleasingCallback",
     "check_log_interval",
     "foundry_model",
     "open_event_log",
-    "say_once",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def foundry_model(model: Any) -> Any:
@@ -67,22 +62,6 @@ def open_event_log(state: State, events_dir: str | None) -> EventLog:
         ours.attn_events.bind(default_events_dir(state.run_name), run=state.run_name)
     directory = events_dir or (ours.attn_events.directory if ours is not None else default_events_dir(state.run_name))
     return EventLog(directory, dist.get_global_rank(), ours.attn_capability if ours is not None else None)
-
-
-COMPILED = (
-    "{owner}: the model runs under torch.compile (compile_config); per-call hooks and patches inside a "
-    "compiled graph would break or change it, so {owner} steps aside for this run; training goes on"
-)
-
-
-def say_once(said: set[str], key: str, message: str) -> bool:
-    """Log ``message`` at WARNING the first time ``key`` comes (one channel: LLM-Foundry's ``train.py`` shows
-    warnings on the console); True when it was said now."""
-    if key in said:
-        return False
-    said.add(key)
-    log.warning(message)
-    return True
 
 
 class ReleasingCallback(Callback):

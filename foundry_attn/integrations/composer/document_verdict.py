@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from composer.core import State
@@ -20,8 +19,7 @@ from composer.loggers import Logger
 
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.flat.unwrap import compiled, find_hf_model
-from foundry_attn.integrations.composer.common import say_once
-from foundry_attn.observe.events import EventLog
+from foundry_attn.observe.inspector import InspectorCore
 from foundry_attn.observe.verdict import (
     LEAKS,
     UNKNOWN,
@@ -31,8 +29,6 @@ from foundry_attn.observe.verdict import (
     judge,
     structural,
 )
-
-log = logging.getLogger(__name__)
 
 
 def _packing_features(dataloader: Any) -> Features | None:
@@ -52,11 +48,9 @@ def _packing_features(dataloader: Any) -> Features | None:
 class DocumentVerdicts:
     """One verdict on the first microbatch of every ``interval``-th batch (the first included), reported at its end."""
 
-    def __init__(self, interval: int, warned: set[str]) -> None:
+    def __init__(self, interval: int, core: InspectorCore) -> None:
         self.interval = interval
-        self.events: EventLog | None = None
-        self.last: Verdict | None = None
-        self._warned = warned  # shared with the inspector: one warning of a kind per run
+        self.core = core  # the inspector's: its events, its warnings (one of a kind per run), its last verdict
         self._due = False
         self._measure = False
         self._pending: Verdict | None = None
@@ -75,8 +69,10 @@ class DocumentVerdicts:
     def batch_end(self, state: State, logger: Logger, step: int) -> Verdict | None:
         verdict, self._pending = self._pending, None
         if verdict is not None:
-            self.last = verdict
-            self.report(verdict, state, logger, step)
+            found = find_hf_model(state.model)
+            metrics = self.core.judged(step, verdict, fix_for(found[1] if found else None))
+            if metrics:
+                logger.log_metrics(metrics)
         return verdict
 
     def judge(self, state: State) -> Verdict:
@@ -102,29 +98,8 @@ class DocumentVerdicts:
             return
         reading = structural(found[1], features)
         if reading.state == LEAKS:
-            say_once(
-                self._warned,
+            self.core.say_once(
                 "leak_predicted",
                 f"attention_inspector: the train loader packs documents and this model cannot keep them apart "
                 f"({reading.reason}); fix: {fix_for(found[1])}",
-            )
-
-    def report(self, verdict: Verdict, state: State, logger: Logger, step: int) -> None:
-        metrics: dict[str, float] = {}
-        if verdict.isolated is not None:
-            metrics["attn/documents_isolated"] = float(verdict.isolated)
-        if verdict.worst is not None and verdict.worst == verdict.worst:
-            metrics["attn/verdict_worst_diff"] = float(verdict.worst)
-        if metrics:
-            logger.log_metrics(metrics)
-        if self.events is not None:
-            self.events.append("attn_verdict", step=step, **verdict.as_dict())
-        log.info("attention_inspector: batch %d: %s", step, verdict.line())
-        if verdict.state == LEAKS:
-            found = find_hf_model(state.model)
-            say_once(
-                self._warned,
-                "leak",
-                f"attention_inspector: batch {step}: packed documents attend to each other: {verdict.line()}; "
-                f"fix: {fix_for(found[1] if found else None)}",
             )

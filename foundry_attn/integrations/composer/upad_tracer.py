@@ -12,34 +12,15 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
-from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.unwrap import compiled, find_hf_model
+from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.integrations.composer.common import (
-    COMPILED,
     ReleasingCallback,
     check_log_interval,
     foundry_model,
     open_event_log,
-    say_once,
 )
-from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.flash_symbols import (
-    DENSE,
-    PAD,
-    POSIDS,
-    ROLES,
-    UPAD,
-    VARLEN,
-    FlashCallTracer,
-    FlashSymbols,
-    discover,
-    discover_mpt,
-    is_flash,
-    is_reference,
-    short_list,
-    symbol_label,
-)
+from foundry_attn.observe.tracing import UnpadTrace
 
 __all__ = ["UpadTracer"]
 
@@ -149,92 +130,53 @@ class UpadTracer(ReleasingCallback):
     ) -> None:
         self.log_interval = check_log_interval("upad_tracer", log_interval)
         self.events_dir = events_dir
-        self.print_counts = print_counts
-        self.events: EventLog | None = None
-        self.tracer: FlashCallTracer | None = None
-        self.symbols: FlashSymbols | None = None
-        self.implementation: str | None = None
-        self.idle_reason: str | None = None
-        self.last_summary: dict[str, Any] = {}
-        self.last_metrics: dict[str, float] = {}
+        self.trace = UnpadTrace(print_counts)  # what is traced and reported: the core, shared with the Trainer's
         self._hf: nn.Module | None = None
         self._model_id: int | None = None
-        self._reference = False
         self._handles: list[Any] = []
         self._step = 0
-        self._said: set[str] = set()
 
-    # -- helpers
-    def _say_once(self, key: str, message: str, **event: Any) -> None:
-        if say_once(self._said, key, message) and self.events is not None:
-            self.events.append(key, message=message, **event)
+    @property
+    def events(self) -> EventLog | None:
+        return self.trace.events
+
+    @property
+    def implementation(self) -> str | None:
+        return self.trace.implementation
+
+    @property
+    def last_summary(self) -> dict[str, Any]:
+        return self.trace.last_summary
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return self.trace.last_metrics
 
     def _resolve(self, state: State) -> None:
-        """Find the HF model and decide once per model whether there is anything to trace."""
+        """The HF model, and whether there is anything to trace, once per model."""
         if self._model_id == id(state.model):
             return
         self._model_id = id(state.model)
         found = find_hf_model(state.model)
         self._hf = found[1] if found else None
-        self.implementation = attn_implementation(self._hf)
-        mpt = mpt_attn_impl(self._hf)
-        self._reference = uses_reference_kernel(state.model)
-        if compiled(state.model):
-            self.idle_reason = "the model runs under torch.compile"
-            self._say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer"))
-        elif self._hf is None:
-            self.idle_reason = "no Hugging Face PreTrainedModel in state.model"
-        elif mpt is not None and mpt != "flash":
-            self.idle_reason = (
-                f"the attention implementation is {mpt!r} (MPT's attn_config['attn_impl']), not 'flash': "
-                f"MPT calls no flash-attn kernel"
-            )
-        elif mpt is None and not is_flash(self.implementation):
-            self.idle_reason = (
-                f"the attention implementation is {self.implementation!r}, not flash_attention_2: "
-                f"transformers' flash-attention utilities never run"
-            )
-        else:
-            self.symbols = discover_mpt() if mpt is not None else discover()
-            self._reference = self._reference or is_reference(self.symbols)
-            missing = self.symbols.describe_missing()
-            if missing:
-                self._say_once(
-                    "upad_trace_missing",
-                    "upad_tracer: " + "; ".join(missing) + "; training continues",
-                    symbols=self.symbols.as_dict(),
-                )
-            self.idle_reason = None if self.symbols.found else "no flash-attention symbol could be found"
-        if self.idle_reason is not None:
-            self.tracer = None
-            self._say_once(
-                "upad_trace_idle",
-                f"upad_tracer: nothing to trace ({self.idle_reason})",
-                attn_implementation=self.implementation,
-            )
-        else:
-            assert self.symbols is not None
-            self.tracer = FlashCallTracer(self.symbols, record=True)
+        self.trace.resolve(state.model, self._hf, uses_reference_kernel(state.model))
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.tracer is not None:
-            self.tracer.attach()
+        self.trace.attach()
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.detach()
+        self.trace.detach()
 
     def release(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        if self.tracer is not None:
-            self.tracer.detach(force=True)
+        self.trace.release()
 
     # -- events
     def fit_start(self, state: State, logger: Logger) -> None:
-        if self.events is None:
-            self.events = open_event_log(state, self.events_dir)
+        if self.trace.events is None:
+            self.trace.events = open_event_log(state, self.events_dir)
         self._resolve(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
@@ -243,9 +185,8 @@ class UpadTracer(ReleasingCallback):
         if self._step % self.log_interval:
             return
         self._resolve(state)
-        if self.tracer is None or self._hf is None:
+        if self._hf is None or not self.trace.start():
             return
-        self.tracer.reset(record=True)
         self._handles = [
             self._hf.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             self._hf.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
@@ -254,31 +195,5 @@ class UpadTracer(ReleasingCallback):
     def batch_end(self, state: State, logger: Logger) -> None:
         traced = bool(self._handles)
         self.release()
-        if not traced or self.tracer is None:
-            return
-        tracer = self.tracer
-        summary = tracer.summary()
-        metrics = {f"attn/{role}_calls_per_step": float(tracer.counts[role]) for role in ROLES}
-        if tracer.max_seqlen is not None:
-            metrics["attn/max_seqlen"] = float(tracer.max_seqlen)
-        self.last_summary, self.last_metrics = summary, metrics
-        logger.log_metrics(metrics)
-        ran = tracer.ran_reference  # what ran; before any kernel ran, what the model was built with
-        kernel = REFERENCE_NAME if (ran if ran is not None else self._reference) else "flash-attn"
-        if self.events is not None:
-            self.events.append(
-                "upad_trace", step=self._step, attn_implementation=self.implementation, kernel=kernel, **summary
-            )
-        if self.print_counts and dist.get_global_rank() == 0:
-            assert self.symbols is not None
-            label = {role: symbol_label(self.symbols, role) for role in ROLES}
-            found, missing = self.symbols.found, self.symbols.missing
-            shown = [r for r in (UPAD, POSIDS, VARLEN, DENSE, PAD) if r in found or r in missing]
-            counts = ", ".join(f"{label[r]} {tracer.counts[r]}" for r in shown)
-            note = f" [kernel: {kernel}]" if "kernel_note" not in self._said else ""
-            self._said.add("kernel_note")
-            print(
-                f"upad_tracer: batch {self._step}: calls this step: {counts}; entry {tracer.entry or '-'}; "
-                f"cu_seqlens {short_list(tracer.cu_seqlens)}; max_seqlen {tracer.max_seqlen}{note}",
-                flush=True,
-            )
+        if traced and self.trace.tracer is not None:
+            logger.log_metrics(self.trace.report(self._step, rank0=dist.get_global_rank() == 0))
