@@ -38,7 +38,7 @@ from foundry_attn.checks import check_interval
 from foundry_attn.flat.comparison import PrecisionProbe, evaluating, hidden, proving
 from foundry_attn.flat.state import PathState, path_of
 from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
-from foundry_attn.observe.discovery import attn_implementation
+from foundry_attn.observe.discovery import attn_implementation, decision_of
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.inspection import BatchInfo, ModelInspector
 from foundry_attn.observe.inspector import InspectorCore
@@ -197,36 +197,6 @@ class _Callback(TrainerCallback):
 
 
 # ---- the decision -------------------------------------------------------------------------------------------
-
-
-def decision_of(hf: Any) -> dict[str, Any]:
-    """The ``attn_impl`` event fields of ``hf``: what :func:`foundry_attn.flat.attach.attach` chose and proved, or the
-    implementation the model runs, set by the model."""
-    state: PathState | None = path_of(hf)
-    param = next(hf.parameters(), None)
-    info: dict[str, Any] = {
-        "fell_back": False,
-        "strict": False,
-        "compute_dtype": str(param.dtype if param is not None else torch.float32).removeprefix("torch."),
-        "proof": "",
-        "path": "",
-        "path_reason": "",
-        "candidates": [],
-    }
-    if state is None:
-        impl = attn_implementation(hf)
-        reason = "set by the model, not chosen by foundry_attn (not attached; its config._attn_implementation)"
-        return {**info, "requested": impl, "chosen": impl, "reason": reason}
-    return {
-        **info,
-        "requested": state.backend,
-        "chosen": state.backend,
-        "reason": f"attach(model, {state.backend!r})",
-        "strict": state.binding,
-        "proof": state.proofs[-1][1].describe() if state.proofs else "first batch",
-        "path": state.path,
-        "path_reason": state.reason,
-    }
 
 
 class AttnDecision(_Callback):

@@ -4,6 +4,7 @@ runs (the HF model inside wrappers: :func:`foundry_attn.flat.unwrap.find_hf_mode
     name, hf = find_hf_model(state.model)        # through DDP / FSDP / checkpoint / compile wrappers
     modules = discover_modules(hf)               # .layers, .attention: (clean name, module) pairs
     attn_implementation(hf)                      # "sdpa" (HF's _attn_implementation, MPT's attn_impl, ...)
+    decision_of(hf)                              # the attn_impl event: attach's choice and proof, or the model's
 
 Imports torch and the core (transformers only when it looks for a ``PreTrainedModel``).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
@@ -99,3 +101,37 @@ def discover_modules(model: nn.Module, attention_selector: str | None = None) ->
             if parent in by_name and all(parent != n for n, _ in layers):
                 layers.append((parent, by_name[parent]))
     return ModuleMap(layers, attention, like, attention_selector, matched)
+
+
+def decision_of(hf: Any) -> dict[str, Any]:
+    """The ``attn_impl`` event fields of ``hf`` (the decision callback's core): what
+    :func:`foundry_attn.flat.attach.attach` chose and proved, or the implementation the model runs, set by the model."""
+    import torch
+
+    from foundry_attn.flat.state import path_of
+
+    state = path_of(hf)
+    param = next(hf.parameters(), None)
+    info: dict[str, Any] = {
+        "fell_back": False,
+        "strict": False,
+        "compute_dtype": str(param.dtype if param is not None else torch.float32).removeprefix("torch."),
+        "proof": "",
+        "path": "",
+        "path_reason": "",
+        "candidates": [],
+    }
+    if state is None:
+        impl = attn_implementation(hf)
+        reason = "set by the model, not chosen by foundry_attn (not attached; its config._attn_implementation)"
+        return {**info, "requested": impl, "chosen": impl, "reason": reason}
+    return {
+        **info,
+        "requested": state.backend,
+        "chosen": state.backend,
+        "reason": f"attach(model, {state.backend!r})",
+        "strict": state.binding,
+        "proof": state.proofs[-1][1].describe() if state.proofs else "first batch",
+        "path": state.path,
+        "path_reason": state.reason,
+    }
