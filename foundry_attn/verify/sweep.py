@@ -174,7 +174,7 @@ def raised_by_us(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and Path(__file__).parent in Path(tb.tb_frame.f_code.co_filename).parents
+    return tb is not None and Path(__file__).parents[1] in Path(tb.tb_frame.f_code.co_filename).parents  # the package
 
 
 def zoo_cell(model_type: str, requested: str) -> ZooCell:
