@@ -11,8 +11,11 @@ proves the flat path, keeping the :class:`~foundry_attn.flat.state.PathState` on
       attn_path: auto              # auto | flat | rows; flat + attn_strict: true fails when flat is not proven
       attn_proof_interval: 100     # re-prove every N training batches (0: first batch and changes only)
 
-When each path runs and when the proof is due again: :mod:`foundry_attn.flat.state`. Core module: torch and
-transformers only.
+What ``attach`` changes on the model, all of it here: ``config._attn_implementation`` (our registered name while flat,
+the stock one while rows), ``model.foundry_path`` (the :class:`~foundry_attn.flat.state.PathState`), the instance's
+``forward`` and its base model's (:class:`~foundry_attn.flat.forward.FlattenedForward`, ``FlattenedBackbone``: the
+ecosystem's packed batches take the proven path). When each path runs and when the proof is due again:
+:mod:`foundry_attn.flat.state`. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
