@@ -108,7 +108,7 @@ def test_policy_and_the_probe_import_without_transformers() -> None:
     modules = (
         "selection.policy",
         "attention.backends",
-        "observe.inspection",
+        "observe.probe",
         "observe.discovery",
         "attention.documents",
         "attention.block_masks",

@@ -40,9 +40,9 @@ from foundry_attn.flat.state import PathState, path_of
 from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
 from foundry_attn.observe.discovery import attn_implementation, decision_of
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.inspection import BatchInfo, ModelInspector
 from foundry_attn.observe.inspector import InspectorCore
-from foundry_attn.observe.tracing import UnpadTrace
+from foundry_attn.observe.probe import BatchInfo, ModelInspector
+from foundry_attn.observe.tracer import TracerCore
 from foundry_attn.observe.verdict import Verdict, judge
 from foundry_attn.selection.policy import summarize as summarize_ranks
 
@@ -248,7 +248,7 @@ class AttnDecision(_Callback):
 
 class AttentionInspector(_Callback):
     """On sampled steps, what the first forward gave the model, its decoder layers and attention modules (mask,
-    fill, restarting positions; :class:`foundry_attn.observe.inspection.ModelInspector`), and every ``verdict_interval``
+    fill, restarting positions; :class:`foundry_attn.observe.probe.ModelInspector`), and every ``verdict_interval``
     steps the verdict on packed documents: the first documents of the batch's row with the most run alone and
     compared with the training forward's logits (:func:`foundry_attn.observe.verdict.measure`; the structural reading,
     labelled so, under compile, FSDP or dropout). A leak is a warning that says what to change.
@@ -369,7 +369,7 @@ class AttentionInspector(_Callback):
 class UpadTracer(_Callback):
     """On sampled steps where the model runs transformers' flash-attention code, its unpad, position-ids, varlen,
     dense and pad calls in the first forward, the first ``cu_seqlens`` and ``max_seqlen``: the Composer tracer's
-    core (:class:`foundry_attn.observe.tracing.UnpadTrace`), patched for that forward only. Metrics
+    core (:class:`foundry_attn.observe.tracer.TracerCore`), patched for that forward only. Metrics
     ``attn/<role>_calls_per_step`` and ``attn/max_seqlen``; event ``upad_trace``. Other implementations: said
     once, nothing traced."""
 
@@ -377,34 +377,34 @@ class UpadTracer(_Callback):
 
     def __init__(self, run: Run | None = None, log_interval: int = 50, print_counts: bool = True) -> None:
         super().__init__(run, log_interval)
-        self.trace = UnpadTrace(print_counts)
+        self.core = TracerCore(print_counts)
         self._model: Any = None
         self._traced = False
 
     @property
     def last_metrics(self) -> dict[str, float]:
-        return self.trace.last_metrics
+        return self.core.last_metrics
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         self._model = model
-        self.trace.events = self.events
-        self.trace.resolve(model, hf)
+        self.core.events = self.events
+        self.core.resolve(model, hf)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step % self.log_interval or not self.trace.start():
+        if state.global_step % self.log_interval or not self.core.start():
             return
         self._traced = True
-        self.one_forward(self._model, lambda _: self.trace.attach(), lambda _, __: self.trace.detach())
+        self.one_forward(self._model, lambda _: self.core.attach(), lambda _, __: self.core.detach())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.release()
         traced, self._traced = self._traced, False
         if traced:  # global_step counts the step done
-            self.run.log(self.trace.report(state.global_step - 1, rank0=args.process_index == 0, unit="step"))
+            self.run.log(self.core.report(state.global_step - 1, rank0=args.process_index == 0, unit="step"))
 
     def release(self) -> None:
         super().release()
-        self.trace.release()
+        self.core.release()
 
 
 # ---- what a user calls --------------------------------------------------------------------------------------

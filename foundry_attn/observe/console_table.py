@@ -1,6 +1,6 @@
 """The console table of what the attention probe recorded: one line per group of alike modules.
 
-    print(format_table(records))     # records: foundry_attn.observe.inspection.ModelInspector's
+    print(format_table(records))     # records: foundry_attn.observe.probe.ModelInspector's
 
 Core module: standard library only.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from foundry_attn.observe.inspection import ATTENTION, LAYER, MODEL
+from foundry_attn.observe.probe import ATTENTION, LAYER, MODEL
 
 _COLUMNS = ("level", "modules", "mask", "dtype", "shape", "hides", "real", "fill", "packed", "impl")
 

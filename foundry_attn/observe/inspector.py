@@ -18,7 +18,7 @@ from typing import Any
 
 from foundry_attn.observe.console_table import format_table
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.inspection import BatchInfo, ModelInspector, summarize
+from foundry_attn.observe.probe import BatchInfo, ModelInspector, summarize
 from foundry_attn.observe.verdict import LEAKS, NOT_PACKED, Verdict
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class InspectorCore:
     def inspected(
         self, step: int, records: list[dict[str, Any]], batch: BatchInfo, model: str, implementation: str | None
     ) -> dict[str, float]:
-        """A sampled forward's records: their ``attn/*`` metrics (:func:`~foundry_attn.observe.inspection.summarize`)
+        """A sampled forward's records: their ``attn/*`` metrics (:func:`~foundry_attn.observe.probe.summarize`)
         and an ``attn_inspect`` event."""
         metrics = summarize(records, batch)
         self.last_records, self.last_metrics = records, metrics

@@ -66,7 +66,7 @@ def test_block_mask_attention_modules_are_counted() -> None:
 
     from foundry_attn.integrations.composer.attention_inspector import summarize
     from foundry_attn.observe.console_table import format_table
-    from foundry_attn.observe.inspection import ModelInspector
+    from foundry_attn.observe.probe import ModelInspector
 
     class ToyAttention(torch.nn.Module):
         def forward(self, hidden_states: torch.Tensor, attention_mask: object = None) -> torch.Tensor:
@@ -110,13 +110,13 @@ def test_every_logged_key_is_in_its_callback_docstring() -> None:
     import re
 
     from foundry_attn.integrations.composer import attention_inspector, attn_decision, document_verdict, upad_tracer
-    from foundry_attn.observe import inspection, inspector, tracing
+    from foundry_attn.observe import inspector, probe, tracer
     from foundry_attn.observe.flash_symbols import ROLES
 
-    for modules, cls, computed in (  # the inspector's metrics are summed in the core (inspection.summarize)
-        ((attention_inspector, document_verdict, inspection, inspector), attention_inspector.AttentionInspector, set()),
+    for modules, cls, computed in (  # the inspector's metrics are summed in the core (probe.summarize)
+        ((attention_inspector, document_verdict, probe, inspector), attention_inspector.AttentionInspector, set()),
         ((attn_decision,), attn_decision.AttnDecision, set()),
-        ((upad_tracer, tracing), upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
+        ((upad_tracer, tracer), upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
     ):
         module = modules[0]
         source = "".join(inspect.getsource(m) for m in modules)
@@ -342,13 +342,13 @@ def test_originals_restored_when_training_raises(assets: Path, tokenizer, tmp_pa
 def test_trainer_missing_symbol_said_once_and_training_goes_on(
     assets: Path, tokenizer, tmp_path: Path, caplog, monkeypatch
 ) -> None:
-    import foundry_attn.observe.tracing as tracing_module
+    import foundry_attn.observe.tracer as tracer_module
     from foundry_attn.integrations.composer.upad_tracer import UpadTracer
 
     real = discover()
     found = {k: v for k, v in real.found.items() if k != UPAD}
     fake = fs.FlashSymbols("9.9.9", real.module, found, {UPAD: fs.CANDIDATES[UPAD]})
-    monkeypatch.setattr(tracing_module, "discover", lambda: fake)
+    monkeypatch.setattr(tracer_module, "discover", lambda: fake)
     tracer = UpadTracer(log_interval=1, events_dir=str(tmp_path / "ev"))
     trainer, memory = _trainer(assets, tokenizer, tmp_path, [tracer], batches=2)
     with caplog.at_level(logging.WARNING):

@@ -169,8 +169,8 @@ def test_upad_tracer_counts_mpt_flash_calls_on_the_reference_kernel(
     trainer.fit()
     assert (
         tracer.implementation == "flash"
-        and tracer.trace.symbols is not None
-        and tracer.trace.symbols.library == "flash-attn"
+        and tracer.core.symbols is not None
+        and tracer.core.symbols.library == "flash-attn"
     )
     # MPT unpads once per forward, then one varlen kernel call and one pad_input per layer; no dense call
     assert _series(memory, "attn/varlen_calls_per_step") == [2.0, 2.0]

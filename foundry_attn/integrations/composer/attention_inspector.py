@@ -1,6 +1,6 @@
 """``attention_inspector``: what the attention of a sampled batch really sees (masks, fill, packing).
 
-See :class:`AttentionInspector`; the probe itself (no Composer) is :mod:`foundry_attn.observe.inspection`; the verdict
+See :class:`AttentionInspector`; the probe itself (no Composer) is :mod:`foundry_attn.observe.probe`; the verdict
 on packed documents, the callback's second job, is :mod:`foundry_attn.integrations.composer.document_verdict`.
 """
 
@@ -18,8 +18,8 @@ from foundry_attn.integrations.composer.common import ReleasingCallback, check_l
 from foundry_attn.integrations.composer.document_verdict import DocumentVerdicts
 from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.inspection import BatchInfo, ModelInspector, summarize
 from foundry_attn.observe.inspector import InspectorCore
+from foundry_attn.observe.probe import BatchInfo, ModelInspector, summarize
 from foundry_attn.observe.verdict import Verdict
 
 __all__ = ["AttentionInspector", "summarize"]
@@ -30,7 +30,7 @@ class AttentionInspector(ReleasingCallback):
 
     On a sampled batch (the first batch, then every ``log_interval``-th) this callback hooks the Hugging Face
     model inside ``state.model`` (through DDP / FSDP wrappers), every decoder layer and every attention module
-    (forward pre-hooks with kwargs, see :class:`foundry_attn.observe.inspection.ModelInspector`), and records per module
+    (forward pre-hooks with kwargs, see :class:`foundry_attn.observe.probe.ModelInspector`), and records per module
     the mask it was given (None, 2-D, 4-D, a flex ``BlockMask``), its dtype and shape, whether it masks anything
     (2-D: padding; 4-D: a key that causality would show), the real tokens and fill ratio (real / positions),
     whether ``position_ids`` restart inside a row (packed documents), and the config's ``_attn_implementation``.

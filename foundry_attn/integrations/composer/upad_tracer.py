@@ -20,7 +20,7 @@ from foundry_attn.integrations.composer.common import (
     open_event_log,
 )
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.tracing import UnpadTrace
+from foundry_attn.observe.tracer import TracerCore
 
 __all__ = ["UpadTracer"]
 
@@ -130,7 +130,7 @@ class UpadTracer(ReleasingCallback):
     ) -> None:
         self.log_interval = check_log_interval("upad_tracer", log_interval)
         self.events_dir = events_dir
-        self.trace = UnpadTrace(print_counts)  # what is traced and reported: the core, shared with the Trainer's
+        self.core = TracerCore(print_counts)  # what is traced and reported: the core, shared with the Trainer's
         self._hf: nn.Module | None = None
         self._model_id: int | None = None
         self._handles: list[Any] = []
@@ -138,19 +138,19 @@ class UpadTracer(ReleasingCallback):
 
     @property
     def events(self) -> EventLog | None:
-        return self.trace.events
+        return self.core.events
 
     @property
     def implementation(self) -> str | None:
-        return self.trace.implementation
+        return self.core.implementation
 
     @property
     def last_summary(self) -> dict[str, Any]:
-        return self.trace.last_summary
+        return self.core.last_summary
 
     @property
     def last_metrics(self) -> dict[str, float]:
-        return self.trace.last_metrics
+        return self.core.last_metrics
 
     def _resolve(self, state: State) -> None:
         """The HF model, and whether there is anything to trace, once per model."""
@@ -159,24 +159,24 @@ class UpadTracer(ReleasingCallback):
         self._model_id = id(state.model)
         found = find_hf_model(state.model)
         self._hf = found[1] if found else None
-        self.trace.resolve(state.model, self._hf, uses_reference_kernel(state.model))
+        self.core.resolve(state.model, self._hf, uses_reference_kernel(state.model))
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.trace.attach()
+        self.core.attach()
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self.trace.detach()
+        self.core.detach()
 
     def release(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        self.trace.release()
+        self.core.release()
 
     # -- events
     def fit_start(self, state: State, logger: Logger) -> None:
-        if self.trace.events is None:
-            self.trace.events = open_event_log(state, self.events_dir)
+        if self.core.events is None:
+            self.core.events = open_event_log(state, self.events_dir)
         self._resolve(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
@@ -185,7 +185,7 @@ class UpadTracer(ReleasingCallback):
         if self._step % self.log_interval:
             return
         self._resolve(state)
-        if self._hf is None or not self.trace.start():
+        if self._hf is None or not self.core.start():
             return
         self._handles = [
             self._hf.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
@@ -195,5 +195,5 @@ class UpadTracer(ReleasingCallback):
     def batch_end(self, state: State, logger: Logger) -> None:
         traced = bool(self._handles)
         self.release()
-        if traced and self.trace.tracer is not None:
-            logger.log_metrics(self.trace.report(self._step, rank0=dist.get_global_rank() == 0))
+        if traced and self.core.tracer is not None:
+            logger.log_metrics(self.core.report(self._step, rank0=dist.get_global_rank() == 0))

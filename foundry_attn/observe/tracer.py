@@ -1,9 +1,9 @@
 """``upad_tracer``'s core, for both glues: what transformers' flash-attention path did in one forward, reported.
 
-    trace = UnpadTrace(print_counts=True)
-    trace.resolve(model, hf)              # once per model: anything to trace, or why not (said once, an event)
-    trace.start(); trace.attach()         # around the sampled forward: the tracer's patches on
-    trace.detach(); metrics = trace.report(step, rank0=True)   # metrics, an ``upad_trace`` event, one console line
+    core = TracerCore(print_counts=True)
+    core.resolve(model, hf)               # once per model: anything to trace, or why not (said once, an event)
+    core.start(); core.attach()           # around the sampled forward: the tracer's patches on
+    core.detach(); metrics = core.report(step, rank0=True)   # metrics, an ``upad_trace`` event, one console line
 
 The Composer callback (:mod:`foundry_attn.integrations.composer.upad_tracer`) and the Trainer's
 (:mod:`foundry_attn.integrations.hf_trainer`) only say when: which step, which forward, where the metrics go.
@@ -38,7 +38,7 @@ from foundry_attn.observe.flash_symbols import (
 log = logging.getLogger(__name__)
 
 
-class UnpadTrace:
+class TracerCore:
     """One model's flash-attention calls on sampled forwards: the unpad, position-ids, varlen, dense and pad calls,
     the first ``cu_seqlens`` and ``max_seqlen`` (:class:`~foundry_attn.observe.flash_symbols.FlashCallTracer`).
     Other implementations: said once (a warning and an event), nothing traced."""

@@ -1,4 +1,4 @@
-"""The core ModelInspector probe (foundry_attn.observe.inspection): layers and attention found across architectures
+"""The core ModelInspector probe (foundry_attn.observe.probe): layers and attention found across architectures
 and wrappers, what each level sees, hooks gone afterwards. No Composer needed."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class _DDPLike(torch.nn.Module):
 def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
     from foundry_attn.flat.unwrap import find_hf_model
     from foundry_attn.observe.discovery import discover_modules
-    from foundry_attn.observe.inspection import ModelInspector
+    from foundry_attn.observe.probe import ModelInspector
 
     model = _tiny(arch)
     name, hf = find_hf_model(_DDPLike(model))
@@ -60,7 +60,7 @@ def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
 def test_inspector_sees_the_flat_row(llama, impl: str) -> None:
     """Unpadded once: one flat row of real tokens, no mask, one restart per document boundary."""
     from foundry_attn.flat.forward import forward_documents
-    from foundry_attn.observe.inspection import BatchInfo, ModelInspector
+    from foundry_attn.observe.probe import BatchInfo, ModelInspector
 
     model = llama(impl)
     attach(model)
@@ -83,7 +83,7 @@ def _stock(model_type: str, impl: str) -> torch.nn.Module:
 
 
 def _captured(model: torch.nn.Module, **inputs: torch.Tensor) -> list[dict]:
-    from foundry_attn.observe.inspection import ModelInspector
+    from foundry_attn.observe.probe import ModelInspector
 
     with torch.no_grad(), ModelInspector(model).capture() as records:
         model(**inputs)
@@ -183,7 +183,7 @@ def test_packed_position_ids_are_documents_only_where_the_mask_keeps_them_apart(
 
 def test_describe_mask_reads_windows_documents_and_other_holes() -> None:
     """Hand-made 4-D masks (bool and additive float) cover what no stock tiny model builds here."""
-    from foundry_attn.observe.inspection import describe_mask
+    from foundry_attn.observe.probe import describe_mask
 
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     docs = causal.clone()
