@@ -60,6 +60,14 @@ def test_the_package_has_at_most_eight_top_level_modules_beside_its_folders() ->
     assert folders == {*FOLDERS, "bench"}, folders
 
 
+def test_each_folder_says_what_it_owns_and_what_it_may_import() -> None:
+    import importlib
+
+    for folder in FOLDERS:
+        doc = importlib.import_module(f"foundry_attn.{folder}").__doc__ or ""
+        assert doc.strip() and "May import" in doc, folder
+
+
 def test_each_folder_imports_only_the_folders_below_it() -> None:
     """A call goes downward: no folder imports one after it in ``FOLDERS`` (lazily neither), and nothing of the
     runtime imports the tools."""
