@@ -40,7 +40,7 @@ from foundry_attn.flat.state import PathState, path_of
 from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
 from foundry_attn.observe.discovery import attn_implementation, decision_of
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.inspector import InspectorCore
+from foundry_attn.observe.inspector import InspectorCore, InspectorResults
 from foundry_attn.observe.probe import BatchInfo, ModelInspector
 from foundry_attn.observe.tracer import TracerCore
 from foundry_attn.observe.verdict import Verdict, judge
@@ -246,7 +246,7 @@ class AttnDecision(_Callback):
 # ---- the inspector and its verdict ------------------------------------------------------------------------
 
 
-class AttentionInspector(_Callback):
+class AttentionInspector(InspectorResults, _Callback):
     """On sampled steps, what the first forward gave the model, its decoder layers and attention modules (mask,
     fill, restarting positions; :class:`foundry_attn.observe.probe.ModelInspector`), and every ``verdict_interval``
     steps the verdict on packed documents: the first documents of the batch's row with the most run alone and
@@ -274,18 +274,6 @@ class AttentionInspector(_Callback):
         self._hf: Any = None
         self._pending: tuple[list[dict[str, Any]], BatchInfo, Verdict | None] | None = None
         self._probe: PrecisionProbe | None = None
-
-    @property
-    def last_records(self) -> list[dict[str, Any]]:
-        return self.core.last_records
-
-    @property
-    def last_metrics(self) -> dict[str, float]:
-        return self.core.last_metrics
-
-    @property
-    def last_verdict(self) -> Verdict | None:
-        return self.core.last_verdict
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         self._model, self._hf = model, hf

@@ -127,3 +127,22 @@ class InspectorCore:
             table += f"\npacked documents: {verdict.line()}"
         log.info("\n%s", table)
         print(table, flush=True)
+
+
+class InspectorResults:
+    """What an inspector callback last reported, read from its :class:`InspectorCore` (``core``): a mixin both glues'
+    ``AttentionInspector`` share."""
+
+    core: InspectorCore
+
+    @property
+    def last_records(self) -> list[dict[str, Any]]:
+        return self.core.last_records
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return self.core.last_metrics
+
+    @property
+    def last_verdict(self) -> Verdict | None:
+        return self.core.last_verdict

@@ -7,7 +7,6 @@ on packed documents, the callback's second job, is :mod:`foundry_attn.integratio
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from composer.core import State, Time
 from composer.loggers import Logger
@@ -18,14 +17,13 @@ from foundry_attn.integrations.composer.common import ReleasingCallback, check_l
 from foundry_attn.integrations.composer.document_verdict import DocumentVerdicts
 from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
-from foundry_attn.observe.inspector import InspectorCore
+from foundry_attn.observe.inspector import InspectorCore, InspectorResults
 from foundry_attn.observe.probe import BatchInfo, ModelInspector, summarize
-from foundry_attn.observe.verdict import Verdict
 
 __all__ = ["AttentionInspector", "summarize"]
 
 
-class AttentionInspector(ReleasingCallback):
+class AttentionInspector(InspectorResults, ReleasingCallback):
     """Inspects the attention masks, the fill and the packing that a sampled batch really reaches.
 
     On a sampled batch (the first batch, then every ``log_interval``-th) this callback hooks the Hugging Face
@@ -183,18 +181,6 @@ class AttentionInspector(ReleasingCallback):
     @property
     def events(self) -> EventLog | None:
         return self.core.events
-
-    @property
-    def last_records(self) -> list[dict[str, Any]]:
-        return self.core.last_records
-
-    @property
-    def last_metrics(self) -> dict[str, float]:
-        return self.core.last_metrics
-
-    @property
-    def last_verdict(self) -> Verdict | None:
-        return self.core.last_verdict
 
     def _resolve(self, state: State) -> ModelInspector | None:
         if self._inspector is not None and self._model_id == id(state.model):
