@@ -4,9 +4,9 @@
     inputs, placed = one_per_row(hf_model, ids, positions, labels, layout)   # rows, right-padded, a 2-D mask
     logits = placed_back(out.logits, placed)                                 # [rows, width, vocab] again
 
-Pure functions of the batch, its :class:`~foundry_attn.flat.layout.Layout` and the model's config: no state, no
-decision (which layout a batch gets is :meth:`foundry_attn.flat.state.PathState.choose`'s). Core module: torch and
-transformers only.
+Pure functions of the batch, its :class:`~foundry_attn.flat.layout.Layout` and the HF model's config (the model
+itself, not a wrapper: callers unwrap once): no state, no decision (which layout a batch gets is
+:meth:`foundry_attn.flat.state.PathState.choose`'s). Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from foundry_attn.attention.backends import config_value
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.flat.layout import Layout, flattened_lengths
 from foundry_attn.flat.packing import IGNORE_INDEX
-from foundry_attn.flat.unwrap import unwrapped
 
 
 class Placed(NamedTuple):
@@ -90,7 +89,7 @@ def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[i
 
 
 def flat_inputs(
-    model: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
+    hf: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
 ) -> tuple[dict[str, Any], Placed]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
     (:mod:`foundry_attn.flat.proof`) runs these very inputs: the layout that trains."""
@@ -106,7 +105,6 @@ def flat_inputs(
     for value in (*inputs.values(), docs.device_bounds, docs.host_bounds):
         if value is not None:
             torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
-    hf = unwrapped(model)
     # Gemma2/3 read last_cache_position from a 4-D mask with .item() (a graph break); the mask is ours, so is the value
     # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
     if "last_cache_position" in base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
@@ -129,7 +127,7 @@ def base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
 
 
 def one_per_row(
-    model: Any, ids: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor | None, layout: Layout
+    hf: Any, ids: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor | None, layout: Layout
 ) -> tuple[dict[str, Any], Placed]:
     """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
     flat = layout.real_indices(ids.device)
@@ -147,7 +145,7 @@ def one_per_row(
     if row_labels is not None:
         row_labels[:, 0] = IGNORE_INDEX
     inputs: dict[str, torch.Tensor | None] = {
-        "input_ids": scatter(ids, pad_id(model)),
+        "input_ids": scatter(ids, pad_id(hf)),
         "attention_mask": scatter(torch.ones_like(ids), 0),
     }
     if positions is not None:
@@ -156,10 +154,10 @@ def one_per_row(
     return inputs, Placed(dst, flat, layout.rows, layout.width)
 
 
-def pad_id(model: Any) -> int:
+def pad_id(hf: Any) -> int:
     """The id right padding is filled with: the model's pad token where it has one (RoBERTa-style position ids
     count from it), else 0."""
-    pad = getattr(unwrapped(model).config, "pad_token_id", None)
+    pad = getattr(hf.config, "pad_token_id", None)
     return pad if isinstance(pad, int) and pad >= 0 else 0
 
 
