@@ -16,9 +16,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from foundry_attn.attention.backends import backend_of
+from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import clean_name
 
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
@@ -106,10 +108,6 @@ def discover_modules(model: nn.Module, attention_selector: str | None = None) ->
 def decision_of(hf: Any) -> dict[str, Any]:
     """The ``attn_impl`` event fields of ``hf`` (the decision callback's core): what
     :func:`foundry_attn.flat.attach.attach` chose and proved, or the implementation the model runs, set by the model."""
-    import torch
-
-    from foundry_attn.flat.state import path_of
-
     state = path_of(hf)
     param = next(hf.parameters(), None)
     info: dict[str, Any] = {
