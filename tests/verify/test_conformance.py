@@ -130,3 +130,11 @@ def test_model_records_the_proof(assets, tmp_path) -> None:
     assert model.attn_decision.proof.startswith("passed in") and model.attn_decision.path == "flat"
     assert model.model.config._attn_implementation == "foundry_eager" and model.attn_implementation == "eager"
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_the_proof_at_build_can_be_left_to_the_first_batch(assets, tmp_path) -> None:
+    from foundry_attn.integrations.llm_foundry.model import FoundryAttnCausalLM
+
+    keys = dict(tokenizer=None, pretrained_model_name_or_path=str(assets / "tiny-llama"), pretrained=False)
+    model = FoundryAttnCausalLM(**keys, events_dir=str(tmp_path), attn_prove_at_build=False)
+    assert model.attn_decision.proof == "off"  # attn_prove_at_build: false; the first training batch proves
