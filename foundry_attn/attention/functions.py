@@ -93,6 +93,23 @@ def unhonoured(kwargs: dict) -> list[str]:
     )
 
 
+def mask_content(mask: Any) -> str | None:
+    """What a mask reaching a flat call carries beyond the structure our documents replace (causal, padding,
+    documents: booleans, integers, zeros and the most negative values), or None: a learnable bias (the mask
+    requires grad: Doge's dynamic mask), or values that are neither zero nor a masked score. The placeholder and
+    None carry nothing; under ``torch.compile`` nothing is read (the proof, uncompiled, has read it)."""
+    if not isinstance(mask, torch.Tensor) or is_placeholder(mask) or torch.compiler.is_compiling():
+        return None
+    if mask.requires_grad:
+        return f"a learnable bias (a {list(mask.shape)} tensor that requires grad)"
+    if not mask.is_floating_point():
+        return None
+    masked = mask <= torch.finfo(mask.dtype).min / 2
+    if bool(((mask == 0) | masked).all()):
+        return None
+    return f"values that are neither 0 nor a masked score (a {list(mask.shape)} bias)"
+
+
 # ---- what every function shares -------------------------------------------------------------------------
 
 
@@ -118,6 +135,12 @@ def _open(
             raise FlatUnsupported(
                 f"{type(module).__name__} passes {', '.join(repr(k) for k in extra)} to attention, which the flat "
                 "path does not honour"
+            )
+        content = mask_content(attention_mask)
+        if content:
+            raise FlatUnsupported(
+                f"{type(module).__name__} passes an attention_mask that carries {content}, which the flat path "
+                "does not honour (our documents replace only causal, padding and document structure)"
             )
         if not torch.compiler.is_compiling():
             docs.calls += 1

@@ -41,6 +41,11 @@ GRAD_RTOL_FP32 = 1e-4
 TOKEN_RTOL_HALF = 2e-3
 GRAD_TOKEN_RTOL_HALF = 2e-2
 NOISE_FACTOR = 4.0
+#: every parameter that trains, fp32: max |diff| <= PARAM_RTOL x max(its own largest truth gradient, PARAM_FLOOR x the
+#: largest truth gradient of any parameter); the floor keeps a gradient that is rounding noise (a key bias, which
+#: softmax cancels) from being judged relative to itself. Half precision: present where the truth has one
+PARAM_RTOL = 1e-3
+PARAM_FLOOR = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +194,8 @@ def embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
-#: one call of a plain ``nn.Linear`` output layer: its input, its output and its weight
-HeadCall = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: one call of a plain ``nn.Linear`` output layer: its input, its output, its weight and its bias (or None)
+HeadCall = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @contextlib.contextmanager
@@ -202,7 +207,7 @@ def head_calls(hf: Any, grads: bool) -> Iterator[list[HeadCall]]:
     if type(module) is not torch.nn.Linear:
         yield calls
         return
-    handle = module.register_forward_hook(lambda m, args, out: calls.append((args[0], out, m.weight)))
+    handle = module.register_forward_hook(lambda m, args, out: calls.append((args[0], out, m.weight, m.bias)))
     try:
         yield calls
     finally:
@@ -219,6 +224,18 @@ def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tupl
     return torch.stack([next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
 
 
+#: parameter name -> the gradient of a loss with respect to it (None: the loss does not reach it)
+ParamGrads = dict[str, torch.Tensor | None]
+
+
+def trainable(hf: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters that train (``requires_grad``), by name, each once (tied weights under their first name);
+    sharded ones (FSDP2's DTensors, whose gradients reach them through FSDP's own hooks) are left out."""
+    from torch.distributed.tensor import DTensor
+
+    return [(n, p) for n, p in hf.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+
+
 def documents_grad(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -226,36 +243,50 @@ def documents_grad(
     embeds: torch.Tensor,
     head: Sequence[HeadCall] = (),
     retain_graph: bool = False,
-) -> torch.Tensor:
+    params: Sequence[tuple[str, torch.nn.Parameter]] = (),
+) -> tuple[torch.Tensor, ParamGrads]:
     """The gradient of :func:`documents_loss` (the documents at ``spans`` of one row: ``[1, tokens, vocab]``
-    ``logits``, ``[tokens]`` ``ids``) with respect to the input embeddings ``embeds`` ``[1, tokens, hidden]``.
-    The loss's gradient is taken on the documents' rows alone and, where the logits are the output of a plain
-    linear output layer (``head``, :func:`head_calls`), carried through it on those rows: the same gradient, with
-    no ``[tokens, vocab]`` backward for the rows outside the documents."""
+    ``logits``, ``[tokens]`` ``ids``) with respect to the input embeddings ``embeds`` ``[1, tokens, hidden]``, and
+    with respect to each of ``params`` (:func:`trainable`). The loss's gradient is taken on the documents' rows alone
+    and, where the logits are the output of a plain linear output layer (``head``, :func:`head_calls`), carried
+    through it on those rows (its weight's gradient made from the same rows): the same gradients, with no
+    ``[tokens, vocab]`` backward for the rows outside the documents."""
     index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
     rows = logits[0, index].detach().requires_grad_()
     local = list(itertools.pairwise(itertools.accumulate((e - s for s, e in spans), initial=0)))
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(documents_loss(rows, ids[index], local), rows)
     call = next((c for c in head if c[1] is logits and c[0].shape[:2] == logits.shape[:2]), None)
+    head_grads: dict[int, torch.Tensor] = {}
     if call is None:
         start, upstream = logits, torch.zeros_like(logits)
         upstream[0, index] = grad.to(logits.dtype)
     else:
-        start, weight = call[0], call[2]
+        start, weight, bias = call[0], call[2], call[3]
         upstream = torch.zeros_like(start)
         upstream[0, index] = (grad.to(weight.dtype) @ weight).to(start.dtype)
-    (out,) = torch.autograd.grad(start, embeds, upstream, retain_graph=retain_graph)
-    return out[0]
+        if weight.requires_grad:
+            head_grads[id(weight)] = grad.to(weight.dtype).T @ start[0, index].detach().to(weight.dtype)
+        if bias is not None and bias.requires_grad:
+            head_grads[id(bias)] = grad.sum(0).to(bias.dtype)
+    wanted = [p for _, p in params]
+    out, *grads = torch.autograd.grad(start, [embeds, *wanted], upstream, retain_graph=retain_graph, allow_unused=True)
+    by_name: ParamGrads = {}
+    for (name, param), g in zip(params, grads, strict=True):
+        extra = head_grads.get(id(param))
+        by_name[name] = g if extra is None else extra if g is None else g + extra
+    return out[0], by_name
 
 
 @dataclasses.dataclass
 class Run:
     """One forward's logits ``[tokens, vocab]`` and, with grads, the gradient of the compared documents' loss with
-    respect to the input embeddings ``[tokens, hidden]`` (None when the model has no embedding module to hook)."""
+    respect to the input embeddings ``[tokens, hidden]`` (None when the model has no embedding module to hook) and
+    with respect to every parameter that trains (``params``, by name; None: not compared)."""
 
     logits: torch.Tensor
     grad: torch.Tensor | None = None
+    params: ParamGrads | None = None
 
 
 def own_forward(hf: Any, **inputs: Any) -> Any:
@@ -274,11 +305,14 @@ def own_forward(hf: Any, **inputs: Any) -> Any:
 
 
 def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
+    """``hf``'s own forward of ``inputs``, and with ``grads`` the gradients of the documents at ``spans``
+    (:func:`documents_grad`, every parameter that trains included)."""
     with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
         logits = own_forward(hf, **inputs, use_cache=False).logits
     if not (grads and captured and captured[0].requires_grad):
         return Run(logits[0].detach())
-    return Run(logits[0].detach(), documents_grad(logits, inputs["input_ids"][0], spans, captured[0], head))
+    ids = inputs["input_ids"][0]
+    return Run(logits[0].detach(), *documents_grad(logits, ids, spans, captured[0], head, params=trainable(hf)))
 
 
 def training_noise(hf: Any) -> str | None:
@@ -382,4 +416,88 @@ def limits_note(limits: Limits) -> str:
     return (
         f" (half precision, worst token; limits {limits.logits:.1e} logits, {limits.grads:.1e} gradients; stock "
         f"against itself {limits.noise[0]:.1e}, {limits.noise[1]:.1e})"
+    )
+
+
+def summed(runs: Sequence[Run]) -> ParamGrads | None:
+    """The parameter gradients of ``runs`` added up (the truth of documents run alone); None where one has none."""
+    if not runs or any(r.params is None for r in runs):
+        return None
+    total: ParamGrads = {}
+    for r in runs:
+        assert r.params is not None
+        for name, g in r.params.items():
+            have = total.get(name)
+            total[name] = g if have is None else have if g is None else have + g
+    return total
+
+
+def params_differ(packed: ParamGrads, truth: ParamGrads, limits: Limits) -> tuple[float, str]:
+    """Every parameter the truth gives a gradient must get one, within the limits (fp32: :data:`PARAM_RTOL` of its
+    own largest, floored at :data:`PARAM_FLOOR` of the largest of any; half precision: present). The worst relative
+    difference, and what is wrong (empty when nothing is), the parameters named."""
+    largest = {n: (g.float().abs().max().item() if g is not None and g.numel() else 0.0) for n, g in truth.items()}
+    floor = PARAM_FLOOR * max(largest.values(), default=0.0)
+    worst, missing, off = 0.0, [], []
+    for name, want in truth.items():
+        scale = max(largest[name], floor)
+        if scale == 0.0:
+            continue
+        got = packed.get(name)
+        if got is None or (largest[name] > floor and not bool(got.any())):
+            if largest[name] > floor:
+                missing.append(f"{name} ({largest[name]:.1e} alone)")
+            continue
+        if not limits.fp32 or want is None:
+            continue
+        diff = (got.float() - want.float()).abs().max().item() / scale
+        worst = worse(worst, diff)
+        if not diff <= PARAM_RTOL:
+            off.append(f"{name} ({diff:.1e} of its largest)")
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        named = f"{', '.join(missing[:3])}{more}"
+        return worst, f"parameter(s) {named} get no gradient on this path (each document alone gives them one)"
+    if off:
+        more = f" and {len(off) - 3} more" if len(off) > 3 else ""
+        return worst, f"parameter gradient(s) differ from each document alone: {', '.join(off[:3])}{more}"
+    return worst, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Influence:
+    """How far some documents' loss reaches the input embeddings of the other documents of their row: ``reach`` the
+    largest |gradient| there, ``own`` the largest on their own tokens. Isolated documents give exactly zero at any
+    precision (a masked score is an exact zero; so is its gradient); attention across the boundary, an SSM or
+    convolution state, a token shift give a non-zero block. No noise floor, no limit."""
+
+    reach: float
+    own: float
+
+    @property
+    def leaks(self) -> bool:
+        return not self.reach == 0.0  # nan leaks too
+
+    def describe(self) -> str:
+        if not self.leaks:
+            return "exactly zero gradient on the other documents' embeddings"
+        share = self.reach / self.own if self.own > 0 else math.inf
+        return f"gradient {self.reach:.2e} on the other documents' embeddings ({share:.1e} of its largest on their own)"
+
+
+def influence(grad: torch.Tensor, own: Sequence[tuple[int, int]], row: tuple[int, int] | None = None) -> Influence:
+    """:class:`Influence` of a loss whose gradient with respect to one row's embeddings is ``grad`` ``[tokens,
+    hidden]``: its own documents at ``own``, the others every other token of ``row`` (default: the whole row)."""
+    start, end = row or (0, grad.shape[0])
+    inside = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
+    for s, e in own:
+        inside[s:e] = True
+    others = ~inside
+    others[:start] = False
+    others[end:] = False
+    mine = grad[inside].float().abs()
+    theirs = grad[others].float().abs()
+    return Influence(
+        theirs.max().item() if theirs.numel() else 0.0,
+        mine.max().item() if mine.numel() else 0.0,
     )

@@ -40,7 +40,6 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropp
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.comparison import (
     HeadCall,
-    Limits,
     Run,
     against_alone,
     alone_inputs,
@@ -49,11 +48,16 @@ from foundry_attn.flat.comparison import (
     embeddings,
     evaluating,
     hidden,
+    influence,
     limits_for,
     limits_note,
     own_forward,
+    params_differ,
     run,
+    summed,
+    trainable,
     training_noise,
+    worse,
 )
 from foundry_attn.flat.inputs import one_per_row
 from foundry_attn.flat.layout import Layout
@@ -217,8 +221,9 @@ def prove_step(
             return None, "the training forward returned no logits for the flat row"
         if not (grads and captured and captured[0].requires_grad and logits.requires_grad):
             return Run(logits[0].detach()), ""
-        grad = documents_grad(logits, inputs["input_ids"][0], spans, captured[0], head, retain_graph=True)
-        return Run(logits[0].detach(), grad), ""
+        ids = inputs["input_ids"][0]
+        grads_ = documents_grad(logits, ids, spans, captured[0], head, retain_graph=True, params=trainable(hf))
+        return Run(logits[0].detach(), *grads_), ""
 
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, packed)
 
@@ -340,31 +345,24 @@ def _compare(
             f"document(s) {[order[i] for i in result.differ]} {where} differ from stock {stock} on each alone by "
             f"{worst:.2e}{grad_note}{limits_note(limits)}: {what}",
         )
+    truth = summed(runs)
+    if packed.params is not None and truth is not None:
+        worst_param, wrong = params_differ(packed.params, truth, limits)
+        worst_grad = worse(worst_grad or 0.0, worst_param)
+        if wrong:
+            return worst, worst_grad, f"{wrong}: the {'flat' if rows_name is None else 'rows'} path trains otherwise"
     if rows_name is not None:
         return worst, worst_grad, ""
     if packed.grad is not None:
-        spilled = _spilled(packed.grad, spans, limits)
-        if spilled:
-            return worst, worst_grad, spilled
+        reach = influence(packed.grad, spans)
+        if reach.leaks:
+            return (
+                worst,
+                worst_grad,
+                f"the loss of documents packed in one row reaches other documents' embeddings ({reach.describe()}): "
+                "the flat path's backward mixes documents",
+            )
     return worst, worst_grad, _dropped_in_training(hf, inputs) or ""
-
-
-def _spilled(grad: torch.Tensor, spans: Sequence[tuple[int, int]], limits: Limits) -> str:
-    """The compared documents' loss must not reach any other document's embeddings (a backward that mixes
-    documents): their gradient there is zero up to the tolerance, relative to the largest inside them."""
-    inside = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
-    for s, e in spans:
-        inside[s:e] = True
-    if bool(inside.all()):
-        return ""
-    scale = max(grad[inside].float().abs().max().item(), 1e-30)
-    outside = grad[~inside].float().abs().max().item()
-    if outside <= limits.grads * scale:
-        return ""
-    return (
-        f"the loss of documents packed in one row reaches other documents' embeddings (gradient {outside:.2e}, "
-        f"{outside / scale:.1e} of its largest): the flat path's backward mixes documents"
-    )
 
 
 def _dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
@@ -458,9 +456,13 @@ def _rows_run(
     if not (grads and captured and captured[0].requires_grad):
         return Run(placed), ""
     spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
-    (grad,) = torch.autograd.grad(documents_loss(logits, ids[0, index], spans), captured[0])
+    params = trainable(hf)
+    grad, *param_grads = torch.autograd.grad(
+        documents_loss(logits, ids[0, index], spans), [captured[0], *(p for _, p in params)], allow_unused=True
+    )
     grad = grad.reshape(-1, grad.shape[-1])[dst]
-    return Run(placed, grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)), ""
+    placed_grad = grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)
+    return Run(placed, placed_grad, dict(zip((n for n, _ in params), param_grads, strict=True))), ""
 
 
 def _short(exc: BaseException) -> str:

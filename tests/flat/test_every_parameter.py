@@ -1,0 +1,113 @@
+"""Nothing that trains escapes the proof: every parameter's gradient, and a mask that carries a parameter.
+
+The model here is a Llama whose attention adds a learnable bias to its ``attention_mask``, as Doge's dynamic mask
+does: ``exp(A * softplus(feature of each key))``, with ``A`` zero at initialisation. Then the bias is a constant that
+softmax cancels: logits, loss and input-embedding gradients agree whether the bias is applied or dropped, and only
+``A``'s own gradient tells. On both stacks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foundry_attn.attention import functions
+from foundry_attn.attention.documents import is_placeholder
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.forward import forward_documents
+from foundry_attn.flat.inputs import flat_inputs
+from foundry_attn.flat.layout import Layout
+from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.flat.proof import prove_flat
+from tests.conftest import make_llama
+
+LENGTHS = (13, 9, 17)
+
+
+def _bias_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    batch, length = hidden.shape[:2]
+    feature = F.softplus(hidden.mean(-1))  # [B, L]: one value per key
+    bias = torch.exp(module.A[None, :, None] * feature[:, None, :])[:, :, None, :]  # [B, H, 1, L]
+    mask = kwargs.get("attention_mask")
+    low = torch.finfo(hidden.dtype).min
+    if mask is None:  # stock builds no mask where is_causal suffices: the bias needs the causal part spelled out
+        mask = torch.full((length, length), low, dtype=hidden.dtype, device=hidden.device).triu(1)[None, None]
+    elif mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, low).to(hidden.dtype)
+    elif is_placeholder(mask):
+        pass  # the flat path's placeholder: as Doge does, the bias goes on whatever mask arrives
+    kwargs["attention_mask"] = mask + bias
+    return args, kwargs
+
+
+def biased_llama(a: float = 0.0) -> torch.nn.Module:
+    """A tiny Llama (sdpa, fp32) whose every attention adds ``exp(A * softplus(key feature))`` to its mask."""
+    model = make_llama("sdpa")
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.A = torch.nn.Parameter(torch.full((model.config.num_attention_heads,), a))
+        attn.register_forward_pre_hook(_bias_hook, with_kwargs=True)
+    return model.train()
+
+
+def _batch(seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, 60, (n,), generator=gen) for n in LENGTHS]
+    return PaddingCollator(0, 2, 64, mode="pack")(docs)
+
+
+def _flat(model: torch.nn.Module) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 60, (1, sum(LENGTHS)), generator=gen)
+    layout = Layout((LENGTHS,), sum(LENGTHS))
+    return flat_inputs(model, ids, layout.position_ids(ids.device), None, layout)[0]
+
+
+def test_a_mask_that_carries_a_learnable_bias_is_refused_on_the_flat_path_with_the_reason() -> None:
+    model = biased_llama()
+    state = attach(model, "sdpa")
+    assert state.path == "rows", state.reason
+    assert "attention_mask that carries a learnable bias" in state.reason, state.reason
+    assert state.proofs[-1][0] == "rows at attach" and state.proofs[-1][1].ok, state.proofs[-1][1].describe()
+
+
+def test_a_parameter_the_flat_path_leaves_behind_fails_the_proof_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mask dropped silently (the refusal switched off): logits and embedding gradients agree, since A = 0
+    makes the bias a constant; the parameter A gets no gradient, and the proof names it."""
+    model = biased_llama()
+    attach(model, "sdpa", prove_now=False)
+    monkeypatch.setattr(functions, "mask_content", lambda mask: None)
+    proof = prove_flat(model, _flat(model), "sdpa")
+    assert not proof.ok
+    assert "model.layers.0.self_attn.A" in proof.reason and "get no gradient" in proof.reason, proof.reason
+    assert proof.worst < 1e-5  # the logits alone would have passed it
+
+
+def test_every_parameter_trains_exactly_on_the_path_attach_chose() -> None:
+    """A packed batch through forward_documents: every parameter's gradient (A included, none missing) within 1e-3 of
+    its own largest from each document alone through stock, the loss within 1e-5."""
+    model = biased_llama()
+    stock = copy.deepcopy(model)
+    attach(model, "sdpa")
+    batch = _batch()
+    out = forward_documents(model, batch)
+    out.loss.backward()
+    total, targets, start = 0.0, 0, 0
+    for n in LENGTHS:
+        doc = batch["input_ids"][0, start : start + n]
+        logits = stock(input_ids=doc[None]).logits[0, :-1]
+        loss = F.cross_entropy(logits, doc[1:], reduction="sum")
+        total, targets, start = total + loss, targets + n - 1, start + n
+    (total / targets).backward()
+    assert abs(out.loss.item() - (total / targets).item()) < 1e-5
+    got = dict(model.named_parameters())
+    for name, want in stock.named_parameters():
+        assert want.grad is not None, name
+        assert got[name].grad is not None, f"{name} missing"
+        scale = want.grad.abs().max().item()
+        assert (got[name].grad - want.grad).abs().max().item() <= 1e-3 * max(scale, 1e-12), name
+    assert stock.model.layers[0].self_attn.A.grad.abs().max() > 0  # the parameter the proof must not miss
