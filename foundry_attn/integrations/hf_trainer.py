@@ -21,7 +21,6 @@ for one forward of a sampled step and are gone by its end, even when it raises. 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import types
@@ -35,7 +34,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from foundry_attn.checks import check_interval
-from foundry_attn.flat.comparison import PrecisionProbe, evaluating, hidden, proving
+from foundry_attn.flat.comparison import ForwardProbe, proving
 from foundry_attn.flat.state import PathState, path_of
 from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
 from foundry_attn.observe.discovery import attn_implementation, decision_of
@@ -55,10 +54,6 @@ FIX = (
     "call foundry_attn.attach(model, backend) before building the Trainer (padding-free batches then train "
     "on the proven path), or train without padding_free"
 )
-
-
-#: what a training call passes for its loss alone (TRL's fused LM head among them): left out of the verdict's forward
-LOSS_ONLY = frozenset({"labels", "shift_labels", "num_items_in_batch", "fused_lm_head"})
 
 
 def _distributed() -> bool:
@@ -273,7 +268,7 @@ class AttentionInspector(InspectorResults, _Callback):
         self._model: Any = None
         self._hf: Any = None
         self._pending: tuple[list[dict[str, Any]], BatchInfo, Verdict | None] | None = None
-        self._probe: PrecisionProbe | None = None
+        self._probe: ForwardProbe | None = None
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         self._model, self._hf = model, hf
@@ -290,7 +285,7 @@ class AttentionInspector(InspectorResults, _Callback):
             return
         inspector = self.inspector
 
-        probe = PrecisionProbe(self._hf) if judge else None  # the forward's own autocast (accelerate's, a user's)
+        probe = ForwardProbe(self._hf) if judge else None  # the forward's own autocast and input embeddings
         self._probe = probe
 
         def before(batch: dict) -> None:
@@ -301,14 +296,14 @@ class AttentionInspector(InspectorResults, _Callback):
             verdict = None
             if probe is not None and output is not None:
                 probe.remove()
-                verdict = self._judge(batch, output, probe.context())
+                verdict = self._judge(batch, output, probe)
             self._pending = (records, inspector.batch, verdict)
 
         if inspect:
             inspector.arm()
         self.one_forward(self._model, before, after)  # after arm: its post-hook is the last
 
-    def _judge(self, batch: Mapping, output: Any, precision: contextlib.AbstractContextManager) -> Verdict:
+    def _judge(self, batch: Mapping, output: Any, probe: ForwardProbe) -> Verdict:
         from torch.distributed.tensor import DTensor
 
         hf = self._hf
@@ -319,13 +314,7 @@ class AttentionInspector(InspectorResults, _Callback):
             if isinstance(next(hf.parameters()), DTensor)
             else None
         )
-
-        def rerun() -> torch.Tensor:  # TRL's fused LM head returns no logits: the batch's own, eval mode
-            inputs = {k: v for k, v in batch.items() if k not in LOSS_ONLY}
-            with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), precision:
-                return hf(**{**inputs, "use_cache": False}).logits  # after the step's call: no re-entry
-
-        return judge(hf, batch, output, blocked, precision, rerun=rerun)
+        return judge(hf, batch, output, blocked, probe.context(), embeds=probe.embeds)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.release()

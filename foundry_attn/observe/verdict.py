@@ -1,16 +1,19 @@
 """Do the packed documents of a batch see each other? Measured on the real model, else read from its structure.
 
     rows = packed_rows(batch)                        # (row, start, lengths) of rows marked with 2+ documents
-    verdict = measure(hf_model, batch, logits)       # the first documents of one row alone vs the packed slice
-    verdict = structural(hf_model, Features.of(batch))      # where a second forward is not possible
+    verdict = measure(hf_model, batch, logits, embeds=embeds)   # one document's influence on those before it
+    verdict = structural(hf_model, Features.of(batch))      # where neither a gradient nor a forward is possible
     verdict.line()  # 'documents isolated (measured: ...)' | 'documents LEAK (...)' | 'not packed (...)'
 
-The measurement is the proof's comparison (:mod:`foundry_attn.flat.comparison`) on a training batch: the model's own
-forward on each of the first documents of the row with the most documents, in eval mode without grad or global RNG,
-against the logits the training forward produced for those tokens. Those forwards are hidden from the tracers. The
+The measurement is the proof's judgement of isolation (:func:`foundry_attn.flat.comparison.influence`): the gradient
+of the second document's next-token loss with respect to the first document's input embeddings, in the row with
+the most documents. Isolated documents give exactly zero at any precision; a leak through attention, an SSM or
+convolution state, or a token shift gives a non-zero block, however small: no noise floor, one answer in fp32 and
+bf16. It is taken through the training forward's own graph where the caller captured its input embeddings (no
+second forward), else through a forward of those documents of its own in the model's own mode. Nothing here
+switches the model to eval mode or touches the global RNG, and its forwards are hidden from the tracers. The
 structural reading says what the model *would* do from what it is given; it is labelled so, never shown as a
-measurement. Core module: torch and transformers only.
-"""
+measurement. Core module: torch and transformers only."""
 
 from __future__ import annotations
 
@@ -20,24 +23,14 @@ import importlib.util
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import transformers
 
 from foundry_attn.attention.backends import backend_of, config_value
-from foundry_attn.flat.comparison import (
-    Run,
-    against_alone,
-    alone_inputs,
-    evaluating,
-    half,
-    hidden,
-    limits_for,
-    run,
-    training_noise,
-)
+from foundry_attn.flat.comparison import embeddings, hidden, influence, next_token_loss, own_forward, training_noise
 from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
 from foundry_attn.flat.state import path_of
 from foundry_attn.observe.discovery import mpt_attn_impl
@@ -58,7 +51,7 @@ class Verdict:
     state: str
     how: str = ""
     reason: str = ""
-    worst: float | None = None
+    worst: float | None = None  # measured: the largest |gradient| one document's loss has on the others' embeddings
     row: int | None = None
     lengths: tuple[int, ...] = ()  # the row's first documents, compared
     leaking: tuple[int, ...] = ()  # indices among them that differ from each alone
@@ -77,11 +70,12 @@ class Verdict:
         if self.how == STRUCTURAL:
             return f"{head} (structural reading, not measured: {self.reason})"
         docs = f"documents {list(range(len(self.lengths)))} (lengths {list(self.lengths)}) of row {self.row}"
+        last = len(self.lengths) - 1
         if self.state == ISOLATED:
-            return f"{head} (measured: {docs} alone vs packed, worst |diff| {self.worst:.1e}, {self.ms:.0f} ms)"
+            return f"{head} (measured: {docs}; the loss of document {last} has {self.reason}, {self.ms:.0f} ms)"
         return (
-            f"{head} (measured: {docs} alone vs packed; document(s) {list(self.leaking)} differ by up to "
-            f"{self.worst:.2e}, {self.ms:.0f} ms)"
+            f"{head} (measured: {docs}; document(s) {list(self.leaking)} reach the documents before them: "
+            f"{self.reason}, {self.ms:.0f} ms)"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -184,62 +178,100 @@ def active_dropout(hf: Any) -> str | None:
     return training_noise(hf) if hf.training else None
 
 
-def _packed_slice(logits: torch.Tensor, batch: Mapping, row: int, start: int, n: int) -> torch.Tensor | None:
-    """The logits of tokens ``start:start+n`` of ``row``: from ``[rows, width, V]`` output, or a flat
-    ``[1, real tokens, V]`` one (real tokens of each row first, as foundry_attn's flat path returns them)."""
+def _packed_slice(values: torch.Tensor, batch: Mapping, row: int, start: int, n: int) -> torch.Tensor | None:
+    """Tokens ``start:start+n`` of ``row`` of one forward's ``[rows, width, C]`` values (logits, embeddings), or of
+    a flat ``[1, real tokens, C]`` output (real tokens of each row first, as foundry_attn's flat path returns them)."""
     ids = batch["input_ids"]
-    if logits.dim() != 3:
+    if values.dim() != 3:
         return None
-    if tuple(logits.shape[:2]) == tuple(ids.shape[:2]):
-        return logits[row, start : start + n]
+    if tuple(values.shape[:2]) == tuple(ids.shape[:2]):
+        return values[row, start : start + n]
     try:
         layout = Layout.from_batch(batch)
     except ValueError:
         return None
-    if logits.shape[0] == 1 and logits.shape[1] == layout.real_tokens:
+    if values.shape[0] == 1 and values.shape[1] == layout.real_tokens:
         offset = sum(sum(lengths) for lengths in layout.doc_lens[:row]) + start - layout.start(row)
-        return logits[0, offset : offset + n]
+        return values[0, offset : offset + n]
     return None
+
+
+#: the batch's per-token keys a judgement's own forward of one row's first documents passes on, sliced to them
+ROW_KEYS = ("input_ids", "position_ids", "attention_mask", "token_type_ids")
+
+
+def _row_forward(
+    hf: Any, batch: Mapping, row: int, start: int, n: int, context: contextlib.AbstractContextManager | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first documents of ``row`` (tokens ``start:start+n``) as the training forward was given them (its
+    per-token keys sliced, its ``use_cache``), in the model's own mode and precision, with their input embeddings
+    as tensors to differentiate against: ``([1, n, vocab]`` logits, ``[1, n, hidden]`` embeddings)."""
+    call: dict[str, Any] = {
+        key: batch[key][row : row + 1, start : start + n]
+        for key in ROW_KEYS
+        if isinstance(batch.get(key), torch.Tensor) and batch[key].dim() == 2
+    }
+    if "use_cache" in batch:
+        call["use_cache"] = batch["use_cache"]
+    with embeddings(hf, True) as captured, torch.enable_grad(), context or contextlib.nullcontext():
+        logits = own_forward(hf, **call).logits
+    if not captured:
+        raise ValueError("the model has no input embedding module to differentiate against")
+    return logits, captured[0]
 
 
 def measure(
     hf: Any,
     batch: Mapping,
-    logits: torch.Tensor,
+    logits: torch.Tensor | None,
     documents: int = DOCUMENTS,
     context: contextlib.AbstractContextManager | None = None,
     rows: list[DocumentRow] | None = None,
+    embeds: torch.Tensor | None = None,
+    rerun: bool = True,
 ) -> Verdict:
-    """Run the first ``documents`` documents of the row with the most documents alone through ``hf`` (its own
-    backend, eval mode, no grad, hidden from the tracers; ``context``: the run's precision) and compare their
-    logits with ``logits``, the training forward's output for ``batch``. Training forwards with active dropout
-    cannot be compared: the caller reads the structure instead. ``rows``: :func:`foundry_attn.flat.layout.packed_rows`
-    of ``batch``, when the caller has them."""
+    """Does the last of the first ``documents`` documents of the row with the most documents reach the ones before
+    it? The gradient of its next-token loss with respect to their input embeddings
+    (:func:`foundry_attn.flat.comparison.influence`): exactly zero when they are isolated, at any precision.
+    Differentiated through the training forward itself where its ``logits`` and input ``embeds`` (a
+    :class:`~foundry_attn.flat.comparison.ForwardProbe`'s) are given with their graph, which is kept for the step's
+    backward; else through a forward of those documents of their own, as the batch gives them, in the model's own
+    mode (an eval switch can change a model: RWKV rescales its weights in place) and ``context`` (the run's
+    precision), hidden from the tracers, the global RNG untouched; without ``rerun`` (a model on foundry_attn's path,
+    whose own forward is not stock's) the structural reading instead. ``rows``:
+    :func:`foundry_attn.flat.layout.packed_rows` of ``batch``, when the caller has them."""
     rows = packed_rows(batch) if rows is None else rows
     if not rows:
         return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
     row, start, lengths = max(rows, key=lambda r: len(r.lengths))
     lengths = lengths[: max(2, documents)]
-    packed = _packed_slice(logits, batch, row, start, sum(lengths))
-    if packed is None:
-        return Verdict(UNKNOWN, reason=f"output logits {list(logits.shape)} do not map onto the batch's rows")
+    n = sum(lengths)
     began = time.perf_counter()
-    ids = batch["input_ids"][row, start : start + sum(lengths)]
     spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
-    with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]), context or contextlib.nullcontext():
-        # half precision (half weights, or the autocast the forward ran in): each document alone at the packed
-        # row's width, right-padded and masked, so both sides round as one shape does (bf16 kernels round by shape)
-        width = batch["input_ids"].shape[1] if half(next(hf.parameters()).dtype, ids.device) else 0
-        alone = [
-            Run(run(hf, alone_inputs(ids[a:b][None], width=width), [(0, b - a)], grads=False).logits[: b - a])
-            for a, b in spans
-        ]
-        limits = limits_for(hf, alone_inputs(ids[spans[-1][0] :][None]), alone[-1])
-    result = against_alone(Run(packed.detach()), spans, alone, limits)
-    worst, leaking = result.worst, list(result.differ)
+    last = spans[-1]
+    ids = batch["input_ids"][row, start : start + n]
+    packed = None if logits is None else _packed_slice(logits, batch, row, start, n)
+    mine = None if embeds is None else _packed_slice(embeds, batch, row, start, n)
+    target = ids[last[0] : last[1]]
+    sliced: torch.Tensor | None = None
+    with hidden(), torch.random.fork_rng(devices=[]):
+        if packed is not None and mine is not None and packed.requires_grad and embeds is not None:
+            loss = next_token_loss(packed[last[0] : last[1]], target)
+            # the step's backward follows; None: these embeddings are not the ones the logits came from
+            (grad,) = torch.autograd.grad(loss, embeds, retain_graph=True, allow_unused=True)
+            sliced = None if grad is None else _packed_slice(grad, batch, row, start, n)
+        if sliced is None and not rerun:
+            reading = structural(hf, Features.of(batch, rows))
+            return dataclasses.replace(reading, reason=f"{reading.reason}; not measured: no training graph to read")
+        if sliced is None:
+            row_logits, source = _row_forward(hf, batch, row, start, n, context)
+            (grad,) = torch.autograd.grad(next_token_loss(row_logits[0, last[0] : last[1]], target), source)
+            sliced = grad[0]
+    reach = influence(sliced, [last])
     ms = (time.perf_counter() - began) * 1e3
-    state = LEAKS if leaking else ISOLATED
-    return Verdict(state, MEASURED, "", worst, row, tuple(lengths), tuple(leaking), ms)
+    state = LEAKS if reach.leaks else ISOLATED
+    leaking = (len(lengths) - 1,) if reach.leaks else ()
+    return Verdict(state, MEASURED, reach.describe(), reach.reach, row, tuple(lengths), leaking, ms)
 
 
 def judge(
@@ -248,13 +280,13 @@ def judge(
     output: Any,
     blocked: str | None = None,
     context: contextlib.AbstractContextManager | None = None,
-    rerun: Callable[[], torch.Tensor] | None = None,
+    embeds: torch.Tensor | None = None,
 ) -> Verdict:
-    """The verdict on one training batch, given its training forward's ``output``: measured (:func:`measure`)
-    where a second forward is possible, else the structural reading, labelled so; never a guess shown as a
-    measurement. ``blocked``: why a second forward is not possible, as the caller's stack knows it (compiled,
-    sharded); active dropout is read here. ``rerun``: the batch's logits from a forward of its own, for an output
-    that carries none (TRL's fused LM head); without it, such an output gives an unknown verdict."""
+    """The verdict on one training batch, given its training forward's ``output`` and input ``embeds``: measured
+    (:func:`measure`) where the model may be differentiated or run again, else the structural reading, labelled so;
+    never a guess shown as a measurement. ``blocked``: why neither is possible, as the caller's stack knows it
+    (compiled, sharded); active dropout is read here. An output without logits (TRL's fused LM head) is measured on
+    a forward of the documents of its own."""
     if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
         return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
     rows = packed_rows(batch)  # one host sync, shared by the reading and the measurement
@@ -267,10 +299,7 @@ def judge(
         return Verdict(reading.state, reading.how, f"{reading.reason}; not measured: {blocked}")
     logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
     try:
-        if not isinstance(logits, torch.Tensor) and rerun is not None:
-            logits = rerun()
-        if not isinstance(logits, torch.Tensor):
-            return Verdict(UNKNOWN, reason=f"the model's output ({type(output).__name__}) carries no logits")
-        return measure(hf, batch, logits, context=context, rows=rows)
+        logits = logits if isinstance(logits, torch.Tensor) else None
+        return measure(hf, batch, logits, context=context, rows=rows, embeds=embeds, rerun=path_of(hf) is None)
     except Exception as exc:  # the check never breaks training
-        return Verdict(UNKNOWN, reason=f"the documents alone did not run: {type(exc).__name__}: {exc}")
+        return Verdict(UNKNOWN, reason=f"the documents' influence was not measured: {type(exc).__name__}: {exc}")

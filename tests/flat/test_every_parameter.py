@@ -29,7 +29,7 @@ LENGTHS = (13, 9, 17)
 
 def _bias_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    batch, length = hidden.shape[:2]
+    length = hidden.shape[1]
     feature = F.softplus(hidden.mean(-1))  # [B, L]: one value per key
     bias = torch.exp(module.A[None, :, None] * feature[:, None, :])[:, :, None, :]  # [B, H, 1, L]
     mask = kwargs.get("attention_mask")

@@ -247,8 +247,9 @@ def test_trainer_fa2_reference_both_callbacks(assets: Path, tokenizer, tmp_path:
     trainer.fit()
     assert_restored(before, traced=True)
     # sampled batches 0 and 2 only; hooks exist from BEFORE_FORWARD to the end of that forward, never otherwise
-    # (inspector: model pre + post, tracer: model pre + post; inspector: 2 layers + 2 attention modules)
-    assert probe.before == [(4, 4), (0, 0), (4, 4)]
+    # (inspector: model pre + post, tracer: model pre + post; inspector: 2 layers + 2 attention modules; batch 0's
+    # verdict: the forward's input embeddings, read by a pre-hook and a hook on the embedding module)
+    assert probe.before == [(4, 5), (0, 0), (4, 4)]
     assert probe.after == [(2, 0), (0, 0), (2, 0)]  # the tracer's stay on the model until BATCH_END
     # our unpad-once FA2 path: no per-layer unpad, one varlen call per layer, no mask at attention level
     assert _series(memory, "attn/upad_calls_per_step") == [0.0, 0.0]

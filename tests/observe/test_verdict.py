@@ -9,6 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foundry_attn.flat.attach import attach
+from foundry_attn.flat.comparison import ForwardProbe
+from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.layout import packed_rows
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.observe.verdict import ISOLATED, LEAKS, NOT_PACKED, Features, Verdict, measure, structural
@@ -43,10 +46,16 @@ def test_measured_leak_names_the_documents_and_a_clean_model_is_isolated() -> No
     verdict = measure(model, batch, logits)
     assert verdict.state == LEAKS and verdict.leaking == (1,) and verdict.lengths == (9, 6), verdict
     assert "documents LEAK (measured" in verdict.line() and "document(s) [1]" in verdict.line()
-    assert model.training and torch.equal(torch.get_rng_state(), rng)  # back in training mode, RNG untouched
-    # the truth for the same model: each document run alone gives the packed logits
-    alone = torch.cat([model.eval()(input_ids=d[None]).logits[0] for d in batch["input_ids"][0].split([9, 6, 11, 4])])
-    assert measure(model, batch, alone[None]).state == ISOLATED
+    assert model.training and torch.equal(torch.get_rng_state(), rng)  # still in training mode, RNG untouched
+    # the same model attached: its flat path keeps the documents apart, and the training graph says so exactly
+    attach(model, "sdpa")
+    probe = ForwardProbe(model)
+    out = forward_documents(model, batch)
+    probe.remove()
+    verdict = measure(model, batch, out.logits, embeds=probe.embeds)
+    assert verdict.state == ISOLATED and verdict.worst == 0.0, verdict.line()
+    assert "exactly zero gradient" in verdict.line()
+    out.loss.backward()  # the step's graph is kept for its own backward
 
 
 def test_structural_reading_is_labelled_and_never_shown_as_measured() -> None:

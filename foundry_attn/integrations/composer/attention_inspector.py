@@ -221,7 +221,7 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
         self.release()
 
     def before_forward(self, state: State, logger: Logger) -> None:
-        self.verdicts.before_forward()
+        self.verdicts.before_forward(state)
         if not self._sampled:
             return
         self._sampled = False

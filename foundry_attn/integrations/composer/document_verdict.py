@@ -17,6 +17,7 @@ from composer.core import State
 from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 
+from foundry_attn.flat.comparison import ForwardProbe
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.flat.unwrap import compiled, find_hf_model
 from foundry_attn.observe.inspector import InspectorCore
@@ -52,19 +53,30 @@ class DocumentVerdicts:
         self.interval = interval
         self.core = core  # the inspector's: its events, its warnings (one of a kind per run), its last verdict
         self._due = False
-        self._measure = False
+        self._probe: ForwardProbe | None = None
         self._pending: Verdict | None = None
 
     def batch_start(self, step: int) -> None:
         self._due = step % self.interval == 0
+        self._drop_probe()
 
-    def before_forward(self) -> None:
-        self._measure, self._due = self._due, False  # the first microbatch only
+    def before_forward(self, state: State) -> None:
+        due, self._due = self._due, False  # the first microbatch only
+        found = find_hf_model(state.model) if due else None
+        self._drop_probe()
+        if found is not None:  # the forward's input embeddings, for the gradient the verdict takes
+            self._probe = ForwardProbe(found[1])
 
     def after_forward(self, state: State) -> None:
-        if self._measure:  # before the backward: the forwards of the documents alone see the weights trained on
-            self._measure = False
-            self._pending = self.judge(state)
+        probe, self._probe = self._probe, None
+        if probe is not None:  # before the backward: the verdict differentiates the graph the step trains on
+            probe.remove()
+            self._pending = self.judge(state, probe.embeds)
+
+    def _drop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
 
     def batch_end(self, state: State, logger: Logger, step: int) -> Verdict | None:
         verdict, self._pending = self._pending, None
@@ -75,7 +87,7 @@ class DocumentVerdicts:
                 logger.log_metrics(metrics)
         return verdict
 
-    def judge(self, state: State) -> Verdict:
+    def judge(self, state: State, embeds: Any = None) -> Verdict:
         """The verdict on this microbatch (:func:`foundry_attn.observe.verdict.judge`): measured where a second forward
         is possible, else the structural reading, labelled so; never a guess shown as a measurement."""
         found = find_hf_model(state.model)
@@ -88,7 +100,8 @@ class DocumentVerdicts:
             if state.fsdp_enabled
             else None
         )
-        return judge(found[1], state.batch, state.outputs, blocked, get_precision_context(state.precision))
+        precision = get_precision_context(state.precision)
+        return judge(found[1], state.batch, state.outputs, blocked, precision, embeds=embeds)
 
     def predict(self, state: State) -> None:
         """At fit start: when the train loader packs documents and the model cannot keep them apart, say so."""
