@@ -262,11 +262,11 @@ def documents_grad(
     logits: torch.Tensor,
     ids: torch.Tensor,
     spans: Sequence[tuple[int, int]],
-    embeds: torch.Tensor,
+    embeds: torch.Tensor | None,
     head: Sequence[HeadCall] = (),
     retain_graph: bool = False,
     params: Sequence[tuple[str, torch.nn.Parameter]] = (),
-) -> tuple[torch.Tensor, ParamGrads]:
+) -> tuple[torch.Tensor | None, ParamGrads]:
     """The gradient of :func:`documents_loss` (the documents at ``spans`` of one row: ``[1, tokens, vocab]``
     ``logits``, ``[tokens]`` ``ids``) with respect to the input embeddings ``embeds`` ``[1, tokens, hidden]``, and
     with respect to each of ``params`` (:func:`trainable`). The loss's gradient is taken on the documents' rows alone
@@ -291,13 +291,16 @@ def documents_grad(
             head_grads[id(weight)] = grad.to(weight.dtype).T @ start[0, index].detach().to(weight.dtype)
         if bias is not None and bias.requires_grad:
             head_grads[id(bias)] = grad.sum(0).to(bias.dtype)
-    wanted = [p for _, p in params]
-    out, *grads = torch.autograd.grad(start, [embeds, *wanted], upstream, retain_graph=retain_graph, allow_unused=True)
+    wanted = [p for _, p in params] if embeds is None else [embeds, *(p for _, p in params)]
+    if not wanted:
+        return None, {}
+    grads = list(torch.autograd.grad(start, wanted, upstream, retain_graph=retain_graph, allow_unused=True))
+    out = None if embeds is None else grads.pop(0)
     by_name: ParamGrads = {}
     for (name, param), g in zip(params, grads, strict=True):
         extra = head_grads.get(id(param))
         by_name[name] = g if extra is None else extra if g is None else g + extra
-    return out[0], by_name
+    return None if out is None else out[0], by_name
 
 
 @dataclasses.dataclass
@@ -331,10 +334,19 @@ def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], gr
     (:func:`documents_grad`, every parameter that trains included)."""
     with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
         logits = own_forward(hf, **inputs, use_cache=False).logits
-    if not (grads and captured and captured[0].requires_grad):
+    if not (grads and logits.requires_grad):
         return Run(logits[0].detach())
     ids = inputs["input_ids"][0]
-    return Run(logits[0].detach(), *documents_grad(logits, ids, spans, captured[0], head, params=trainable(hf)))
+    embeds = token_embeddings(captured, inputs["input_ids"])
+    return Run(logits[0].detach(), *documents_grad(logits, ids, spans, embeds, head, params=trainable(hf)))
+
+
+def token_embeddings(captured: Sequence[torch.Tensor], ids: torch.Tensor) -> torch.Tensor | None:
+    """The captured input embeddings of a forward of ``ids``, one per token (None where the model embeds more: a
+    prompt CPM-Ant prepends), as a tensor that requires grad; None where there is none."""
+    if not captured or not captured[0].requires_grad or captured[0].shape[:2] != ids.shape[:2]:
+        return None
+    return captured[0]
 
 
 def training_noise(hf: Any) -> str | None:

@@ -156,7 +156,8 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
             state.prove_batch(hf, flat, choice, not layout.marked)
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on
-    inputs, placed = one_per_row(hf, ids, None if layout.marked else layout.positions, labels, layout)
+    left = state is not None and state.rows_left
+    inputs, placed = one_per_row(hf, ids, None if layout.marked else layout.positions, labels, layout, left)
     return Prepared(inputs, placed, no_targets)
 
 

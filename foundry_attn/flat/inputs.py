@@ -127,13 +127,21 @@ def base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
 
 
 def one_per_row(
-    hf: Any, ids: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor | None, layout: Layout
+    hf: Any,
+    ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    layout: Layout,
+    left: bool = False,
 ) -> tuple[dict[str, Any], Placed]:
-    """One document per row, right-padded, with a 2-D mask: exact under any stock backend."""
+    """One document per row with a 2-D mask, right-padded (exact under any stock backend for a model that handles
+    right padding) or, with ``left``, left-padded, with each document's positions counted from its first token where
+    the model takes ``position_ids`` (a model that assumes left padding: CPM-Ant)."""
     flat = layout.real_indices(ids.device)
     lengths = layout.lengths
     width = max(lengths)
-    dst = torch.cat([torch.arange(d * width, d * width + n) for d, n in enumerate(lengths)]).to(ids.device)
+    starts = [d * width + (width - n if left else 0) for d, n in enumerate(lengths)]
+    dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]).to(ids.device)
     rows = len(lengths)
 
     def scatter(values: torch.Tensor, fill: int) -> torch.Tensor:
@@ -143,13 +151,17 @@ def one_per_row(
 
     row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
     if row_labels is not None:
-        row_labels[:, 0] = IGNORE_INDEX
+        row_labels.view(-1)[torch.tensor(starts, device=ids.device)] = IGNORE_INDEX  # no document predicts its first
     inputs: dict[str, torch.Tensor | None] = {
         "input_ids": scatter(ids, pad_id(hf)),
         "attention_mask": scatter(torch.ones_like(ids), 0),
     }
     if positions is not None:
         inputs["position_ids"] = scatter(positions, 0)
+    elif left and "position_ids" in inspect.signature(type(hf).forward).parameters:
+        counted = ids.new_zeros(rows * width)
+        counted[dst] = torch.cat([torch.arange(n) for n in lengths]).to(ids.device)
+        inputs["position_ids"] = counted.view(rows, width)
     inputs["labels"] = row_labels
     return inputs, Placed(dst, flat, layout.rows, layout.width)
 

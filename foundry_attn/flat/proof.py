@@ -55,6 +55,7 @@ from foundry_attn.flat.comparison import (
     params_differ,
     run,
     summed,
+    token_embeddings,
     trainable,
     training_noise,
     worse,
@@ -185,12 +186,14 @@ def prove_rows(
     reference: bool = False,
     grads: bool = True,
     own_positions: bool = False,
+    left: bool = False,
 ) -> Proof:
     """The rows path as it trains (:func:`foundry_attn.flat.inputs.one_per_row`: the documents in ``compare``, one per
-    row, right-padded, a 2-D mask, under ``rows_name``) against each document alone under ``stock``: logits and
-    input-embedding gradients, the limits of :func:`prove_flat`. A failure says the model's padded rows differ from
-    its documents alone (stock's own padded batches do the same)."""
-    return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name)
+    row, right-padded or with ``left`` left-padded, a 2-D mask, under ``rows_name``) against each document alone
+    under ``stock``: logits and gradients (input embeddings and every parameter), the limits of :func:`prove_flat`.
+    A failure says the model's padded rows differ from its documents alone."""
+    side = _rows_side(inputs, rows_name, reference, own_positions, left)
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name, side)
 
 
 def prove_step(
@@ -219,10 +222,11 @@ def prove_step(
         logits = getattr(out, "logits", None)
         if not isinstance(logits, torch.Tensor) or logits.shape[:2] != inputs["input_ids"].shape:
             return None, "the training forward returned no logits for the flat row"
-        if not (grads and captured and captured[0].requires_grad and logits.requires_grad):
+        embeds = token_embeddings(captured, inputs["input_ids"])
+        if not (grads and logits.requires_grad):
             return Run(logits[0].detach()), ""
         ids = inputs["input_ids"][0]
-        grads_ = documents_grad(logits, ids, spans, captured[0], head, retain_graph=True, params=trainable(hf))
+        grads_ = documents_grad(logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf))
         return Run(logits[0].detach(), *grads_), ""
 
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, packed)
@@ -333,7 +337,7 @@ def _compare(
     worst, worst_grad = result.worst, result.worst_grad
     if result.differ:
         grad_note = "" if worst_grad is None else f" (gradients {worst_grad:.2e})"
-        where = "of a packed row" if rows_name is None else f"one per row ({rows_name}, right-padded)"
+        where = "of a packed row" if rows_name is None else f"one per row ({rows_name})"
         what = (
             "the flat path does not compute what stock computes for this model"
             if rows_name is None
@@ -423,8 +427,10 @@ def _flat_side(inputs: Mapping[str, Any]) -> PackedSide:
     return lambda hf, spans, grads: _flat_run(hf, inputs, spans, grads)
 
 
-def _rows_side(inputs: Mapping[str, Any], rows_name: str, reference: bool, own_positions: bool) -> PackedSide:
-    return lambda hf, spans, grads: _rows_run(hf, inputs, spans, grads, rows_name, reference, own_positions)
+def _rows_side(
+    inputs: Mapping[str, Any], rows_name: str, reference: bool, own_positions: bool, left: bool = False
+) -> PackedSide:
+    return lambda hf, spans, grads: _rows_run(hf, inputs, spans, grads, rows_name, reference, own_positions, left)
 
 
 def _rows_run(
@@ -435,14 +441,16 @@ def _rows_run(
     rows_name: str,
     reference: bool,
     own_positions: bool,
+    left: bool = False,
 ) -> tuple[Run | None, str]:
     """The rows path's run of the documents at ``spans`` (one per row, as :func:`one_per_row` lays out a training
-    batch), placed back at their positions of the flat row; or None and why it cannot run."""
+    batch, ``left``-padded or right), placed back at their positions of the flat row; or None and why it cannot
+    run."""
     ids = inputs["input_ids"]
     index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
     lengths = tuple(e - s for s, e in spans)
     positions = inputs["position_ids"][:, index] if own_positions and "position_ids" in inputs else None
-    rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)))
+    rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)), left)
     dst = where.src  # each document's tokens in the padded rows
     rows = {k: v for k, v in rows.items() if v is not None}
     try:
@@ -453,16 +461,21 @@ def _rows_run(
         return None, f"one document per row ({rows_name}) does not run: {_short(exc)}"
     logits = out.reshape(-1, out.shape[-1])[dst]
     placed = logits.new_zeros(ids.shape[1], logits.shape[-1]).index_copy_(0, index, logits.detach())
-    if not (grads and captured and captured[0].requires_grad):
+    if not (grads and logits.requires_grad):
         return Run(placed), ""
     spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
     params = trainable(hf)
-    grad, *param_grads = torch.autograd.grad(
-        documents_loss(logits, ids[0, index], spans), [captured[0], *(p for _, p in params)], allow_unused=True
-    )
-    grad = grad.reshape(-1, grad.shape[-1])[dst]
+    embeds = token_embeddings(captured, rows["input_ids"])
+    wanted = [p for _, p in params] if embeds is None else [embeds, *(p for _, p in params)]
+    if not wanted:
+        return Run(placed), ""
+    found = list(torch.autograd.grad(documents_loss(logits, ids[0, index], spans), wanted, allow_unused=True))
+    param_grads = dict(zip((n for n, _ in params), found[-len(params) :] if params else [], strict=True))
+    if embeds is None:
+        return Run(placed, None, param_grads), ""
+    grad = found[0].reshape(-1, found[0].shape[-1])[dst]
     placed_grad = grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)
-    return Run(placed, placed_grad, dict(zip((n for n, _ in params), param_grads, strict=True))), ""
+    return Run(placed, placed_grad, param_grads), ""
 
 
 def _short(exc: BaseException) -> str:

@@ -124,6 +124,7 @@ class PathState:
     flat_name: str  # ours, in config._attn_implementation while flat
     rows_name: str  # stock, in config._attn_implementation while rows
     reference: bool = False  # FA2 on the pure-PyTorch reference kernel
+    rows_left: bool = False  # the rows path pads on the left (a model that assumes it: CPM-Ant)
     binding: bool = False  # attn_path: flat + strict: a failed proof raises
     interval: int = PROOF_INTERVAL
     proofs: list[tuple[str, Proof]] = dataclasses.field(default_factory=list)
@@ -185,29 +186,46 @@ class PathState:
     def prove_rows(
         self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
     ) -> Proof:
-        """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.flat.proof.prove_rows`). A failure is
-        said, once, and not refused: stock's own padded batches train the same (never worse than stock)."""
+        """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.flat.proof.prove_rows`):
+        right-padded rows, and where they differ from each document alone, left-padded ones (the run pads on the
+        left from then on). Where neither is exact the model is refused (never trained off its documents alone):
+        :class:`~foundry_attn.selection.policy.AttentionUnavailableError` with each path's cause."""
         hf = unwrapped(model)
-        proof = prove_rows(
-            hf,
-            inputs,
-            self.rows_name,
-            TRUTH[self.backend],
-            reference=self.reference,
-            grads=grads,
-            own_positions=own_positions,
-        )
+
+        def proof_of(left: bool) -> Proof:
+            return prove_rows(
+                hf,
+                inputs,
+                self.rows_name,
+                TRUTH[self.backend],
+                reference=self.reference,
+                grads=grads,
+                own_positions=own_positions,
+                left=left,
+            )
+
+        proof = proof_of(self.rows_left)
         self.proofs.append((f"rows at {at}", proof))
+        if not proof.ok and not self.rows_left:
+            left = proof_of(True)
+            self.proofs.append((f"rows left-padded at {at}", left))
+            if left.ok:
+                self.rows_left = True
+                note = f"rows at {at}: right-padded rows {proof.describe()}; left-padded rows are exact: rows pad left"
+                self.notes.append(note)
+                log.warning("foundry_attn: %s %s", type(hf).__name__, note)
+                proof = left
         docs: Documents = inputs[DOCS_KEY]
         if proof.ok:
             self._cover(docs)
             self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
             return proof
-        note = f"rows at {at} {proof.describe()}"
-        said = any(n.startswith("rows at ") for n in self.notes)
-        self.notes.append(note)
-        (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)  # one warning a run
-        return proof
+        flat = "" if self.path == ROWS and self.reason.startswith("attn_path: rows") else f"flat: {self.reason}; "
+        raise AttentionUnavailableError(
+            f"foundry_attn: neither path trains {type(hf).__name__} with {self.backend} as each document alone: "
+            f"{flat}one document per row (right- and left-padded): {proof.describe()}. Fix: attach another backend, "
+            "or train without packing (this model's padded batches differ from its documents alone)"
+        )
 
     def _cover(self, docs: Documents) -> None:
         """Lengths up to the next power of two of this row's and its longest document's are proven."""

@@ -9,6 +9,7 @@ softmax cancels: logits, loss and input-embedding gradients agree whether the bi
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from foundry_attn.attention import functions
 from foundry_attn.attention.documents import is_placeholder
 from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
+from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.packing import PaddingCollator
@@ -111,3 +112,38 @@ def test_every_parameter_trains_exactly_on_the_path_attach_chose() -> None:
         scale = want.grad.abs().max().item()
         assert (got[name].grad - want.grad).abs().max().item() <= 1e-3 * max(scale, 1e-12), name
     assert stock.model.layers[0].self_attn.A.grad.abs().max() > 0  # the parameter the proof must not miss
+
+
+def test_a_model_that_assumes_left_padding_trains_exactly_on_left_padded_rows() -> None:
+    """CPM-Ant ignores the attention mask and counts its real tokens from the left: right-padded rows are far off
+    each document alone, so the rows path pads on the left (said once), and a packed batch trains exactly: the loss
+    and every parameter's gradient, none missing."""
+    from foundry_attn.verify import zoo
+
+    config, model_class = zoo.tiny("cpmant")
+    model = zoo.build(config, model_class, "eager").train()
+    stock = copy.deepcopy(model)
+    state = attach(model, "eager")
+    assert state.path == "rows" and state.rows_left, state.reason
+    assert any("left-padded rows are exact: rows pad left" in note for note in state.notes), state.notes
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 100, (n,), generator=gen) for n in LENGTHS]
+    batch = PaddingCollator(0, 2, 64, mode="pack")(docs)
+    del batch["labels"]  # CPM-Ant's own loss does not shift its labels: the next-token loss from the logits
+    logits = repad_logits(forward_documents(model, batch))[0]
+    spans = itertools.pairwise(itertools.accumulate(LENGTHS, initial=0))
+    targets = sum(n - 1 for n in LENGTHS)
+    loss = sum(
+        F.cross_entropy(logits[s : e - 1], d[1:], reduction="sum") for (s, e), d in zip(spans, docs, strict=True)
+    )
+    (loss / targets).backward()
+    total = sum(F.cross_entropy(stock(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs)
+    (total / targets).backward()
+    assert abs(loss.item() - total.item()) / targets < 1e-5
+    got = dict(model.named_parameters())
+    for name, want in stock.named_parameters():
+        if want.grad is None:
+            continue
+        assert got[name].grad is not None, f"{name} missing"
+        scale = want.grad.abs().max().item()
+        assert (got[name].grad - want.grad).abs().max().item() <= 1e-3 * max(scale, 1e-12), name

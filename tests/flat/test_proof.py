@@ -22,6 +22,7 @@ from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.proof import proof_lengths
 from foundry_attn.flat.state import FlatPathError, path_of
+from foundry_attn.selection.policy import AttentionUnavailableError
 from foundry_attn.verify import conformance
 from tests.conftest import leaky_attention, registered_attention
 
@@ -351,16 +352,16 @@ def test_rows_is_proven_too_when_the_run_moves_there() -> None:
     assert "rows proven at attach: passed" in state.reason
 
 
-def test_rows_that_differ_from_each_document_alone_are_said_not_refused(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_model_no_layout_computes_exactly_is_refused_with_each_cause() -> None:
     """A model whose padded rows differ from its documents alone (here a final norm that mixes the rows of a
-    batch, as a batch statistic would): stock's padded batches train the same, so rows runs (never worse than
-    stock), and the difference is logged and kept in the state's notes."""
+    batch, as a batch statistic would), right- or left-padded, and whose flat row is not attached: never trained off
+    its documents alone (never a warning followed by training worse than stock): refused at attach, saying why."""
     model = conformance.build("llama", "sdpa")
     model.model.norm.register_forward_hook(lambda _m, _i, out: out + out.mean(0, keepdim=True))
-    state = attach(model, "sdpa", path="rows")
-    assert state.path == "rows" and not state.proofs[-1][1].ok
-    assert any("one per row (sdpa, right-padded) differ from stock sdpa" in note for note in state.notes)
-    assert "rows at attach failed" in caplog.text
+    with pytest.raises(AttentionUnavailableError, match=r"neither path trains LlamaForCausalLM") as raised:
+        attach(model, "sdpa", path="rows")
+    assert "one document per row (right- and left-padded)" in str(raised.value)
+    assert "one per row (sdpa) differ from stock sdpa" in str(raised.value)
 
 
 def test_rows_is_proven_on_its_first_batch_and_each_longer_one() -> None:
