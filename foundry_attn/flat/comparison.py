@@ -137,7 +137,9 @@ class ForwardProbe:
     def _keep(self, module: torch.nn.Module, args: Any, out: Any) -> Any:
         """The last training forward's (a batch that moved to rows runs again: its second forward is the one that
         returns), until :meth:`remove`."""
-        if proving() or not (isinstance(out, torch.Tensor) and out.is_floating_point() and torch.is_grad_enabled()):
+        if proving() or not (looked_up(args) and isinstance(out, torch.Tensor) and out.is_floating_point()):
+            return None
+        if not torch.is_grad_enabled():
             return None
         if not out.requires_grad:
             out = out.detach().requires_grad_()
@@ -151,6 +153,12 @@ class ForwardProbe:
     def context(self) -> contextlib.AbstractContextManager:
         """The forward's autocast again (nothing when it ran without)."""
         return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
+
+
+def looked_up(args: Any) -> bool:
+    """Whether an embedding module's call looks token ids up (an integer input), not a shared embedding used as the
+    output layer (MPT's ``wte(hidden, unembed=True)``)."""
+    return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point()
 
 
 def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
@@ -201,8 +209,8 @@ def embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
         yield captured
         return
 
-    def hook(_: Any, __: Any, out: Any) -> Any:
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+    def hook(_: Any, args: Any, out: Any) -> Any:
+        if not looked_up(args) or not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return None
         if not out.requires_grad:
             out = out.detach().requires_grad_()

@@ -123,6 +123,16 @@ def _zoo_stock_rows(
     return loss.item(), grads_of(model)
 
 
+def _stock_rows_differ(exc: BaseException, built: tuple[Any, type, str, list[torch.Tensor]], truth: Any) -> bool:
+    """Whether ``exc`` is attach's refusal of a model that neither path trains as each document alone, and stock's own
+    padded rows differ from each document alone too (``stock differs``: stock cannot train the packed batch exactly
+    either, so the refusal is no loss)."""
+    if "neither path trains" not in str(exc) or truth is None:
+        return False
+    rows_loss, rows_grad = _zoo_stock_rows(*built)
+    return abs(rows_loss - truth[0]) > LOSS_TOL or grad_error(rows_grad, truth[1]) > GRAD_TOL
+
+
 def _outcome(
     loss: float,
     grad: torch.Tensor,
@@ -219,6 +229,8 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
             state = attach(model, backend, fa2_reference=backend == FA2)
             loss = _zoo_ours(model, docs)
     except Exception as exc:
+        if _stock_rows_differ(exc, (config, model_class, backend, docs), (want_loss, want_grad)):
+            return done("stock differs", str(exc), chosen=backend)
         return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
     truth = (want_loss, want_grad)
     status, loss_err, grad_err = _outcome(
@@ -268,6 +280,8 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
             state = attach(model, backend, fa2_reference=backend == FA2)
             loss = _zoo_ours(model, docs)
     except AttentionUnavailableError as exc:
+        if _stock_rows_differ(exc, (config, model_class, backend, docs), truth):
+            return done("stock differs", str(exc), chosen=backend)
         # stock fails too, or runs something else than the model (4.51's sdpa drops Gemma2's softcap silently)
         refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0]
         inexact = "check 'exactness'" in str(exc)
@@ -344,6 +358,9 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
         loss = loss_of(model(**batch, use_cache=False))
         loss.backward()
     except AttentionUnavailableError as exc:  # stock runs this backend, but not exactly (4.51: Gemma2's softcap)
+        if _stock_rows_differ(exc, (config, model_class, backend, docs), truth):
+            detail = str(exc)[:200]
+            return PaddingFreeCell(model_type, backend, "stock differs", "", stock_err, stock_error, detail=detail)
         refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0]
         return PaddingFreeCell(model_type, backend, "refused", "", stock_err, stock_error, detail=refused[:200])
     except Exception as exc:  # ours, or the model's own code failing on a flattened batch as stock's does

@@ -116,7 +116,8 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
             ``attn_verdict`` event and the log line.
           - The first batch and every ``verdict_interval``-th, when a row holds two documents or more.
         * - ``attn/verdict_worst_diff``
-          - The largest difference of those logits (fp32: max absolute; half precision: relative L2).
+          - The measured influence: the largest gradient of the second document's loss on the first document's
+            input embeddings (exactly 0.0 when isolated, at any precision).
           - Sampled batches where it was measured.
 
     It also appends an ``attn_inspect`` event (JSONL: the records of every module, the batch, the metrics) per
