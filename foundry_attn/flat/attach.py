@@ -20,8 +20,10 @@ ecosystem's packed batches take the proven path). When each path runs and when t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,9 +47,27 @@ from foundry_attn.flat.forward import takes_flattened_batches
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.proof import proof_lengths, synthetic_documents
-from foundry_attn.flat.state import AUTO, FLAT, PATH_ATTR, PROOF_INTERVAL, ROWS, ROWS_NAME, PathState, check_path
+from foundry_attn.flat.state import (
+    AUTO,
+    FLAT,
+    PATH_ATTR,
+    PROOF_INTERVAL,
+    ROWS,
+    ROWS_NAME,
+    FlatPathError,
+    PathState,
+    check_path,
+)
 from foundry_attn.flat.unwrap import unwrapped
-from foundry_attn.selection.policy import AttentionUnavailableError, ModelTraits, model_check
+from foundry_attn.selection import policy
+from foundry_attn.selection.decision import decide
+from foundry_attn.selection.policy import (
+    DEFAULT_FALLBACK,
+    AttentionUnavailableError,
+    Decision,
+    ModelTraits,
+    model_check,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +100,8 @@ def attach(
     backend: str | None = None,
     path: str = AUTO,
     *,
+    fallback: Sequence[str] = DEFAULT_FALLBACK,
+    compute_dtype: str = "auto",
     fa2_reference: bool = False,
     strict: bool = False,
     interval: int = PROOF_INTERVAL,
@@ -90,8 +112,14 @@ def attach(
 
     Args:
         model: a transformers causal LM, or a wrapper of one (DDP, FSDP, ``torch.compile``, PEFT).
-        backend: ``flash_attention_2``, ``torch_varlen``, ``flex_attention``, ``sdpa`` or ``eager``; default: the
-            one the model runs now.
+        backend: ``auto`` (the fastest backend of ``fallback`` whose checks pass for this model, device, dtype and
+            install, as the LLM-Foundry builder's ``attn_implementation: auto`` decides; a backend attach then
+            refuses moves the choice down the chain), or ``flash_attention_2``, ``torch_varlen``,
+            ``flex_attention``, ``sdpa`` or ``eager``; default: the one the model runs now.
+        fallback: the chain ``auto`` walks, fastest first.
+        compute_dtype: the dtype attention computes in, for ``auto``'s checks (``auto``: the weights' where they are
+            half, else bf16 on a CUDA device (the Trainer's ``bf16=True`` autocast) and fp32 on a CPU;
+            ``bf16``, ``fp16``, ``fp32``).
         path: ``auto`` (flat where proven), ``flat`` (binding with ``strict``: a failed proof raises
             :class:`~foundry_attn.flat.state.FlatPathError`) or ``rows``.
         fa2_reference: run FA2 on the pure-PyTorch reference kernel (CPU tests; never chosen by itself).
@@ -102,28 +130,122 @@ def attach(
 
     Returns:
         The :class:`~foundry_attn.flat.state.PathState` kept on the model: ``path`` (``flat`` or ``rows``),
-        ``reason`` and every proof.
+        ``reason``, every proof and, for ``auto``, the ``decision`` (each backend of the chain and why not).
 
     Raises:
-        AttentionUnavailableError: ``backend`` cannot run this model exactly on either path (the error names the
-            backends that can).
+        AttentionUnavailableError: ``backend`` cannot run this model exactly on either path, or cannot run here at
+            all (the failed check, its cause, and the backends that can); under ``auto``, nothing in the chain can.
 
     Example::
 
         >>> from foundry_attn import attach
-        >>> state = attach(model, "sdpa")
+        >>> state = attach(model, "auto")     # one script for every GPU of a mixed pool
+        >>> state.backend, state.decision.reason
+        ('sdpa', 'flash_attention_2: flash-attn is not installed (pip install flash-attn --no-build-isolation)')
         >>> state.path, state.reason
         ('flat', 'proven at attach: passed in 41 ms (documents [17, 23] of a 40-token row, ...)')
     """
     check_path(path)
     check_interval("attach", "interval", interval, minimum=0)
     hf = unwrapped(model)
+    if backend == policy.AUTO:
+        decision = decide(
+            None,
+            policy.AUTO,
+            tuple(fallback),
+            compute_dtype=_compute_dtype(hf, compute_dtype),
+            fa2_reference=fa2_reference,
+            config=hf.config,
+            model_class=type(hf),
+        )
+        decision, state = attach_decision(
+            model, decision, path, fa2_reference=fa2_reference, strict=strict, interval=interval, prove_now=prove_now
+        )
+        level = logging.WARNING if decision.fell_back else logging.INFO
+        log.log(
+            level,
+            "foundry_attn: attention on %s: requested auto, chose %s (%s); path %s (%s)",
+            decision.where,
+            decision.chosen,
+            decision.reason,
+            state.path,
+            state.reason,
+        )
+        return state
+    return _attach_backend(model, backend, path, fa2_reference, strict, interval, prove_now)
+
+
+def _compute_dtype(hf: Any, named: str) -> str:
+    """``auto``'s compute dtype for a built model: the weights' where they are half, else the named one."""
+    dtype = next(hf.parameters()).dtype
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    return half if half is not None and named == "auto" else named
+
+
+def attach_decision(
+    model: Any,
+    decision: Decision,
+    path: str = AUTO,
+    *,
+    fa2_reference: bool = False,
+    strict: bool = False,
+    interval: int = PROOF_INTERVAL,
+    prove_now: bool = True,
+) -> tuple[Decision, PathState]:
+    """Attach ``decision.chosen``; where attach refuses it (neither path runs it exactly here), or its rows would run
+    another backend (torch_varlen's rows are sdpa's), the next backend of the decision's chain, the reason kept in
+    the decision. The LLM-Foundry builder and ``attach(model, "auto")`` both walk the chain here.
+
+    Returns:
+        The decision with the chosen backend's proof and path, and the :class:`PathState` (``state.decision``).
+
+    Raises:
+        AttentionUnavailableError: nothing in the chain can run the model (or, strict, the requested backend
+            cannot).
+    """
+    hf = unwrapped(model)
+    while True:
+        chosen = decision.chosen
+        device = next(hf.parameters()).device
+        # the proof runs where the weights are: not on meta, not real FA2 on a model on the CPU
+        now = (
+            prove_now and device.type != "meta" and not (chosen == FA2 and not fa2_reference and device.type != "cuda")
+        )
+        try:
+            state = _attach_backend(model, chosen, path, fa2_reference, strict, interval, now)
+        except FlatPathError:
+            raise
+        except AttentionUnavailableError as exc:
+            decision = decision.with_rejection(chosen, str(exc), check="attach", fix="see the reason")
+            continue
+        if state.path == ROWS and backend_of(state.rows_name) != chosen:
+            decision = decision.with_rejection(chosen, state.reason, check="flat path")
+            continue
+        proof = state.proofs[-1][1].describe() if state.proofs else "first batch" if prove_now else "off"
+        decision = dataclasses.replace(decision, proof=proof, path=state.path, path_reason=state.reason)
+        state.decision = decision
+        return decision, state
+
+
+def _attach_backend(
+    model: Any,
+    backend: str | None,
+    path: str,
+    fa2_reference: bool,
+    strict: bool,
+    interval: int,
+    prove_now: bool,
+) -> PathState:
+    """:func:`attach` for one named backend; a refusal leaves the model as it was."""
+    hf = unwrapped(model)
     before = getattr(hf, PATH_ATTR, None)
     built = before.rows_name if before is not None else hf.config._attn_implementation
     backend = backend or backend_of(built) or EAGER
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join((policy.AUTO, *BACKENDS))}")
     _refuse_unsupported(hf, backend, fa2_reference)
+    base = getattr(hf, "base_model", hf)
+    forwards = [(m, vars(m).get("forward")) for m in (hf, base)]
     takes_flattened_batches(hf)  # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
     rows_name = built if backend_of(built) == backend and built not in REGISTERED else ROWS_NAME[backend]
     if backend == FA2 and fa2_reference and built != FA2:  # our function's stock branch installs the reference
@@ -154,10 +276,23 @@ def attach(
         layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
         ids = torch.cat(docs)[None]
         inputs, _ = flat_inputs(hf, ids, layout.position_ids(device), None, layout)
-        if path == ROWS:
-            state.prove_rows(hf, inputs, "attach")
-        else:
-            state.prove(hf, inputs, "attach")
+        try:
+            if path == ROWS:
+                state.prove_rows(hf, inputs, "attach")
+            else:
+                state.prove(hf, inputs, "attach")
+        except AttentionUnavailableError:  # refused: the model as it was before this attach
+            set_implementation(hf, built)
+            if before is None:
+                delattr(hf, PATH_ATTR)
+            else:
+                setattr(hf, PATH_ATTR, before)
+            for module, forward in forwards:
+                if forward is None:
+                    vars(module).pop("forward", None)
+                else:
+                    module.forward = forward
+            raise
     elif path != ROWS:
         state.reason = "flat, proven on the first training batch"
     return state

@@ -40,6 +40,7 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropp
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.comparison import (
     HeadCall,
+    ParamGrads,
     Run,
     against_alone,
     alone_inputs,
@@ -77,6 +78,7 @@ class Proof:
     compared: tuple[int, ...] = ()  # their indices in the flat row
     tokens: int = 0  # the flat row's length
     worst_grad: float | None = None  # gradients (None: forward only)
+    ran: bool = True  # both sides ran (False: the reason is that one could not)
 
     def describe(self) -> str:
         grads = "" if self.worst_grad is None else f", gradients {self.worst_grad:.1e}"
@@ -281,7 +283,8 @@ def _prove(
         )
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
-    return Proof(not reason, worst, reason, ms, lengths, compare, docs.bounds[-1], worst_grad)
+    ran = not isinstance(reason, _NotRun)
+    return Proof(not reason, worst, str(reason), ms, lengths, compare, docs.bounds[-1], worst_grad, ran)
 
 
 @contextlib.contextmanager
@@ -299,6 +302,10 @@ def _state_kept(hf: Any) -> Iterator[None]:
             for key, value in before.items():
                 if vars(module).get(key, value) is not value:
                     setattr(module, key, value)
+
+
+class _NotRun(str):
+    """A proof's reason that says one side could not run at all (``Proof.ran`` is False)."""
 
 
 def _compare(
@@ -329,10 +336,10 @@ def _compare(
                 runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads) for span in spans]
                 limits = limits_for(hf, alone(spans[-1]), runs[-1])
             except Exception as exc:
-                return 0.0, None, f"stock {stock} cannot run one document alone here: {_short(exc)}"
+                return 0.0, None, _NotRun(f"stock {stock} cannot run one document alone here: {_short(exc)}")
         packed, why = side(hf, spans, grads)
     if packed is None:
-        return 0.0, None, why
+        return 0.0, None, _NotRun(why)
     result = against_alone(packed, spans, runs, limits)
     worst, worst_grad = result.worst, result.worst_grad
     if result.differ:
@@ -469,11 +476,15 @@ def _rows_run(
     wanted = [p for _, p in params] if embeds is None else [embeds, *(p for _, p in params)]
     if not wanted:
         return Run(placed), ""
-    found = list(torch.autograd.grad(documents_loss(logits, ids[0, index], spans), wanted, allow_unused=True))
-    param_grads = dict(zip((n for n, _ in params), found[-len(params) :] if params else [], strict=True))
+    found: list[torch.Tensor | None] = list(
+        torch.autograd.grad(documents_loss(logits, ids[0, index], spans), wanted, allow_unused=True)
+    )
+    param_grads: ParamGrads = dict(zip((n for n, _ in params), found[-len(params) :] if params else [], strict=True))
     if embeds is None:
         return Run(placed, None, param_grads), ""
-    grad = found[0].reshape(-1, found[0].shape[-1])[dst]
+    first = found[0]
+    assert first is not None  # the embeddings are in the graph (token_embeddings)
+    grad = first.reshape(-1, first.shape[-1])[dst]
     placed_grad = grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)
     return Run(placed, placed_grad, param_grads), ""
 

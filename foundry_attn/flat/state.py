@@ -31,7 +31,7 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls
 from foundry_attn.flat.proof import Proof, prove_flat, prove_rows, prove_step, step_blocker
 from foundry_attn.flat.unwrap import unwrapped
-from foundry_attn.selection.policy import AttentionUnavailableError
+from foundry_attn.selection.policy import AttentionUnavailableError, Decision
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class PathState:
     proven_on_batch: bool = False
     covered: tuple[int, int] = (0, 0)  # (flat row, document) lengths proven, each up to its next power of two
     notes: list[str] = dataclasses.field(default_factory=list)
+    decision: Decision | None = None  # attach(model, "auto") and the builder: the chain, and why not each
     listeners: list[Callable[[PathState], None]] = dataclasses.field(default_factory=list)
     _fingerprint: tuple = ()
     _modules: tuple = ()
@@ -206,7 +207,7 @@ class PathState:
 
         proof = proof_of(self.rows_left)
         self.proofs.append((f"rows at {at}", proof))
-        if not proof.ok and not self.rows_left:
+        if not proof.ok and not self.rows_left and proof.ran:  # the rows ran and differ: the other side may not
             left = proof_of(True)
             self.proofs.append((f"rows left-padded at {at}", left))
             if left.ok:
@@ -221,10 +222,11 @@ class PathState:
             self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
             return proof
         flat = "" if self.path == ROWS and self.reason.startswith("attn_path: rows") else f"flat: {self.reason}; "
+        sides = "right- and left-padded" if proof.ran else "it does not run here"
         raise AttentionUnavailableError(
             f"foundry_attn: neither path trains {type(hf).__name__} with {self.backend} as each document alone: "
-            f"{flat}one document per row (right- and left-padded): {proof.describe()}. Fix: attach another backend, "
-            "or train without packing (this model's padded batches differ from its documents alone)"
+            f'{flat}one document per row ({sides}): {proof.describe()}. Fix: attach(model, "auto") (the fastest '
+            "backend that runs here), another backend, or train without packing"
         )
 
     def _cover(self, docs: Documents) -> None:

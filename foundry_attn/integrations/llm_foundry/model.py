@@ -45,9 +45,9 @@ from transformers import AutoConfig
 
 from foundry_attn.attention.backends import backend_of
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.attach import attach
+from foundry_attn.flat.attach import attach_decision
 from foundry_attn.flat.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
-from foundry_attn.flat.state import ROWS, PathState
+from foundry_attn.flat.state import PathState
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
@@ -132,35 +132,25 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         )
 
     def _attach(self, decision: Decision, reference: bool, at_build: bool) -> Decision:
-        """Prove the flat path for the choice (``foundry_attn.flat.attach``); rows where it does not hold. A backend
-        whose rows would be another backend (torch_varlen: sdpa) moves down the chain instead."""
+        """Prove the flat path for the choice (:func:`foundry_attn.flat.attach.attach_decision`, the chain walk
+        ``attach(model, "auto")`` takes too); rows where it does not hold, the next backend where neither path runs."""
         keys = self.attn_keys
-        while True:
-            state = attach(
-                self.model,
-                decision.chosen,
-                keys.path,
-                fa2_reference=reference,
-                strict=keys.strict,
-                interval=keys.proof_interval,
-                prove_now=at_build and self._can_prove_at_build(decision, reference),
-            )
-            if state.path == ROWS and backend_of(state.rows_name) != decision.chosen:
-                decision = decision.with_rejection(decision.chosen, state.reason, check="flat path")
-                continue
-            state.listeners.append(self._path_changed)
-            note = state.proofs[-1][1].describe() if state.proofs else "off" if not at_build else "first batch"
-            return dataclasses.replace(decision, proof=note, path=state.path, path_reason=state.reason)
+        decision, state = attach_decision(
+            self.model,
+            decision,
+            keys.path,
+            fa2_reference=reference,
+            strict=keys.strict,
+            interval=keys.proof_interval,
+            prove_now=at_build,
+        )
+        state.listeners.append(self._path_changed)
+        return decision
 
     def _path_changed(self, state: PathState) -> None:
         """A proof on a training batch moved the run to rows: record it in the decision and as an event."""
         self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
-
-    def _can_prove_at_build(self, decision: Decision, reference: bool) -> bool:
-        """The proof at build runs where the weights are: not on meta, not real FA2 on a CPU-built model."""
-        device = next(self.model.parameters()).device
-        return device.type != "meta" and not (decision.chosen == FA2 and not reference and device.type != "cuda")
 
     def _record(self, decision: Decision, cap: Any, rank: int) -> None:
         info = decision.as_dict()

@@ -1,0 +1,75 @@
+"""The mixed pool for a core user: ``attach(model, "auto")`` walks the same chain as the LLM-Foundry builder, and a
+backend that cannot run the model here is refused at attach, never at the first step. On both stacks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foundry_attn import attach
+from foundry_attn.flat.forward import forward_documents
+from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.selection.policy import AttentionUnavailableError
+from tests.conftest import make_llama
+
+LENGTHS = (13, 9, 17)
+
+
+def _loss_alone(stock: torch.nn.Module, docs: list[torch.Tensor]) -> torch.Tensor:
+    total = sum(F.cross_entropy(stock(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs)
+    return total / sum(d.numel() - 1 for d in docs)
+
+
+def test_auto_picks_a_backend_that_runs_here_says_why_not_fa2_and_trains_exactly() -> None:
+    model = make_llama("sdpa").train()
+    stock = copy.deepcopy(model)
+    state = attach(model, "auto")
+    decision = state.decision
+    assert decision is not None and decision.requested == "auto" and decision.chosen == state.backend
+    assert state.backend in ("sdpa", "eager") and state.path == "flat", state.reason
+    first = decision.candidates[0]
+    assert first.name == "flash_attention_2" and not first.available and first.reason in decision.reason
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, 60, (n,), generator=gen) for n in LENGTHS]
+    out = forward_documents(model, PaddingCollator(0, 2, 64, mode="pack")(docs))
+    assert abs(out.loss.item() - _loss_alone(stock, docs).item()) < 1e-5
+
+
+def test_a_backend_that_cannot_run_here_is_refused_at_attach_and_the_model_is_left_as_it_was() -> None:
+    """flash_attention_2 without flash-attn (this CPU): the cause at attach, not a state and a crash at the first
+    forward; the model's implementation, forward and state as before."""
+    model = make_llama("sdpa").train()
+    with pytest.raises(AttentionUnavailableError, match="neither path trains LlamaForCausalLM") as raised:
+        attach(model, "flash_attention_2")
+    assert "cannot run one document alone here" in str(raised.value) and 'attach(model, "auto")' in str(raised.value)
+    assert model.config._attn_implementation == "sdpa"
+    assert not hasattr(model, "foundry_path") and "forward" not in vars(model) and "forward" not in vars(model.model)
+
+
+def test_auto_moves_down_the_chain_past_a_backend_attach_refuses() -> None:
+    """GPT-2 under FA2 (the reference kernel stands in for flash-attn) in fp32: stock's FA2 looks for an nn.Linear
+    that GPT-2's Conv1D is not, so neither path runs it where that lookup is made; ``auto`` then takes sdpa, and the
+    decision keeps the refusal."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=128, bos_token_id=1, eos_token_id=2)
+    config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+    model = GPT2LMHeadModel(config).train()
+    state = attach(model, "auto", fallback=("flash_attention_2", "sdpa"), fa2_reference=True)
+    decision = state.decision
+    assert decision is not None
+    if state.backend == "flash_attention_2":  # this transformers' FA2 runs GPT-2 (4.51): exact on its path
+        assert state.proofs[-1][1].ok, state.reason
+        return
+    assert state.backend == "sdpa" and decision.fell_back
+    refused = decision.candidates[0]
+    assert refused.name == "flash_attention_2" and refused.check == "attach" and "StopIteration" in refused.reason
+
+
+def test_auto_with_an_unknown_fallback_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError, match="valid names"):
+        attach(make_llama("sdpa"), "auto", fallback=("flash_attention_3",))
