@@ -120,9 +120,10 @@ def flash_kernel(cap: Capability, decision: Decision) -> str:
         return f"none (check '{fa2.check}' failed: {fa2.reason})"
     if cap.flash_attn_version:
         return f"flash-attn {cap.flash_attn_version}"
-    if cap.hub_kernel:
-        return f"hub kernel {cap.hub_kernel} (transformers' silent fallback; foundry_attn refuses it)"
-    return f"none ({cap.flash_attn_error or 'flash-attn is not installed'})"
+    if cap.hub_kernel and cap.hub_kernel_missing is None:
+        return f"hub kernel {cap.hub_kernel} (transformers' stand-in for flash-attn, usable here)"
+    hub = f"; hub kernel {cap.hub_kernel} not usable: {cap.hub_kernel_missing}" if cap.hub_kernel else ""
+    return f"none ({cap.flash_attn_error or 'flash-attn is not installed'}{hub})"
 
 
 def assets(args: argparse.Namespace) -> int:

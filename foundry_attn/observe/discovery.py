@@ -123,6 +123,9 @@ def decision_of(hf: Any) -> dict[str, Any]:
         impl = attn_implementation(hf)
         reason = "set by the model, not chosen by foundry_attn (not attached; its config._attn_implementation)"
         return {**info, "requested": impl, "chosen": impl, "reason": reason}
+    if state.decision is not None:  # attach(model, "auto"): the chain, each backend and why not, as the builder's
+        proof = state.proofs[-1][1].describe() if state.proofs else state.decision.proof
+        return {**state.decision.as_dict(), "proof": proof, "path": state.path, "path_reason": state.reason}
     return {
         **info,
         "requested": state.backend,

@@ -15,8 +15,11 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import socket
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -49,9 +52,12 @@ class Capability:
     flash_attn_fix: str | None = None
     #: why FlexAttention cannot train (backward) on this device with this torch, or None when it can
     flex_backward_error: str | None = None
-    #: the hub kernel transformers 5.x loads for ``flash_attention_2`` when flash-attn is missing and the
-    #: ``kernels`` package is installed (silently, from the network), else None
+    #: the hub kernel transformers 5.x loads for ``flash_attention_2`` when flash-attn is missing (through the
+    #: ``kernels`` package, silently), else None (4.51 has no such fallback)
     hub_kernel: str | None = None
+    #: what that hub kernel lacks to run here (the ``kernels`` release transformers wants, CUDA, a cached copy for
+    #: offline use), or None when it is usable: the policy then takes it for ``flash_attention_2``
+    hub_kernel_missing: str | None = None
 
     @property
     def sm(self) -> str:
@@ -76,8 +82,7 @@ def probe_flash_attn() -> tuple[str | None, str | None]:
 
 
 def _hub_kernel() -> str | None:
-    if importlib.util.find_spec("kernels") is None:
-        return None
+    """The hub kernel transformers would load for ``flash_attention_2`` without flash-attn (5.x), else None."""
     try:
         from transformers.modeling_flash_attention_utils import (  # type: ignore[attr-defined,unused-ignore]
             FLASH_ATTN_KERNEL_FALLBACK,
@@ -85,6 +90,37 @@ def _hub_kernel() -> str | None:
     except ImportError:  # 4.51: no hub fallback
         return None
     return FLASH_ATTN_KERNEL_FALLBACK.get("flash_attention_2")
+
+
+def hub_kernel_missing(repo: str, cuda: bool, env: Mapping[str, str] | None = None) -> str | None:
+    """What the hub kernel ``repo`` lacks to run here, or None when it is usable: the ``kernels`` release transformers
+    wants (its own bounds), CUDA (hub kernels are CUDA builds), and a copy in the Hugging Face cache (nothing is
+    fetched at run time, and offline nodes cannot)."""
+    from packaging.version import Version
+    from transformers.utils import import_utils
+
+    env = os.environ if env is None else env
+    if env.get("USE_HUB_KERNELS", "YES").upper() not in ("1", "ON", "YES", "TRUE"):
+        return "USE_HUB_KERNELS is off"
+    low = getattr(import_utils, "KERNELS_MIN_VERSION", None)
+    high = getattr(import_utils, "KERNELS_MAX_VERSION", None)
+    wants = f"transformers {_dist_version('transformers')} wants {low} <= kernels < {high}" if low and high else ""
+    installed = _dist_version("kernels")
+    if installed is None:
+        return f"the kernels package is not installed ({wants}; pip install 'kernels=={low}')"
+    if low and high and not Version(low) <= Version(installed) < Version(high):
+        return f"kernels {installed} is installed, and {wants} (pip install 'kernels=={low}')"
+    if not cuda:
+        return "hub kernels are CUDA builds, and this device has no CUDA"
+    from huggingface_hub import constants
+
+    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots"
+    if not snapshots.is_dir() or not any(snapshots.iterdir()):
+        return (
+            f"{repo} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}); transformers would download it at "
+            "the first forward: fetch it once where the hub is reachable (kernels download, or one run online)"
+        )
+    return None
 
 
 def rng_untouched(device: torch.device | str) -> contextlib.AbstractContextManager:
@@ -138,6 +174,7 @@ def probe(device: torch.device | str | None = None) -> Capability:
         flash_attn_installed=tried.installed,
         flash_attn_fix=None if tried.imported else tried.fix,
         transformer_engine_version=_dist_version("transformer-engine") or _dist_version("transformer_engine"),
-        hub_kernel=_hub_kernel() if fa_version is None else None,
+        hub_kernel=(hub := _hub_kernel() if fa_version is None else None),
+        hub_kernel_missing=None if hub is None else hub_kernel_missing(hub, cuda and device.type == "cuda"),
         flex_backward_error=flex_backward_error(device.type if device.type == "cuda" and cuda else "cpu"),
     )

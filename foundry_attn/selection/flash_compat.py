@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
-import os
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
@@ -199,10 +198,9 @@ def te_problem(te: str, fa: str) -> Problem | None:
     return None
 
 
-def preflight(cap: Capability, env: dict[str, str] | None = None) -> list[Problem]:
+def preflight(cap: Capability) -> list[Problem]:
     """Every known-bad combination among the installed distributions (read with ``importlib.metadata``) on the
     device ``cap`` describes; empty when none applies."""
-    env = dict(os.environ) if env is None else env
     problems: list[Problem] = []
     fa = _version("flash-attn") or _version("flash_attn")
     te = _version("transformer-engine") or _version("transformer_engine")
@@ -229,16 +227,6 @@ def preflight(cap: Capability, env: dict[str, str] | None = None) -> list[Proble
                 f"flash-attn-3 {fa3} is installed but {cap.device_name} {cap.sm} is not Hopper (FA3 runs on sm90 only)",
                 "pip uninstall flash-attn-3 (flash_attention_2 is unaffected)",
                 rejects=None,
-            )
-        )
-    offline = env.get("HF_HUB_OFFLINE", "0") not in ("0", "") or env.get("TRANSFORMERS_OFFLINE", "0") not in ("0", "")
-    if cap.hub_kernel and not fa and offline:
-        problems.append(
-            Problem(
-                "hub kernel offline",
-                f"transformers would load {cap.hub_kernel} from the hub for "
-                "flash_attention_2, and the hub is offline here (HF_HUB_OFFLINE)",
-                "pip install flash-attn --no-build-isolation, or pip uninstall kernels",
             )
         )
     return problems

@@ -298,6 +298,22 @@ def _failed_flash_check(
     return None
 
 
+def _hub_kernel_candidate(cap: Capability, dtype: torch.dtype, traits: ModelTraits) -> Candidate:
+    """flash_attention_2 through transformers' hub kernel (flash-attn missing, the kernel usable here: the ``kernels``
+    release transformers wants, CUDA, a cached copy): the GPU, dtype and exactness checks of flash-attn itself."""
+    unfit = _failed_flash_check(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
+    if unfit:
+        return unfit
+    inexact = refusal(FA2, traits.needs)
+    if inexact:
+        return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
+    return Candidate(
+        FA2,
+        True,
+        f"hub kernel {cap.hub_kernel} (transformers' stand-in for flash-attn, cached) on {cap.device_name} {cap.sm}",
+    )
+
+
 def check_fa2(
     cap: Capability,
     dtype: torch.dtype,
@@ -321,10 +337,12 @@ def check_fa2(
         if why := reference_refusal(traits):
             return _fail(FA2, "model class", why, "use sdpa or eager here; FA2 runs it on a GPU with flash-attn")
         return Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
+    if cap.flash_attn_version is None and cap.hub_kernel and cap.hub_kernel_missing is None:
+        return _hub_kernel_candidate(cap, dtype, traits)
     if cap.flash_attn_version is None:
         hub = (
-            f"; transformers would load the hub kernel {cap.hub_kernel} in its place (not flash-attn, fetched "
-            "from the network); foundry_attn does not"
+            f"; transformers' stand-in, the hub kernel {cap.hub_kernel}, is not usable here either: "
+            f"{cap.hub_kernel_missing}"
             if cap.hub_kernel
             else ""
         )

@@ -21,6 +21,7 @@ from foundry_attn.flat.comparison import alone_inputs
 from foundry_attn.flat.forward import FlattenedForward
 from foundry_attn.flat.layout import flattened_lengths
 from foundry_attn.flat.proof import synthetic_documents
+from foundry_attn.selection.policy import AttentionUnavailableError
 from foundry_attn.verify import conformance, sweep, zoo
 
 LENGTHS = (5, 11, 3, 9)
@@ -209,15 +210,19 @@ def test_malformed_packed_batches_raise_naming_the_fields() -> None:
         flattened_lengths(batch)
 
 
-def test_gpt2_under_the_fa2_reference_in_fp32_trains_exactly_or_says_why() -> None:
-    """transformers 5.x's FA2 takes an fp32 input's half dtype from the attention module's first nn.Linear, which
-    GPT-2's Conv1D attention has not: stock raises a bare StopIteration. Attached, the proof at attach names where
-    it came from (4.51: the same lookup, inline), and the packed batch still trains as each document alone (rows,
-    our own FA2 function)."""
+def test_gpt2_under_the_fa2_reference_in_fp32_is_refused_at_attach_with_the_cause() -> None:
+    """transformers' FA2 takes an fp32 input's half dtype from the attention module's first nn.Linear, which GPT-2's
+    Conv1D attention has not: stock raises a bare StopIteration, on each document alone too, so neither path can be
+    proven. attach refuses it, naming where it came from (never a state returned and a crash at the first step), and
+    leaves the model as it was; ``auto`` moves on and trains the packed batch as each document alone."""
     model = conformance.build("gpt2", "sdpa")
     stock = copy.deepcopy(model)
     docs = conformance.sample_documents()
-    state = attach(model, "flash_attention_2", fa2_reference=True)
-    assert "StopIteration" not in state.reason or "integrations/flash_attention.py" in state.reason, state.reason
+    with pytest.raises(AttentionUnavailableError, match="StopIteration") as raised:
+        attach(model, "flash_attention_2", fa2_reference=True)
+    assert "flash_attention.py" in str(raised.value) or "get_target_dtype" in str(raised.value), raised.value
+    assert model.config._attn_implementation == "sdpa"
+    state = attach(model, "auto", fallback=("flash_attention_2", "sdpa"), fa2_reference=True)
+    assert state.backend == "sdpa" and state.decision is not None and state.decision.fell_back
     loss = model(**_collate(docs)).loss
     assert abs(loss.item() - _truth(stock, docs)[0]) <= conformance.LOSS_TOL

@@ -286,16 +286,50 @@ def test_model_traits_from_llama_class() -> None:
     assert ModelTraits.from_model_class(Plain).supports == frozenset({EAGER})
 
 
-def test_a_hub_kernel_redirect_is_named_and_never_taken() -> None:
-    """transformers 5.x with `kernels` installed loads kernels-community/flash-attn2 for a missing flash-attn."""
+def test_a_hub_kernel_is_taken_for_fa2_only_where_it_is_usable() -> None:
+    """transformers 5.x loads kernels-community/flash-attn2 for a missing flash-attn: the chain treats it as FA2 only
+    where it runs here (the kernels release transformers wants, CUDA, a cached copy), else says what is missing."""
     import dataclasses
 
+    missing = "the kernels package is not installed (transformers 5.23.0 wants 0.18.2 <= kernels < 0.19.0)"
     cap = dataclasses.replace(
-        make_cap(fa=None, fa_error="flash-attn is not installed"), hub_kernel="kernels-community/flash-attn2"
+        make_cap(fa=None, fa_error="flash-attn is not installed"),
+        hub_kernel="kernels-community/flash-attn2",
+        hub_kernel_missing=missing,
     )
     d = decide(cap, fallback=[FA2, SDPA])
     assert d.chosen == SDPA and failed(d, FA2).check == "flash-attn installed"
-    assert "hub kernel kernels-community/flash-attn2" in d.reason and "foundry_attn does not" in d.reason
+    assert "hub kernel kernels-community/flash-attn2, is not usable here either" in d.reason and missing in d.reason
+    usable = dataclasses.replace(cap, hub_kernel_missing=None)
+    d = decide(usable, fallback=[FA2, SDPA])
+    assert d.chosen == FA2 and "hub kernel kernels-community/flash-attn2" in d.reason
+    assert decide(usable, torch.float32, fallback=[FA2, SDPA]).chosen == SDPA  # flash-attn's own checks still hold
+
+
+def test_what_the_hub_kernel_lacks_here_is_read_from_the_install(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The kernels release transformers wants (its own bounds), CUDA, a copy in the Hugging Face cache."""
+    from foundry_attn.selection import capability
+
+    transformers_utils = pytest.importorskip("transformers.utils.import_utils")
+    if not hasattr(transformers_utils, "KERNELS_MIN_VERSION"):
+        pytest.skip("this transformers has no hub kernels")
+    low = transformers_utils.KERNELS_MIN_VERSION
+    repo = "kernels-community/flash-attn2"
+    versions = {"kernels": None}
+    real = capability._dist_version
+    monkeypatch.setattr(capability, "_dist_version", lambda name: versions.get(name, real(name)))
+    assert "the kernels package is not installed" in capability.hub_kernel_missing(repo, True, env={})
+    versions["kernels"] = "0.17.2"
+    assert "kernels 0.17.2 is installed, and transformers" in capability.hub_kernel_missing(repo, True, env={})
+    versions["kernels"] = low
+    assert "no CUDA" in capability.hub_kernel_missing(repo, False, env={})
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert "is not in the Hugging Face cache" in capability.hub_kernel_missing(repo, True, env={})
+    (tmp_path / "models--kernels-community--flash-attn2" / "snapshots" / "abc").mkdir(parents=True)
+    assert capability.hub_kernel_missing(repo, True, env={}) is None
+    assert capability.hub_kernel_missing(repo, True, env={"USE_HUB_KERNELS": "0"}) == "USE_HUB_KERNELS is off"
 
 
 def test_flex_without_a_backward_here_is_refused_with_the_reason() -> None:

@@ -179,7 +179,7 @@ def test_transformer_engine_pairs_from_the_real_wheels(
     """The real transformer-engine wheels and flash-attn sdists installed side by side: the rule names what TE's
     own code does with that flash-attn, and rejects FA2 only where that call raises."""
     _with_trees(monkeypatch, real_installs.transformer_engine(te), real_installs.flash_attn(fa))
-    problems = [p for p in flash_compat.preflight(A100, env={}) if p.check == "TransformerEngine x flash-attn"]
+    problems = [p for p in flash_compat.preflight(A100) if p.check == "TransformerEngine x flash-attn"]
     if raises is None:
         assert problems == []
         return
@@ -193,7 +193,7 @@ def test_te_1_6_with_2_6_3_names_softcap_and_warns_outside_te_attention(monkeypa
     softcap. A transformers model has no TE attention, so FA2 is kept with a warning; a model built on TE's attention
     is refused."""
     installed(monkeypatch, transformer_engine="1.6.0", flash_attn="2.6.3")
-    [problem] = flash_compat.preflight(A100, env={})
+    [problem] = flash_compat.preflight(A100)
     assert "missing 1 required positional argument: 'softcap'" in problem.reason and problem.rejects == FA2
     llama = ModelTraits("LlamaForCausalLM", 64, frozenset({FA2, SDPA}))
     kept = choose(FA2, [FA2, SDPA], A100, torch.bfloat16, llama, smoke_test=None)
