@@ -37,6 +37,9 @@ def test_the_worked_examples_run() -> None:
     assert batch["doc_lens"] == [[3, 4], [3]]
 
     model = make_llama("sdpa")
+    state = attach(model, "auto")
+    assert state.decision is not None and state.backend == state.decision.chosen
+    assert state.decision.reason.startswith("flash_attention_2: ")  # why the faster one was passed over here
     state = attach(model, "sdpa")
     assert (state.path, state.reason.split(":")[0]) == ("flat", "proven at attach")
     model.train()

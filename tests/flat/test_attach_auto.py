@@ -73,3 +73,15 @@ def test_auto_moves_down_the_chain_past_a_backend_attach_refuses() -> None:
 def test_auto_with_an_unknown_fallback_lists_the_valid_names() -> None:
     with pytest.raises(ValueError, match="valid names"):
         attach(make_llama("sdpa"), "auto", fallback=("flash_attention_3",))
+
+
+def test_doctor_gives_the_answer_attach_auto_gives(capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from foundry_attn.cli import main
+
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    state = attach(make_llama("sdpa").train(), "auto")
+    assert report["chosen"] == state.backend
+    assert report["reason"] == state.decision.reason

@@ -135,6 +135,31 @@ def test_an_extension_built_for_another_torch_falls_back(assets: Path, tmp_path:
         assert "chosen: sdpa" in proc.stdout and f"fix: {fix}" in proc.stdout and "a run hides it" in proc.stdout
 
 
+AUTO_SCRIPT = """
+import importlib.util, logging
+if importlib.util.find_spec("trl"):
+    import trl  # noqa: F401  (first, as a TRL script does: it imports transformers, which may import flash_attn)
+logging.basicConfig(level=logging.INFO)
+from foundry_attn import attach
+from tests.conftest import make_llama
+state = attach(make_llama("sdpa").train(), "auto")
+print("CHOSE", state.backend, state.path)
+print("WHY", state.decision.reason)
+"""
+
+
+def test_auto_after_trl_with_an_extension_built_for_another_torch_falls_back(tmp_path: Path) -> None:
+    """A Trainer / TRL script on a node whose flash-attn was built for another torch: ``import trl`` first, then
+    ``attach(model, "auto")``: the run goes on, on a backend that runs, and the reason names the undefined symbol."""
+    tree = real_installs.flash_attn("2.6.3", abi=True)
+    proc = _run([sys.executable, "-c", AUTO_SCRIPT], real_installs.env_with(tree, REPO), REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "CHOSE sdpa flat" in proc.stdout, out[-4000:]
+    why = next(line for line in proc.stdout.splitlines() if line.startswith("WHY"))
+    assert f"undefined symbol: {real_installs.MISSING_C10_SYMBOL}" in why and "flash_attention_2" in why
+
+
 @pytest.mark.foundry
 def test_a_gpu_node_whose_flash_attn_has_no_extension_falls_back(assets: Path, tmp_path: Path) -> None:
     """transformers answers is_flash_attn_2_available() from metadata as on CUDA, so stock imports flash_attn in
