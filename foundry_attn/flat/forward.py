@@ -39,6 +39,7 @@ from foundry_attn.flat.inputs import (
     packed_call,
     placed_back,
     real_tokens,
+    stock_packed,
 )
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.state import FLAT, StepProof, path_of
@@ -150,7 +151,7 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
             if choice.in_step:
                 return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, choice, not layout.marked))
             if choice.at is None or state.prove_batch(hf, inputs, choice, not layout.marked) == FLAT:
-                return Prepared(inputs, placed, no_targets)
+                return Prepared(stock_packed(inputs) if state.stock_mask else inputs, placed, no_targets)
         elif choice.at is not None:  # rows, proven as flat is: the first batch, changes, longer batches, the interval
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
             state.prove_batch(hf, flat, choice, not layout.marked)

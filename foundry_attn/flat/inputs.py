@@ -120,6 +120,27 @@ def flat_inputs(
     return inputs, Placed(torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
 
 
+@functools.cache
+def stock_splits_packed_rows() -> bool:
+    """Whether stock transformers keeps the documents of one packed row apart by itself (5.x ``masking_utils``: a
+    block-diagonal mask from restarting ``position_ids`` when the call has no mask and no cache)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers.masking_utils") is None:
+        return False
+    from transformers import masking_utils
+
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
+def stock_packed(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat row as stock's padding-free batch gives it (:func:`flat_inputs` without a mask: under a stock
+    implementation, stock builds its own packed mask from the restarting ``position_ids``), for a model whose
+    attention our documents cannot reach. The documents stay in the call (stock's functions take them as an unused
+    keyword; our forward reads them as a call it must not lay out again)."""
+    return {k: v for k, v in inputs.items() if k != "attention_mask"}
+
+
 @functools.lru_cache(maxsize=64)
 def base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
     """The parameter names of a base model's ``forward`` (what it reads besides ``**kwargs``)."""

@@ -61,7 +61,7 @@ from foundry_attn.flat.comparison import (
     training_noise,
     worse,
 )
-from foundry_attn.flat.inputs import one_per_row
+from foundry_attn.flat.inputs import one_per_row, stock_packed
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.unwrap import unwrapped
 
@@ -178,6 +178,23 @@ def prove_flat(
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None)
 
 
+def prove_packed(
+    model: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    own_positions: bool = False,
+) -> Proof:
+    """The flat row with stock's own packed mask (:func:`foundry_attn.flat.inputs.stock_packed`: no documents, no
+    mask, restarting ``position_ids``, under the stock implementation ``stock``) against each document alone under
+    ``stock``: the limits of :func:`prove_flat`. For a model whose attention our documents cannot reach."""
+    side: PackedSide = lambda hf, spans, grads: _stock_packed_run(hf, inputs, spans, grads, stock)  # noqa: E731
+    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, side, ours=False)
+
+
 def prove_rows(
     model: Any,
     inputs: Mapping[str, Any],
@@ -270,6 +287,7 @@ def _prove(
     own_positions: bool,
     rows_name: str | None,
     packed: PackedSide | None = None,
+    ours: bool = True,
 ) -> Proof:
     start = time.perf_counter()
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
@@ -279,7 +297,7 @@ def _prove(
         packed = _flat_side(inputs) if rows_name is None else _rows_side(inputs, rows_name, reference, own_positions)
     with hidden(), _state_kept(hf):
         worst, worst_grad, reason = _compare(
-            hf, inputs, stock, compare, reference, grads, own_positions, rows_name, packed
+            hf, inputs, stock, compare, reference, grads, own_positions, rows_name, packed, ours
         )
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
@@ -318,6 +336,7 @@ def _compare(
     own_positions: bool,
     rows_name: str | None,
     side: PackedSide,
+    ours: bool = True,
 ) -> tuple[float, float | None, str]:
     """The worst logits and gradient differences, and why the flat path (with ``rows_name``: the rows path) fails
     (empty when it holds)."""
@@ -373,7 +392,7 @@ def _compare(
                 f"the loss of documents packed in one row reaches other documents' embeddings ({reach.describe()}): "
                 "the flat path's backward mixes documents",
             )
-    return worst, worst_grad, _dropped_in_training(hf, inputs) or ""
+    return worst, worst_grad, (_dropped_in_training(hf, inputs) if ours else None) or ""
 
 
 def _dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
@@ -430,6 +449,17 @@ def _flat_run(
     return flat, ""
 
 
+def _stock_packed_run(
+    hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool, stock: str
+) -> tuple[Run | None, str]:
+    """Stock's own run of the flat row (its packed mask), or None and why it cannot run."""
+    try:
+        with _implementation(hf, stock):
+            return run(hf, {**stock_packed(inputs), "labels": None}, spans, grads), ""
+    except Exception as exc:
+        return None, f"the flat row with stock's packed mask does not run: {_short(exc)}"
+
+
 def _flat_side(inputs: Mapping[str, Any]) -> PackedSide:
     return lambda hf, spans, grads: _flat_run(hf, inputs, spans, grads)
 
@@ -477,7 +507,7 @@ def _rows_run(
     if not wanted:
         return Run(placed), ""
     found: list[torch.Tensor | None] = list(
-        torch.autograd.grad(documents_loss(logits, ids[0, index], spans), wanted, allow_unused=True)
+        torch.autograd.grad(documents_loss(logits, ids[0, index], spans), wanted, allow_unused=True, retain_graph=True)
     )
     param_grads: ParamGrads = dict(zip((n for n, _ in params), found[-len(params) :] if params else [], strict=True))
     if embeds is None:

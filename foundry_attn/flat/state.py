@@ -29,7 +29,8 @@ import torch
 from foundry_attn.attention.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, set_implementation
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls
-from foundry_attn.flat.proof import Proof, prove_flat, prove_rows, prove_step, step_blocker
+from foundry_attn.flat.inputs import stock_splits_packed_rows
+from foundry_attn.flat.proof import Proof, prove_flat, prove_packed, prove_rows, prove_step, step_blocker
 from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
 
@@ -125,6 +126,7 @@ class PathState:
     rows_name: str  # stock, in config._attn_implementation while rows
     reference: bool = False  # FA2 on the pure-PyTorch reference kernel
     rows_left: bool = False  # the rows path pads on the left (a model that assumes it: CPM-Ant)
+    stock_mask: bool = False  # the flat row runs stock's own packed mask (rows_name), not our documents
     binding: bool = False  # attn_path: flat + strict: a failed proof raises
     interval: int = PROOF_INTERVAL
     proofs: list[tuple[str, Proof]] = dataclasses.field(default_factory=list)
@@ -158,7 +160,8 @@ class PathState:
         (or raises, binding)."""
         hf = unwrapped(model)
         set_implementation(hf, self.flat_name)
-        proof = prove_flat(
+        prove = prove_packed if self.stock_mask else prove_flat
+        proof = prove(
             hf,
             inputs,
             TRUTH[self.backend],
@@ -175,13 +178,41 @@ class PathState:
         self.proofs.append((at, proof))
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
+        if not proof.ok and (packed := self._stock_mask_holds(hf, inputs, at, proof, grads, own_positions)):
+            return packed
         if not proof.ok:
             self.refuse(hf, f"proof at {at} {proof.describe()}", check="proof")
             self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
             return proof
         self._cover(inputs[DOCS_KEY])
         if self.path == FLAT:
-            self.reason = f"proven at {at}: {proof.describe()}"
+            mask = f"stock's packed mask ({self.rows_name}) " if self.stock_mask else ""
+            self.reason = f"{mask}proven at {at}: {proof.describe()}"
+        return proof
+
+    def _stock_mask_holds(
+        self, hf: Any, inputs: Mapping[str, Any], at: str, failed: Proof, grads: bool, own_positions: bool
+    ) -> Proof | None:
+        """Where our documents cannot make the flat row exact (they never reach attention: GPT-J's own attention
+        code, a layer that drops ``**kwargs``, an argument we cannot honour), the flat row with stock's own packed
+        mask (transformers 5.x splits a packed row at restarting ``position_ids``), proven the same way; the run
+        stays flat on it (no padding), or None."""
+        if self.stock_mask or self.backend not in (SDPA, EAGER) or not stock_splits_packed_rows():
+            return None
+        proof = prove_packed(
+            hf, inputs, self.rows_name, reference=self.reference, grads=grads, own_positions=own_positions
+        )
+        self.proofs.append((f"stock's packed mask at {at}", proof))
+        if not proof.ok:
+            return None
+        self.stock_mask, self.flat_name = True, self.rows_name
+        set_implementation(hf, self.rows_name)
+        self._cover(inputs[DOCS_KEY])
+        self._fingerprint = self.fingerprint()
+        self.reason = (
+            f"stock's packed mask ({self.rows_name}) proven at {at}: {proof.describe()} (ours: {failed.reason})"
+        )
+        log.info("foundry_attn: %s runs its flat rows on %s", type(hf).__name__, self.reason)
         return proof
 
     def prove_rows(
@@ -281,7 +312,8 @@ class PathState:
             return Choice(self.path)
         self.proven_on_batch = True
         at = f"batch {self.batches} ({due[0]})"
-        return Choice(self.path, at, due[1], in_step and self.path == FLAT and step_blocker(hf) is None)
+        in_step = in_step and self.path == FLAT and not self.stock_mask and step_blocker(hf) is None
+        return Choice(self.path, at, due[1], in_step)
 
     def prove_batch(self, hf: Any, inputs: Mapping[str, Any], choice: Choice, own_positions: bool) -> str:
         """Prove ``choice``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
