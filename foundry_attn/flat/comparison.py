@@ -348,8 +348,8 @@ def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], gr
     embeds = token_embeddings(captured, inputs["input_ids"])
     # the graph is kept until this run's tensors go: a module that caches a tensor made from its parameters (Mega's
     # EMA kernel) hands the next forward a graph a freed backward would have taken from it
-    grads = documents_grad(logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf))
-    return Run(logits[0].detach(), *grads)
+    grad, params = documents_grad(logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf))
+    return Run(logits[0].detach(), grad, params)
 
 
 def token_embeddings(captured: Sequence[torch.Tensor], ids: torch.Tensor) -> torch.Tensor | None:

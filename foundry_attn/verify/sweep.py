@@ -23,6 +23,7 @@ import torch
 from foundry_attn.attention.backends import EAGER, FA2, SDPA
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.attach import attach
+from foundry_attn.flat.comparison import alone_inputs
 from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.inputs import pad_id
 from foundry_attn.verify.conformance import (
@@ -311,6 +312,8 @@ class PaddingFreeCell:
     loss_err: float | None = None
     grad_err: float | None = None
     detail: str = ""
+    verdict: str = ""  # our callbacks' verdict on stock's own run (isolated / leaks / ...), empty where it fails
+    stock_logits_err: float | None = None  # stock's packed logits against each document alone, max |diff|
 
 
 def padding_free_cell(model_type: str) -> PaddingFreeCell:
@@ -346,10 +349,16 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
             [document_loss(logits[s : s + d.numel()], d, targets) for s, d in zip(starts, docs, strict=False)]
         ).sum()
 
-    stock_err, stock_error = None, ""
+    stock_err, stock_error, verdict, logits_err = None, "", "", None
     try:
+        out, verdict = _judged_stock(stock, batch)
+        stock_err = abs(loss_of(out).item() - truth[0])
         with torch.no_grad():
-            stock_err = abs(loss_of(stock(**batch, use_cache=False)).item() - truth[0])
+            stock.eval()
+            alone = [stock(**alone_inputs(d[None]), use_cache=False).logits[0] for d in docs]
+        packed = out.logits[0].detach()
+        pieces = zip(starts[:-1], alone, strict=True)
+        logits_err = max((packed[s : s + a.shape[0]] - a).abs().max().item() for s, a in pieces)
     except Exception as exc:  # a model whose forward takes no position_ids, say
         stock_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
     try:
@@ -360,18 +369,41 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
     except AttentionUnavailableError as exc:  # stock runs this backend, but not exactly (4.51: Gemma2's softcap)
         if _stock_rows_differ(exc, (config, model_class, backend, docs), truth):
             detail = str(exc)[:200]
-            return PaddingFreeCell(model_type, backend, "stock differs", "", stock_err, stock_error, detail=detail)
-        refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0]
-        return PaddingFreeCell(model_type, backend, "refused", "", stock_err, stock_error, detail=refused[:200])
+            return PaddingFreeCell(
+                model_type, backend, "stock differs", "", stock_err, stock_error, detail=detail, verdict=verdict
+            )
+        refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0][:200]
+        return PaddingFreeCell(
+            model_type, backend, "refused", "", stock_err, stock_error, detail=refused, verdict=verdict
+        )
     except Exception as exc:  # ours, or the model's own code failing on a flattened batch as stock's does
         status = "crash" if raised_by_us(exc) or not stock_error else "stock fails"
         detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        return PaddingFreeCell(model_type, backend, status, "", stock_err, stock_error, detail=detail)
+        return PaddingFreeCell(model_type, backend, status, "", stock_err, stock_error, detail=detail, verdict=verdict)
     built = (config, model_class, backend, docs)
     status, loss_err, grad_err = _outcome(loss.item(), grads_of(model), truth, state.path, built)
-    return PaddingFreeCell(
-        model_type, backend, status, state.path, stock_err, stock_error, loss_err, grad_err, state.reason[:200]
+    return dataclasses.replace(
+        PaddingFreeCell(
+            model_type, backend, status, state.path, stock_err, stock_error, loss_err, grad_err, state.reason[:200]
+        ),
+        verdict=verdict,
+        stock_logits_err=logits_err,
     )
+
+
+def _judged_stock(stock: Any, batch: dict[str, Any]) -> tuple[Any, str]:
+    """Stock's training forward of the flattened ``batch`` (fp32), and the verdict our callbacks give it
+    (:func:`foundry_attn.observe.verdict.judge` on the step's own graph)."""
+    from foundry_attn.flat.comparison import ForwardProbe
+    from foundry_attn.observe.verdict import judge
+
+    stock.train()
+    probe = ForwardProbe(stock)
+    try:
+        out = stock(**batch, use_cache=False)
+    finally:
+        probe.remove()
+    return out, judge(stock, batch, out, embeds=probe.embeds).state
 
 
 def padding_free_labels(cell: PaddingFreeCell) -> tuple[str, str]:
@@ -386,7 +418,10 @@ def padding_free_labels(cell: PaddingFreeCell) -> tuple[str, str]:
 
 def padding_free_table(cells: list[PaddingFreeCell]) -> str:
     """Markdown: per model type, stock padding-free against each document alone, and ours attached."""
-    lines = ["| model type | backend | stock padding-free | attached |", "| --- | --- | --- | --- |"]
+    lines = [
+        "| model type | backend | stock padding-free | attached | our verdict on stock |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for c in cells:
         stock, ours = padding_free_labels(c)
         if stock == "leaks":
@@ -395,7 +430,8 @@ def padding_free_table(cells: list[PaddingFreeCell]) -> str:
             stock = f"fails: {c.stock_error}".replace("|", "/")
         if c.status not in ("exact",):
             ours = f"{c.status}: {c.detail}".replace("|", "/")[:160]
-        lines.append(f"| {c.model_type} | {c.backend} | {stock} | {ours} |")
+        judged = c.verdict + (f" (logits {c.stock_logits_err:.1e} off)" if c.stock_logits_err is not None else "")
+        lines.append(f"| {c.model_type} | {c.backend} | {stock} | {ours} | {judged} |")
     return "\n".join(lines)
 
 

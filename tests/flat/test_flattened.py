@@ -118,6 +118,10 @@ def test_other_calls_run_the_models_own_forward() -> None:
 TRAINER_DOC = Path(__file__).parents[2] / "docs" / "trainer.md"
 
 
+#: stock's packed logits this far from each document alone are a leak (fp32 noise of exact families: <= 2e-7)
+LEAK_LOGITS = 1e-5
+
+
 @functools.cache
 def _documented() -> dict[str, tuple[str, str]]:
     """``docs/trainer.md``'s table for this transformers: model type -> (stock padding-free, attached), each the
@@ -138,6 +142,11 @@ def test_every_model_type_trains_padding_free_exactly_attached(model_type: str) 
     assert cell.status in ("exact", "refused", "stock differs", "unbuildable", "stock fails"), cell
     stock, ours = sweep.padding_free_labels(cell)
     assert _documented().get(model_type) == (stock, ours), (model_type, stock, ours, cell.detail)
+    # our callbacks' verdict on stock's own run agrees with stock's packed logits against each document alone: a
+    # leak however small (exact families stay within 2e-7 in fp32), and never a leak where there is none
+    if cell.stock_logits_err is not None:
+        leaks = cell.stock_logits_err > LEAK_LOGITS
+        assert cell.verdict == ("leaks" if leaks else "isolated"), (model_type, cell.verdict, cell.stock_logits_err)
 
 
 @pytest.mark.parametrize(
