@@ -449,6 +449,27 @@ def _flat_run(
     return flat, ""
 
 
+def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, reference: bool, left: bool = False) -> str:
+    """Why one document per row (as :func:`prove_rows` lays it out) does not run a training forward here, or "" when it
+    runs: for a rows proof whose own forwards could not run (Reformer refuses a backward in eval mode; a backend
+    whose kernel is missing fails anywhere). Without grad, the RNG and the mode restored after."""
+    docs: Documents = inputs[DOCS_KEY]
+    device = inputs["input_ids"].device
+    was_training = hf.training
+    hf.train()
+    try:
+        with (
+            hidden(),
+            _state_kept(hf),
+            torch.no_grad(),
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        ):
+            run_, why = _rows_run(hf, inputs, docs.spans[:2], False, rows_name, reference, False, left)
+    finally:
+        hf.train(was_training)
+    return "" if run_ is not None else why
+
+
 def _stock_packed_run(
     hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool, stock: str
 ) -> tuple[Run | None, str]:

@@ -213,8 +213,13 @@ def _row_forward(
     }
     if "use_cache" in batch:
         call["use_cache"] = batch["use_cache"]
+    tensors = [*hf.parameters(), *hf.buffers()]
+    versions = [t._version for t in tensors]
     with embeddings(hf, True) as captured, torch.enable_grad(), context or contextlib.nullcontext():
         logits = own_forward(hf, **call).logits
+    changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
+    if changed:  # said, never hidden: the step that follows sees what this forward did to them
+        raise RuntimeError(f"the model changed {changed} of its own weights or buffers in place in this forward")
     if not captured:
         raise ValueError("the model has no input embedding module to differentiate against")
     return logits, captured[0]
