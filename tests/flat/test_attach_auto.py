@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn import attach
+from foundry_attn.flat.attach import attach_decision
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.selection.policy import AttentionUnavailableError
@@ -49,25 +50,30 @@ def test_a_backend_that_cannot_run_here_is_refused_at_attach_and_the_model_is_le
     assert not hasattr(model, "foundry_path") and "forward" not in vars(model) and "forward" not in vars(model.model)
 
 
-def test_auto_moves_down_the_chain_past_a_backend_attach_refuses() -> None:
-    """GPT-2 under FA2 (the reference kernel stands in for flash-attn) in fp32: stock's FA2 looks for an nn.Linear
-    that GPT-2's Conv1D is not, so neither path runs it where that lookup is made; ``auto`` then takes sdpa, and the
-    decision keeps the refusal."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_auto_moves_down_the_chain_past_a_backend_attach_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend attach refuses (neither path runs it here) moves the choice to the next of the chain, the refusal
+    kept in the decision (here FA2 on the reference kernel, refused as attach refuses a backend whose training
+    forward cannot run)."""
+    from foundry_attn.flat import attach as attach_module
+    from foundry_attn.selection.capability import probe
+    from foundry_attn.selection.policy import FA2, SDPA, choose
 
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=128, bos_token_id=1, eos_token_id=2)
-    config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
-    model = GPT2LMHeadModel(config).train()
-    state = attach(model, "auto", fallback=("flash_attention_2", "sdpa"), fa2_reference=True)
-    decision = state.decision
-    assert decision is not None
-    if state.backend == "flash_attention_2":  # this transformers' FA2 runs GPT-2 (4.51): exact on its path
-        assert state.proofs[-1][1].ok, state.reason
-        return
-    assert state.backend == "sdpa" and decision.fell_back
+    genuine = attach_module._attach_backend
+
+    def refusing(model, backend, *args):
+        if backend == FA2:
+            raise AttentionUnavailableError("foundry_attn: neither path trains LlamaForCausalLM with FA2 here")
+        return genuine(model, backend, *args)
+
+    monkeypatch.setattr(attach_module, "_attach_backend", refusing)
+    model = make_llama("sdpa").train()
+    decision = choose("auto", (FA2, SDPA), probe(), fa2_reference=True, smoke_test=None)
+    assert decision.chosen == FA2
+    decision, state = attach_decision(model, decision, fa2_reference=True)
+    assert state.backend == SDPA and decision.chosen == SDPA and state.decision is decision
     refused = decision.candidates[0]
-    assert refused.name == "flash_attention_2" and refused.check == "attach" and "StopIteration" in refused.reason
+    assert refused.name == FA2 and not refused.available and refused.check == "attach"
+    assert "neither path trains LlamaForCausalLM" in refused.reason
 
 
 def test_auto_with_an_unknown_fallback_lists_the_valid_names() -> None:
