@@ -525,9 +525,12 @@ class Influence:
 
     def describe(self) -> str:
         if not self.leaks:
-            return "exactly zero gradient on the other documents' embeddings"
+            return "its loss has exactly zero gradient on the other documents' embeddings"
         share = self.reach / self.own if self.own > 0 else math.inf
-        return f"gradient {self.reach:.2e} on the other documents' embeddings ({share:.1e} of its largest on their own)"
+        return (
+            f"its loss reaches the other documents' embeddings: gradient {self.reach:.2e} ({share:.1e} of its largest "
+            "on its own)"
+        )
 
 
 def influence(grad: torch.Tensor, own: Sequence[tuple[int, int]], row: tuple[int, int] | None = None) -> Influence:

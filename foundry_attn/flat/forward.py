@@ -102,13 +102,12 @@ def _proven(
     try:
         with proof.capturing():
             out = forward(prepared.inputs)
-    except Exception as exc:  # the flat row does not run in training: rows, where the batch runs again
-        if proof.settle(None, exc):
-            raise
+    except Exception as exc:  # the flat row does not run in training: the batch runs again where the state is now
+        proof.settle(None, exc)
     else:
         if proof.settle(out):
             return out, prepared
-    prepared = prepare_documents(model, batch)  # the run is on rows now (proven there when due)
+    prepared = prepare_documents(model, batch)  # rows, or stock's packed mask, now (proven there when due)
     return forward(prepared.inputs), prepared
 
 

@@ -389,8 +389,8 @@ def _compare(
             return (
                 worst,
                 worst_grad,
-                f"the loss of documents packed in one row reaches other documents' embeddings ({reach.describe()}): "
-                "the flat path's backward mixes documents",
+                f"the compared documents of the packed row: {reach.describe()}: the flat path's backward mixes "
+                "documents",
             )
     return worst, worst_grad, (_dropped_in_training(hf, inputs) if ours else None) or ""
 

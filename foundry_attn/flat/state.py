@@ -390,14 +390,15 @@ class StepProof:
 
     def settle(self, out: Any, error: BaseException | None = None) -> bool:
         """Prove on the forward's ``out`` (or the ``error`` it raised); whether the batch's flat forward stands
-        (False: the run is on rows now and the batch runs again there)."""
+        (False: the run is on rows now, or on the flat row with stock's packed mask, and the batch runs again
+        there)."""
         state, hf = self.state, self.hf
         if error is not None:
             text = str(error).strip().splitlines()
             reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
             failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1])
             state._judge(hf, self.inputs, self.at, failed, self.grads, self.own_positions)
-            return state.path == FLAT
+            return False
         proof = None
         if out is not None:
             proof = prove_step(
@@ -414,7 +415,10 @@ class StepProof:
         if proof is not None and proof.ok:
             state._judge(hf, self.inputs, self.at, proof, self.grads, self.own_positions)
             return True
+        mask = state.stock_mask
         full = state.prove(hf, self.inputs, self.at, grads=self.grads, own_positions=self.own_positions)
+        if state.stock_mask != mask:  # the flat row moved to stock's packed mask: the batch runs again there
+            return False
         if full.ok and proof is not None:  # eval mode holds, the training forward does not: never run silently
             state._judge(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.own_positions)
         return state.path == FLAT

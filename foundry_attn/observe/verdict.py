@@ -30,7 +30,17 @@ import torch
 import transformers
 
 from foundry_attn.attention.backends import backend_of, config_value
-from foundry_attn.flat.comparison import embeddings, hidden, influence, next_token_loss, own_forward, training_noise
+from foundry_attn.flat.comparison import (
+    alone_inputs,
+    differs,
+    embeddings,
+    half,
+    hidden,
+    influence,
+    next_token_loss,
+    own_forward,
+    training_noise,
+)
 from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
 from foundry_attn.flat.state import path_of
 from foundry_attn.observe.discovery import mpt_attn_impl
@@ -70,13 +80,8 @@ class Verdict:
         if self.how == STRUCTURAL:
             return f"{head} (structural reading, not measured: {self.reason})"
         docs = f"documents {list(range(len(self.lengths)))} (lengths {list(self.lengths)}) of row {self.row}"
-        last = len(self.lengths) - 1
-        if self.state == ISOLATED:
-            return f"{head} (measured: {docs}; the loss of document {last} has {self.reason}, {self.ms:.0f} ms)"
-        return (
-            f"{head} (measured: {docs}; document(s) {list(self.leaking)} reach the documents before them: "
-            f"{self.reason}, {self.ms:.0f} ms)"
-        )
+        which = f"document {len(self.lengths) - 1}" if self.state == ISOLATED else f"document(s) {list(self.leaking)}"
+        return f"{head} (measured: {docs}; {which}: {self.reason}, {self.ms:.0f} ms)"
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -265,6 +270,7 @@ def measure(
             # the step's backward follows; None: these embeddings are not the ones the logits came from
             (grad,) = torch.autograd.grad(loss, embeds, retain_graph=True, allow_unused=True)
             sliced = None if grad is None else _packed_slice(grad, batch, row, start, n)
+            values = packed[last[0] : last[1]].detach()
         if sliced is None and not rerun:
             reading = structural(hf, Features.of(batch, rows))
             return dataclasses.replace(reading, reason=f"{reading.reason}; not measured: no training graph to read")
@@ -272,11 +278,36 @@ def measure(
             row_logits, source = _row_forward(hf, batch, row, start, n, context)
             (grad,) = torch.autograd.grad(next_token_loss(row_logits[0, last[0] : last[1]], target), source)
             sliced = grad[0]
-    reach = influence(sliced, [last])
+            values = row_logits[0, last[0] : last[1]].detach()
+        reach = influence(sliced, [last])
+        # no other document's content reaches it; does its place in the row change it? (DeepSeek-V3.2's indexer)
+        diff, off = (math.nan, False) if reach.leaks else _against_alone(hf, batch, target, values, context)
     ms = (time.perf_counter() - began) * 1e3
-    state = LEAKS if reach.leaks else ISOLATED
-    leaking = (len(lengths) - 1,) if reach.leaks else ()
-    return Verdict(state, MEASURED, reach.describe(), reach.reach, row, tuple(lengths), leaking, ms)
+    leaking = (len(lengths) - 1,) if reach.leaks or off else ()
+    if reach.leaks:
+        return Verdict(LEAKS, MEASURED, reach.describe(), reach.reach, row, tuple(lengths), leaking, ms)
+    if off:
+        why = f"{reach.describe()}, but its logits differ from it alone by {diff:.2e}: its place in the row changes it"
+        return Verdict(LEAKS, MEASURED, why, diff, row, tuple(lengths), leaking, ms)
+    why = f"{reach.describe()}, and its logits match it alone (worst |diff| {diff:.1e})"
+    return Verdict(ISOLATED, MEASURED, why, diff, row, tuple(lengths), (), ms)
+
+
+def _against_alone(
+    hf: Any, batch: Mapping, ids: torch.Tensor, packed: torch.Tensor, context: contextlib.AbstractContextManager | None
+) -> tuple[float, bool]:
+    """The document ``ids`` alone (the model's own mode and positions, no grad; in half precision right-padded to the
+    batch's width, so both sides round as one shape does) against its ``packed`` logits: the difference, and
+    whether it is beyond :func:`foundry_attn.flat.comparison.differs`' limit."""
+    tensors = [*hf.parameters(), *hf.buffers()]
+    versions = [t._version for t in tensors]
+    with torch.no_grad(), context or contextlib.nullcontext():
+        fp32 = not half(next(hf.parameters()).dtype, ids.device)
+        width = 0 if fp32 else batch["input_ids"].shape[1]
+        alone = own_forward(hf, **alone_inputs(ids[None], width=width), use_cache=False).logits[0, : ids.shape[0]]
+    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
+        raise RuntimeError("the model changed its own weights or buffers in place in the document's forward alone")
+    return differs(packed, alone, fp32)
 
 
 def judge(

@@ -65,7 +65,7 @@ def test_a_leak_is_named_at_any_precision_and_an_exact_family_never_is(model_typ
     expected = EXPECTED[model_type] if importlib.util.find_spec("transformers.masking_utils") else LEAKS
     assert verdict.how == "measured" and verdict.state == expected, verdict.line()
     if verdict.state == ISOLATED:
-        assert verdict.worst == 0.0, verdict.line()
+        assert "exactly zero gradient" in verdict.line(), verdict.line()
     out.logits.float().sum().backward()  # the step's own backward still runs on the graph the verdict kept
 
 

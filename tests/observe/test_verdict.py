@@ -45,7 +45,7 @@ def test_measured_leak_names_the_documents_and_a_clean_model_is_isolated() -> No
     rng = torch.get_rng_state()
     verdict = measure(model, batch, logits)
     assert verdict.state == LEAKS and verdict.leaking == (1,) and verdict.lengths == (9, 6), verdict
-    assert "documents LEAK (measured" in verdict.line() and "document(s) [1]" in verdict.line()
+    assert "documents LEAK (measured" in verdict.line() and "document(s) [1]: its loss reaches" in verdict.line()
     assert model.training and torch.equal(torch.get_rng_state(), rng)  # still in training mode, RNG untouched
     # the same model attached: its flat path keeps the documents apart, and the training graph says so exactly
     attach(model, "sdpa")
@@ -53,7 +53,7 @@ def test_measured_leak_names_the_documents_and_a_clean_model_is_isolated() -> No
     out = forward_documents(model, batch)
     probe.remove()
     verdict = measure(model, batch, out.logits, embeds=probe.embeds)
-    assert verdict.state == ISOLATED and verdict.worst == 0.0, verdict.line()
+    assert verdict.state == ISOLATED and verdict.worst is not None and verdict.worst < 1e-5, verdict.line()
     assert "exactly zero gradient" in verdict.line()
     out.loss.backward()  # the step's graph is kept for its own backward
 
