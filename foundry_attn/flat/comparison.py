@@ -258,12 +258,26 @@ def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tupl
 ParamGrads = dict[str, torch.Tensor | None]
 
 
-def trainable(hf: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters that train (``requires_grad``), by name, each once (tied weights under their first name);
-    sharded ones (FSDP2's DTensors, whose gradients reach them through FSDP's own hooks) are left out."""
-    from torch.distributed.tensor import DTensor
+#: where the parameters that train are at most this share of all (adapters: LoRA), every one of them is compared
+ADAPTER_SHARE = 0.1
 
-    return [(n, p) for n, p in hf.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+
+def trainable(hf: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters that train (``requires_grad``) whose gradients the proof compares, by name, each once (tied
+    weights under their first name): all of them where they are adapters (at most :data:`ADAPTER_SHARE` of the
+    model); else every one but the dense projections' weights (``nn.Linear``, ``nn.Embedding``, transformers'
+    ``Conv1D``). Those are the product of each token's input and output gradient, which the proof already compares
+    through the logits and the input embeddings, and computing them is a matmul per layer: most of a backward. What
+    lives outside them (Doge's ``A``, a bias a mask carries, norms, sinks, biases) is where a path leaves a parameter
+    behind. Sharded ones (FSDP2's DTensors, whose gradients reach them through FSDP's own hooks) are left out."""
+    from torch.distributed.tensor import DTensor
+    from transformers.pytorch_utils import Conv1D
+
+    named = [(n, p) for n, p in hf.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if sum(p.numel() for _, p in named) <= ADAPTER_SHARE * sum(p.numel() for p in hf.parameters()):
+        return named
+    dense = {id(m.weight) for m in hf.modules() if isinstance(m, torch.nn.Linear | torch.nn.Embedding | Conv1D)}
+    return [(n, p) for n, p in named if id(p) not in dense]
 
 
 def documents_grad(
