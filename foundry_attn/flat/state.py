@@ -201,12 +201,13 @@ class PathState:
     def _stock_mask_holds(
         self, hf: Any, inputs: Mapping[str, Any], at: str, failed: Proof, grads: bool, own_positions: bool
     ) -> Proof | None:
-        """Where our documents cannot make the flat row exact (they never reach attention: GPT-J's own attention
-        code, a layer that drops ``**kwargs``, an argument we cannot honour), the flat row with stock's own packed
-        mask (transformers 5.x splits a packed row at restarting ``position_ids``), proven the same way; the run
-        stays flat on it (no padding), or None."""
-        if self.stock_mask or self.backend not in (SDPA, EAGER) or not stock_splits_packed_rows():
-            return None
+        """Where our flat row cannot run (the documents never reach attention: GPT-J's own attention code, a layer
+        that drops ``**kwargs``; an argument or a mask content we cannot honour: ``indices``, sinks, Doge's bias),
+        the flat row with stock's own packed mask (transformers 5.x splits a packed row at restarting
+        ``position_ids``), proven the same way; the run stays flat on it (no padding), or None. Where ours ran and
+        computed something else, the run goes to rows as before."""
+        if failed.ran or self.stock_mask or self.backend not in (SDPA, EAGER) or not stock_splits_packed_rows():
+            return None  # ours ran and computed otherwise (a leak, a window only the mask knows): rows
         proof = prove_packed(
             hf, inputs, self.rows_name, reference=self.reference, grads=grads, own_positions=own_positions
         )
@@ -396,7 +397,7 @@ class StepProof:
         if error is not None:
             text = str(error).strip().splitlines()
             reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
-            failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1])
+            failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1], ran=False)
             state._judge(hf, self.inputs, self.at, failed, self.grads, self.own_positions)
             return False
         proof = None
