@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import inspect
 import itertools
 import math
 import time
@@ -281,7 +282,13 @@ def measure(
             values = row_logits[0, last[0] : last[1]].detach()
         reach = influence(sliced, [last])
         # no other document's content reaches it; does its place in the row change it? (DeepSeek-V3.2's indexer)
-        diff, off = (math.nan, False) if reach.leaks else _against_alone(hf, batch, target, values, context)
+        diff, off, skipped = math.nan, False, ""
+        if not reach.leaks:
+            span = (row, start + last[0], start + last[1])
+            try:
+                diff, off = _against_alone(hf, batch, span, values, context)
+            except Exception as exc:  # a cross-check that cannot run leaves the influence measured, and says so
+                skipped = f" (not compared with it alone: {type(exc).__name__}: {str(exc)[:120]})"
     ms = (time.perf_counter() - began) * 1e3
     leaking = (len(lengths) - 1,) if reach.leaks or off else ()
     if reach.leaks:
@@ -289,22 +296,42 @@ def measure(
     if off:
         why = f"{reach.describe()}, but its logits differ from it alone by {diff:.2e}: its place in the row changes it"
         return Verdict(LEAKS, MEASURED, why, diff, row, tuple(lengths), leaking, ms)
-    why = f"{reach.describe()}, and its logits match it alone (worst |diff| {diff:.1e})"
-    return Verdict(ISOLATED, MEASURED, why, diff, row, tuple(lengths), (), ms)
+    why = reach.describe() + (skipped or f", and its logits match it alone (worst |diff| {diff:.1e})")
+    return Verdict(ISOLATED, MEASURED, why, None if skipped else diff, row, tuple(lengths), (), ms)
 
 
 def _against_alone(
-    hf: Any, batch: Mapping, ids: torch.Tensor, packed: torch.Tensor, context: contextlib.AbstractContextManager | None
+    hf: Any,
+    batch: Mapping,
+    span: tuple[int, int, int],
+    packed: torch.Tensor,
+    context: contextlib.AbstractContextManager | None,
 ) -> tuple[float, bool]:
-    """The document ``ids`` alone (the model's own mode and positions, no grad; in half precision right-padded to the
-    batch's width, so both sides round as one shape does) against its ``packed`` logits: the difference, and
-    whether it is beyond :func:`foundry_attn.flat.comparison.differs`' limit."""
+    """The document at ``span`` (row, start, end) alone, no grad, in the model's own mode, against its ``packed``
+    logits: the difference, and whether it is beyond :func:`foundry_attn.flat.comparison.differs`' limit. fp32: the
+    batch's own keys for its tokens (its positions, MPT's ``sequence_id``); half precision: right-padded to the
+    batch's width, so both sides round as one shape does."""
+    row, start, end = span
+    ids = batch["input_ids"][row, start:end]
+    named = inspect.signature(type(hf).forward).parameters
     tensors = [*hf.parameters(), *hf.buffers()]
     versions = [t._version for t in tensors]
     with torch.no_grad(), context or contextlib.nullcontext():
         fp32 = not half(next(hf.parameters()).dtype, ids.device)
-        width = 0 if fp32 else batch["input_ids"].shape[1]
-        alone = own_forward(hf, **alone_inputs(ids[None], width=width), use_cache=False).logits[0, : ids.shape[0]]
+        call = (
+            {
+                k: v[row : row + 1, start:end]
+                for k, v in batch.items()
+                if (k in ROW_KEYS or k in named)
+                and isinstance(v, torch.Tensor)
+                and v.dim() == 2
+                and v.shape == batch["input_ids"].shape
+                and k != "labels"
+            }
+            if fp32
+            else alone_inputs(ids[None], width=batch["input_ids"].shape[1])
+        )
+        alone = own_forward(hf, **call, use_cache=False).logits[0, : ids.shape[0]]
     if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
         raise RuntimeError("the model changed its own weights or buffers in place in the document's forward alone")
     return differs(packed, alone, fp32)
