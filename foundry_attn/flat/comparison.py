@@ -313,16 +313,28 @@ def documents_grad(
             head_grads[id(weight)] = grad.to(weight.dtype).T @ start[0, index].detach().to(weight.dtype)
         if bias is not None and bias.requires_grad:
             head_grads[id(bias)] = grad.sum(0).to(bias.dtype)
+    out, by_name = loss_grads(start, embeds, params, upstream, retain_graph)
+    for name, param in params:
+        extra, g = head_grads.get(id(param)), by_name[name]
+        by_name[name] = g if extra is None else extra if g is None else g + extra
+    return None if out is None else out[0], by_name
+
+
+def loss_grads(
+    outputs: torch.Tensor,
+    embeds: torch.Tensor | None,
+    params: Sequence[tuple[str, torch.nn.Parameter]],
+    upstream: torch.Tensor | None = None,
+    retain_graph: bool = False,
+) -> tuple[torch.Tensor | None, ParamGrads]:
+    """The gradient of ``outputs`` (a loss, or a tensor whose gradient is ``upstream``) with respect to ``embeds``
+    (None: not asked) and to each of ``params``, by name (None where it does not reach one), in one backward."""
     wanted = [p for _, p in params] if embeds is None else [embeds, *(p for _, p in params)]
     if not wanted:
         return None, {}
-    grads = list(torch.autograd.grad(start, wanted, upstream, retain_graph=retain_graph, allow_unused=True))
+    grads = list(torch.autograd.grad(outputs, wanted, upstream, retain_graph=retain_graph, allow_unused=True))
     out = None if embeds is None else grads.pop(0)
-    by_name: ParamGrads = {}
-    for (name, param), g in zip(params, grads, strict=True):
-        extra = head_grads.get(id(param))
-        by_name[name] = g if extra is None else extra if g is None else g + extra
-    return None if out is None else out[0], by_name
+    return out, dict(zip((n for n, _ in params), grads, strict=True))
 
 
 @dataclasses.dataclass

@@ -143,7 +143,8 @@ def stock_packed(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=64)
 def base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
-    """The parameter names of a base model's ``forward`` (what it reads besides ``**kwargs``)."""
+    """The parameter names of a module class's ``forward`` (a base model's, a causal LM's: what it reads besides
+    ``**kwargs``)."""
     return frozenset(inspect.signature(base_class.forward).parameters)
 
 
@@ -179,7 +180,7 @@ def one_per_row(
     }
     if positions is not None:
         inputs["position_ids"] = scatter(positions, 0)
-    elif left and "position_ids" in inspect.signature(type(hf).forward).parameters:
+    elif left and "position_ids" in base_parameters(type(hf)):  # type: ignore[arg-type]  # (see flat_inputs)
         counted = ids.new_zeros(rows * width)
         counted[dst] = torch.cat([torch.arange(n) for n in lengths]).to(ids.device)
         inputs["position_ids"] = counted.view(rows, width)

@@ -40,7 +40,6 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropp
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.comparison import (
     HeadCall,
-    ParamGrads,
     Run,
     against_alone,
     alone_inputs,
@@ -52,6 +51,7 @@ from foundry_attn.flat.comparison import (
     influence,
     limits_for,
     limits_note,
+    loss_grads,
     own_forward,
     params_differ,
     run,
@@ -522,22 +522,12 @@ def _rows_run(
     if not (grads and logits.requires_grad):
         return Run(placed), ""
     spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
-    params = trainable(hf)
-    embeds = token_embeddings(captured, rows["input_ids"])
-    wanted = [p for _, p in params] if embeds is None else [embeds, *(p for _, p in params)]
-    if not wanted:
-        return Run(placed), ""
-    found: list[torch.Tensor | None] = list(
-        torch.autograd.grad(documents_loss(logits, ids[0, index], spans), wanted, allow_unused=True, retain_graph=True)
-    )
-    param_grads: ParamGrads = dict(zip((n for n, _ in params), found[-len(params) :] if params else [], strict=True))
-    if embeds is None:
-        return Run(placed, None, param_grads), ""
-    first = found[0]
-    assert first is not None  # the embeddings are in the graph (token_embeddings)
-    grad = first.reshape(-1, first.shape[-1])[dst]
-    placed_grad = grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad)
-    return Run(placed, placed_grad, param_grads), ""
+    loss = documents_loss(logits, ids[0, index], spans)
+    grad, params = loss_grads(loss, token_embeddings(captured, rows["input_ids"]), trainable(hf), retain_graph=True)
+    if grad is None:
+        return Run(placed, None, params), ""
+    grad = grad.reshape(-1, grad.shape[-1])[dst]
+    return Run(placed, grad.new_zeros(ids.shape[1], grad.shape[-1]).index_copy_(0, index, grad), params), ""
 
 
 def _short(exc: BaseException) -> str:

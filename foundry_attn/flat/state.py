@@ -102,6 +102,11 @@ def kernels() -> tuple:
     )
 
 
+class NoExactPath(AttentionUnavailableError):
+    """Neither path trains the model as each document alone here (the flat row and one document per row, right- and
+    left-padded, each failed its proof, or cannot run): refused at attach, or on the batch that shows it."""
+
+
 class FlatPathError(AttentionUnavailableError):
     """``attn_path: flat`` with ``attn_strict: true`` on a model whose flat path is not proven."""
 
@@ -252,9 +257,8 @@ class PathState:
             self.proofs.append((f"rows left-padded at {at}", left))
             if left.ok:
                 self.rows_left = True
-                note = f"rows at {at}: right-padded rows {proof.describe()}; left-padded rows are exact: rows pad left"
-                self.notes.append(note)
-                log.warning("foundry_attn: %s %s", type(hf).__name__, note)
+                right = f"rows at {at}: right-padded rows {proof.describe()}"
+                self._note(hf, f"{right}; left-padded rows are exact: rows pad left")
                 proof = left
         docs: Documents = inputs[DOCS_KEY]
         if proof.ok:
@@ -263,19 +267,22 @@ class PathState:
             return proof
         if not proof.ran and not rows_train_error(hf, inputs, self.rows_name, self.reference, self.rows_left):
             # the proof's own forwards cannot run (Reformer: no backward in eval mode) but training does: rows, as
-            # stock's padded batches, said once and kept in the notes: unproven, never silent
-            note = f"rows at {at} not proven: {proof.describe()}; one document per row trains here"
-            said = any(n.startswith("rows at ") for n in self.notes)
-            self.notes.append(note)
-            (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)
+            # stock's padded batches, kept in the notes: unproven, never silent
+            self._note(hf, f"rows at {at} not proven: {proof.describe()}; one document per row trains here")
             return proof
         flat = "" if self.path == ROWS and self.reason.startswith("attn_path: rows") else f"flat: {self.reason}; "
         sides = "right- and left-padded" if proof.ran else "it does not run here"
-        raise AttentionUnavailableError(
+        raise NoExactPath(
             f"foundry_attn: neither path trains {type(hf).__name__} with {self.backend} as each document alone: "
             f'{flat}one document per row ({sides}): {proof.describe()}. Fix: attach(model, "auto") (the fastest '
             "backend that runs here), another backend, or train without packing"
         )
+
+    def _note(self, hf: Any, note: str) -> None:
+        """What the rows path does that the reason does not say, kept in the notes; the first said as a warning."""
+        said = any(n.startswith("rows at ") for n in self.notes)
+        self.notes.append(note)
+        (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)
 
     def _cover(self, docs: Documents) -> None:
         """Lengths up to the next power of two of this row's and its longest document's are proven."""

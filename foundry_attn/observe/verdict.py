@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
-import inspect
 import itertools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,6 +40,7 @@ from foundry_attn.flat.comparison import (
     own_forward,
     training_noise,
 )
+from foundry_attn.flat.inputs import base_parameters, stock_splits_packed_rows
 from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
 from foundry_attn.flat.state import path_of
 from foundry_attn.observe.discovery import mpt_attn_impl
@@ -123,15 +122,6 @@ def _mpt_uses_sequence_id(hf: Any) -> bool | None:
     return bool(hf.config.attn_config.get("attn_uses_sequence_id", False))
 
 
-def _detects_packing() -> bool:
-    """transformers builds document masks from restarting ``position_ids`` (5.x ``masking_utils``)."""
-    if importlib.util.find_spec("transformers.masking_utils") is None:
-        return False
-    from transformers import masking_utils
-
-    return hasattr(masking_utils, "find_packed_sequence_indices")
-
-
 def structural(hf: Any, features: Features) -> Verdict:
     """What the model does with packed documents, read from the model and the batch's keys (not measured)."""
     if not features.packed:
@@ -147,14 +137,16 @@ def structural(hf: Any, features: Features) -> Verdict:
         return Verdict(LEAKS, STRUCTURAL, f"MPT attends across documents: {why}")
     impl = backend_of(config_value(getattr(hf, "config", None), "_attn_implementation", None)) or "?"
     # 5.x masks split rows only without a cache (``past_key_values`` None): ``use_cache: false``, as LLM-Foundry sets
-    splits = impl == "flash_attention_2" or (_detects_packing() and not config_value(hf.config, "use_cache", True))
+    splits = impl == "flash_attention_2" or (
+        stock_splits_packed_rows() and not config_value(hf.config, "use_cache", True)
+    )
     if features.position_ids and not features.padding_mask and splits:
         return Verdict(ISOLATED, STRUCTURAL, f"stock {impl} splits rows where position_ids restart")
     given = (
         "reads only the padding mask"
         if features.padding_mask
         else "reads restarting position_ids only without a cache (use_cache is true)"
-        if features.position_ids and _detects_packing()
+        if features.position_ids and stock_splits_packed_rows()
         else "ignores restarting position_ids"
         if features.position_ids
         else "gets no document boundaries"
@@ -212,20 +204,11 @@ def _row_forward(
     """The first documents of ``row`` (tokens ``start:start+n``) as the training forward was given them (its
     per-token keys sliced, its ``use_cache``), in the model's own mode and precision, with their input embeddings
     as tensors to differentiate against: ``([1, n, vocab]`` logits, ``[1, n, hidden]`` embeddings)."""
-    call: dict[str, Any] = {
-        key: batch[key][row : row + 1, start : start + n]
-        for key in ROW_KEYS
-        if isinstance(batch.get(key), torch.Tensor) and batch[key].dim() == 2
-    }
+    call = _row_call(hf, batch, row, start, start + n)
     if "use_cache" in batch:
         call["use_cache"] = batch["use_cache"]
-    tensors = [*hf.parameters(), *hf.buffers()]
-    versions = [t._version for t in tensors]
-    with embeddings(hf, True) as captured, torch.enable_grad(), context or contextlib.nullcontext():
+    with _untouched(hf), embeddings(hf, True) as captured, torch.enable_grad(), context or contextlib.nullcontext():
         logits = own_forward(hf, **call).logits
-    changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
-    if changed:  # said, never hidden: the step that follows sees what this forward did to them
-        raise RuntimeError(f"the model changed {changed} of its own weights or buffers in place in this forward")
     if not captured:
         raise ValueError("the model has no input embedding module to differentiate against")
     return logits, captured[0]
@@ -313,28 +296,39 @@ def _against_alone(
     batch's width, so both sides round as one shape does."""
     row, start, end = span
     ids = batch["input_ids"][row, start:end]
-    named = inspect.signature(type(hf).forward).parameters
-    tensors = [*hf.parameters(), *hf.buffers()]
-    versions = [t._version for t in tensors]
-    with torch.no_grad(), context or contextlib.nullcontext():
+    with _untouched(hf), torch.no_grad(), context or contextlib.nullcontext():
         fp32 = not half(next(hf.parameters()).dtype, ids.device)
         call = (
-            {
-                k: v[row : row + 1, start:end]
-                for k, v in batch.items()
-                if (k in ROW_KEYS or k in named)
-                and isinstance(v, torch.Tensor)
-                and v.dim() == 2
-                and v.shape == batch["input_ids"].shape
-                and k != "labels"
-            }
+            _row_call(hf, batch, row, start, end)
             if fp32
             else alone_inputs(ids[None], width=batch["input_ids"].shape[1])
         )
         alone = own_forward(hf, **call, use_cache=False).logits[0, : ids.shape[0]]
-    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
-        raise RuntimeError("the model changed its own weights or buffers in place in the document's forward alone")
     return differs(packed, alone, fp32)
+
+
+def _row_call(hf: Any, batch: Mapping, row: int, start: int, end: int) -> dict[str, Any]:
+    """The batch's per-token keys the model takes (:data:`ROW_KEYS`, and any its ``forward`` names: MPT's
+    ``sequence_id``), sliced to tokens ``start:end`` of ``row``; the labels stay out."""
+    named = base_parameters(type(hf))  # type: ignore[arg-type]  # (a class is hashable: see flat.inputs)
+    shape = batch["input_ids"].shape
+    return {
+        k: v[row : row + 1, start:end]
+        for k, v in batch.items()
+        if (k in ROW_KEYS or k in named) and k != "labels" and isinstance(v, torch.Tensor) and v.shape == shape
+    }
+
+
+@contextlib.contextmanager
+def _untouched(hf: Any) -> Iterator[None]:
+    """A judgement's own forward must leave the model as it was: one that changes a weight or buffer in place (what
+    RWKV does in eval mode) is said, never hidden, as the step that follows sees it."""
+    tensors = [*hf.parameters(), *hf.buffers()]
+    versions = [t._version for t in tensors]
+    yield
+    changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
+    if changed:
+        raise RuntimeError(f"the model changed {changed} of its own weights or buffers in place in this forward")
 
 
 def judge(

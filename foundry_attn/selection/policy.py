@@ -298,22 +298,6 @@ def _failed_flash_check(
     return None
 
 
-def _hub_kernel_candidate(cap: Capability, dtype: torch.dtype, traits: ModelTraits) -> Candidate:
-    """flash_attention_2 through transformers' hub kernel (flash-attn missing, the kernel usable here: the ``kernels``
-    release transformers wants, CUDA, a cached copy): the GPU, dtype and exactness checks of flash-attn itself."""
-    unfit = _failed_flash_check(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
-    if unfit:
-        return unfit
-    inexact = refusal(FA2, traits.needs)
-    if inexact:
-        return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
-    return Candidate(
-        FA2,
-        True,
-        f"hub kernel {cap.hub_kernel} (transformers' stand-in for flash-attn, cached) on {cap.device_name} {cap.sm}",
-    )
-
-
 def check_fa2(
     cap: Capability,
     dtype: torch.dtype,
@@ -337,8 +321,40 @@ def check_fa2(
         if why := reference_refusal(traits):
             return _fail(FA2, "model class", why, "use sdpa or eager here; FA2 runs it on a GPU with flash-attn")
         return Candidate(FA2, True, f"{REFERENCE_NAME}: fa2_reference_kernel is set; for CPU tests and diagnosis only")
-    if cap.flash_attn_version is None and cap.hub_kernel and cap.hub_kernel_missing is None:
-        return _hub_kernel_candidate(cap, dtype, traits)
+    # flash-attn missing, transformers' hub kernel usable here (the kernels release it wants, CUDA, a cached copy):
+    # flash-attn's own GPU, dtype and exactness checks, none of the installed package's
+    hub = cap.flash_attn_version is None and bool(cap.hub_kernel) and cap.hub_kernel_missing is None
+    warnings: list[str] = []
+    if not hub:
+        failed = _failed_install(cap, traits, warnings)
+        if failed:
+            return failed
+    unfit = _failed_flash_check(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
+    if unfit:
+        return unfit
+    if smoke_test is not None and not hub:
+        error = smoke_test(torch.device("cuda"), dtype)
+        if error:
+            return _fail(
+                FA2,
+                "kernel call",
+                f"{cap.device_name} {cap.sm}: {error}",
+                "reinstall flash-attn built for this GPU and torch, or use sdpa",
+            )
+    inexact = refusal(FA2, traits.needs, cap.flash_attn_version)
+    if inexact:
+        return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
+    kernel = (
+        f"hub kernel {cap.hub_kernel} (transformers' stand-in for flash-attn, cached)"
+        if hub
+        else f"flash-attn {cap.flash_attn_version}"
+    )
+    return Candidate(FA2, True, f"{kernel} on {cap.device_name} {cap.sm}", warning="; ".join(warnings))
+
+
+def _failed_install(cap: Capability, traits: ModelTraits, warnings: list[str]) -> Candidate | None:
+    """The installed flash-attn's checks (it imports, its version, the preflight's known-bad installs), or None;
+    a known-bad pair outside this model (TransformerEngine's own attention) goes to ``warnings``."""
     if cap.flash_attn_version is None:
         hub = (
             f"; transformers' stand-in, the hub kernel {cap.hub_kernel}, is not usable here either: "
@@ -359,7 +375,6 @@ def check_fa2(
             f"flash-attn {cap.flash_attn_version} < {FA2_MIN_VERSION}",
             f"pip install 'flash-attn>={FA2_MIN_VERSION}'",
         )
-    warnings = []
     for problem in preflight(cap):  # known-bad installs (TransformerEngine pairs, transformers' minimum, ...)
         if problem.rejects != FA2:
             continue
@@ -369,24 +384,7 @@ def check_fa2(
             )
             continue
         return _fail(FA2, problem.check, problem.reason, problem.fix)
-    unfit = _failed_flash_check(FA2, "FA2", cap, dtype, traits, FA2_FIXES)
-    if unfit:
-        return unfit
-    if smoke_test is not None:
-        error = smoke_test(torch.device("cuda"), dtype)
-        if error:
-            return _fail(
-                FA2,
-                "kernel call",
-                f"{cap.device_name} {cap.sm}: {error}",
-                "reinstall flash-attn built for this GPU and torch, or use sdpa",
-            )
-    inexact = refusal(FA2, traits.needs, cap.flash_attn_version)
-    if inexact:
-        return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
-    return Candidate(
-        FA2, True, f"flash-attn {cap.flash_attn_version} on {cap.device_name} {cap.sm}", warning="; ".join(warnings)
-    )
+    return None
 
 
 def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
