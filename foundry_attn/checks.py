@@ -2,11 +2,14 @@
 
     check_interval("upad_tracer", "log_interval", 50)                          # 50
     check_interval("foundry_attn_causal_lm", "attn_proof_interval", 0, minimum=0)   # 0: first batch and changes only
+    check_choice("attn_path", "flatt", ("auto", "flat", "rows"))   # attn_path: unknown value 'flatt'; valid values: ...
 
 Core module: standard library only.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 def check_interval(owner: str, key: str, value: object, *, minimum: int = 1, accepted: str = "") -> int:
@@ -25,4 +28,27 @@ def check_interval(owner: str, key: str, value: object, *, minimum: int = 1, acc
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{owner}: {key} must be {accepted or f'an integer >= {minimum}'}; got {value!r}")
+    return value
+
+
+def check_choice(key: str, value: object, valid: Iterable[str]) -> str:
+    """``value`` if it is one of ``valid``, else the one ValueError every unknown name gets:
+    ``<key>: unknown value 'x'; valid values: a, b``.
+
+    Args:
+        key: the key (or what is named: ``attention backend``) as the user knows it.
+        value: what the user gave.
+        valid: every accepted value, in the order the error lists them.
+
+    Returns:
+        ``value``, a ``str``.
+
+    Example::
+
+        >>> check_choice("attn_path", "rows", ("auto", "flat", "rows"))
+        'rows'
+    """
+    names = tuple(valid)
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{key}: unknown value {value!r}; valid values: {', '.join(names)}")
     return value

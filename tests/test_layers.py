@@ -153,3 +153,46 @@ def test_no_module_imports_a_private_name_of_another() -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("foundry_attn"):
                 found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert not found, found
+
+
+RUNTIME = ("attention", "selection", "flat", "observe", "integrations")
+
+
+def _runtime_sources() -> list[tuple[str, str]]:
+    return [
+        (str(p.relative_to(PACKAGE)), p.read_text())
+        for folder in RUNTIME
+        for p in sorted((PACKAGE / folder).rglob("*.py"))
+    ]
+
+
+def test_one_module_sets_which_implementation_a_model_runs() -> None:
+    """``config._attn_implementation`` of a model is written only by ``flat/implementation.py`` (the backend table
+    probes what a config accepts on a deep copy of it: ``config_refusals``)."""
+    import re
+
+    writes = re.compile(r"\._attn_implementation\s*=[^=]")
+    found = [
+        f"{name}: {line.strip()}"
+        for name, text in _runtime_sources()
+        if name != "flat/implementation.py"
+        for line in text.splitlines()
+        if writes.search(line.split("#")[0]) and "probe._attn_implementation" not in line
+    ]
+    assert not found, found
+
+
+def test_one_module_sets_and_takes_off_a_models_forward() -> None:
+    """The forward attach installs and the model's own forward a check runs live in ``flat/model_forward.py``: no other
+    runtime module assigns or pops an instance's ``forward``."""
+    import re
+
+    touches = re.compile(r"\.forward\s*=[^=]|vars\([^)]*\)\.pop\(\"forward\"|vars\([^)]*\)\[\"forward\"\]\s*=")
+    found = [
+        f"{name}: {line.strip()}"
+        for name, text in _runtime_sources()
+        if name != "flat/model_forward.py"
+        for line in text.splitlines()
+        if touches.search(line)
+    ]
+    assert not found, found

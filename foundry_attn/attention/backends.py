@@ -26,29 +26,37 @@ FA2_REFERENCE = "fa2_reference"  # registered as foundry_fa2_reference: FA2 code
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """What one backend's document-aware function can honour, per layer (causal and grouped KV heads: all)."""
+    """What one backend's document-aware function can honour, per layer (causal and grouped KV heads: all), and
+    the stock backends that stand in for it: ``truth``, what its proof compares against (each document alone), and
+    ``rows``, what runs one document per row where the flat path does not."""
 
     name: str
     softcap: bool
     dropout: bool
+    truth: str
+    rows: str
     window: bool = True
 
 
-#: every backend, in the order the fallback chain prefers them (the one list of backend names: :data:`NAMES`)
+#: every backend, in the order the fallback chain prefers them (the one list of backend names: :data:`NAMES`), and
+#: the one table of stock stand-ins: torch_varlen is proven against sdpa (its window convention) and runs sdpa's rows;
+#: flex is proven against eager (the exact math: stock flex cannot run everywhere) and runs stock flex's rows
 BACKENDS: dict[str, Backend] = {
-    FA2: Backend(FA2, softcap=True, dropout=True),
+    FA2: Backend(FA2, softcap=True, dropout=True, truth=FA2, rows=FA2),
     # torch.nn.attention.varlen.varlen_attn: causal only, no softcap, no dropout; windows from torch 2.12
     TORCH_VARLEN: Backend(
         TORCH_VARLEN,
         softcap=False,
         dropout=False,
+        truth=SDPA,
+        rows=SDPA,
         window="window_size" in varlen_parameters(torch_varlen_kernel()),
     ),
     # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
     # torch 2.7): refused until it is proven exact
-    FLEX: Backend(FLEX, softcap=False, dropout=False),
-    SDPA: Backend(SDPA, softcap=False, dropout=True),
-    EAGER: Backend(EAGER, softcap=True, dropout=True),
+    FLEX: Backend(FLEX, softcap=False, dropout=False, truth=EAGER, rows=FLEX),
+    SDPA: Backend(SDPA, softcap=False, dropout=True, truth=SDPA, rows=SDPA),
+    EAGER: Backend(EAGER, softcap=True, dropout=True, truth=EAGER, rows=EAGER),
 }
 NAMES: tuple[str, ...] = tuple(BACKENDS)
 #: registered name -> backend (or fa2_reference): every name :func:`foundry_attn.attention.functions.register` registers
@@ -61,18 +69,55 @@ def backend_of(impl: str | None) -> str | None:
     return FA2 if name == FA2_REFERENCE else name
 
 
-def set_implementation(model: Any, name: str) -> None:
-    """``config._attn_implementation = name`` on the model's config and on every config its text decoder reads: the
-    text config, and the copy a multimodal model's language model holds (Gemma3, GOT-OCR2 in 4.51)."""
-    config = model.config
-    config._attn_implementation = name
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for module in model.modules():
-        held = getattr(module, "config", None)
-        if held is not None and held is not config and type(held) is type(text):
-            held._attn_implementation = name
-    if text is not config:
-        text._attn_implementation = name
+def rows_name(backend: str, built: str, reference: bool = False, cpu: bool = False) -> str:
+    """The stock implementation that runs ``backend``'s documents one per row: the one the model was built with
+    where it is ``backend``'s own (a user's registered stock function stays), else the table's ``rows``; FA2 on the
+    reference kernel runs ``foundry_fa2_reference`` (its stock branch), flex on a CPU runs eager (stock flex
+    compiles, and does not train there).
+
+    Args:
+        backend: ours (``sdpa``, ``flash_attention_2``, ...).
+        built: ``config._attn_implementation`` before attach.
+        reference: FA2 runs on the pure-PyTorch reference kernel.
+        cpu: the weights are on a CPU.
+
+    Returns:
+        The name ``config._attn_implementation`` holds while the run is on rows.
+
+    Example::
+
+        >>> rows_name("torch_varlen", "sdpa"), rows_name("flex_attention", "eager", cpu=True)
+        ('sdpa', 'eager')
+    """
+    if backend == FA2 and reference and built != FA2:
+        return PREFIX + FA2_REFERENCE
+    if backend == FLEX and cpu:
+        return EAGER
+    return built if backend_of(built) == backend and built not in REGISTERED else BACKENDS[backend].rows
+
+
+def load_name(chosen: str, fa2_reference: bool = False, model_class: type | None = None) -> str:
+    """The implementation transformers builds the model with for ``chosen``: its rows stand-in (torch_varlen loads
+    as sdpa; FA2 on the reference kernel too), eager where ``model_class`` has no sdpa (GPT-J in 4.51); attach
+    points ours after.
+
+    Args:
+        chosen: the backend the decision chose.
+        fa2_reference: FA2 runs on the reference kernel (transformers cannot load that name).
+        model_class: the class that will be built (None: assume it has sdpa).
+
+    Returns:
+        A name ``from_pretrained(attn_implementation=...)`` accepts.
+
+    Example::
+
+        >>> load_name("torch_varlen"), load_name("flash_attention_2", fa2_reference=True, model_class=GPTJForCausalLM)
+        ('sdpa', 'eager')
+    """
+    name = SDPA if chosen == FA2 and fa2_reference else BACKENDS[chosen].rows
+    if name == SDPA and model_class is not None and not getattr(model_class, "_supports_sdpa", False):
+        return EAGER
+    return name
 
 
 def config_refusals(config: Any, names: Iterable[str]) -> tuple[tuple[str, str], ...]:

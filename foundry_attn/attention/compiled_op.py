@@ -22,7 +22,21 @@ import torch.nn.functional as F
 
 
 def allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[n, n] bool: causal, and (with a window) a query sees at most ``window`` keys, itself included."""
+    """[n, n] bool: causal, and (with a window) a query sees at most ``window`` keys, itself included.
+
+    Args:
+        n: the document's length.
+        window: how many keys a query sees, itself included (0 or None: no window).
+        device: where the mask is made.
+
+    Returns:
+        The ``[n, n]`` bool mask: True where query ``i`` may see key ``j``.
+
+    Example::
+
+        >>> allowed(4, 2, torch.device("cpu"))[3].tolist()
+        [False, False, True, True]
+    """
     i = torch.arange(n, device=device)
     rel = i[:, None] - i[None, :]
     return (rel >= 0) & (rel < window) if window else rel >= 0
@@ -31,7 +45,25 @@ def allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
 def sdpa_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float | None, dropout: float = 0.0
 ) -> torch.Tensor:
-    """Causal SDPA over one document ``[B, H, n, D]``; a window longer than the document changes nothing."""
+    """Causal SDPA over one document ``[B, H, n, D]``; a window longer than the document changes nothing.
+
+    Args:
+        q: the document's queries ``[B, H, n, D]``, GQA heads already expanded.
+        k: its keys ``[B, H, n, D]``.
+        v: its values ``[B, H, n, Dv]``.
+        window: how many keys a query sees, itself included (0 or None: no window).
+        scale: the softmax scale (None: ``1/sqrt(D)``).
+        dropout: the attention dropout probability.
+
+    Returns:
+        The document's attention output ``[B, H, n, Dv]``.
+
+    Example::
+
+        >>> q = torch.randn(1, 8, 17, 64)  # one 17-token document
+        >>> sdpa_document(q, q, q, window=None, scale=None).shape
+        torch.Size([1, 8, 17, 64])
+    """
     n = q.shape[2]
     if window and n > window:
         return F.scaled_dot_product_attention(
@@ -42,7 +74,22 @@ def sdpa_document(
 
 def additive_mask(n: int, window: int | None, like: torch.Tensor, fill: float | None = None) -> torch.Tensor:
     """[n, n] additive mask in ``like``'s dtype: 0 where :func:`allowed`, ``fill`` (default: the dtype's min)
-    elsewhere."""
+    elsewhere.
+
+    Args:
+        n: the document's length.
+        window: how many keys a query sees, itself included (0 or None: no window).
+        like: a tensor whose dtype and device the mask takes.
+        fill: the value where a key is masked (None: the dtype's min).
+
+    Returns:
+        The ``[n, n]`` mask, on ``like``'s device.
+
+    Example::
+
+        >>> additive_mask(3, None, torch.zeros(1, dtype=torch.bfloat16))[0]
+        tensor([ 0.0000e+00, -3.3895e+38, -3.3895e+38], dtype=torch.bfloat16)
+    """
     fill = torch.finfo(like.dtype).min if fill is None else fill
     return torch.zeros((n, n), dtype=like.dtype, device=like.device).masked_fill_(
         ~allowed(n, window, like.device), fill
@@ -59,7 +106,27 @@ def eager_math(
     dropout: float = 0.0,
     training: bool = False,
 ) -> torch.Tensor:
-    """transformers' eager attention on expanded heads: scores, softcap, additive mask, fp32 softmax, dropout."""
+    """transformers' eager attention on expanded heads: scores, softcap, additive mask, fp32 softmax, dropout.
+
+    Args:
+        q: the queries ``[B, H, S, D]``.
+        k: the keys ``[B, H, K, D]``, GQA heads already expanded.
+        v: the values ``[B, H, K, Dv]``, likewise.
+        scale: what the scores are multiplied by.
+        softcap: caps the scores at ``softcap * tanh(scores / softcap)`` (None or 0: no cap).
+        additive: a mask added to the scores, broadcast to ``[B, H, S, K]`` (None: none).
+        dropout: the attention dropout probability.
+        training: whether dropout applies.
+
+    Returns:
+        The attention output ``[B, H, S, Dv]`` in ``q``'s dtype.
+
+    Example::
+
+        >>> out = eager_math(q, k, v, 0.125, None, additive_mask(17, None, q))  # q, k, v: [1, 8, 17, 64]
+        >>> out.shape
+        torch.Size([1, 8, 17, 64])
+    """
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
@@ -79,7 +146,26 @@ def eager_document(
     dropout: float = 0.0,
     training: bool = False,
 ) -> torch.Tensor:
-    """:func:`eager_math` over one document, causal (and windowed) within it."""
+    """:func:`eager_math` over one document, causal (and windowed) within it.
+
+    Args:
+        q: the document's queries ``[B, H, n, D]``, GQA heads already expanded.
+        k: its keys ``[B, H, n, D]``.
+        v: its values ``[B, H, n, Dv]``.
+        window: how many keys a query sees, itself included (0 or None: no window).
+        scale: what the scores are multiplied by.
+        softcap: caps the scores at ``softcap * tanh(scores / softcap)`` (None or 0: no cap).
+        dropout: the attention dropout probability.
+        training: whether dropout applies.
+
+    Returns:
+        The document's attention output ``[B, H, n, Dv]`` in ``q``'s dtype.
+
+    Example::
+
+        >>> eager_document(q, k, v, window=4096, scale=0.125, softcap=50.0).shape  # Gemma-2 style; q: [1, 8, 17, 64]
+        torch.Size([1, 8, 17, 64])
+    """
     return eager_math(q, k, v, scale, softcap, additive_mask(q.shape[2], window, q), dropout, training)
 
 
@@ -124,7 +210,27 @@ def document_attention(
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, T, D]`` attention of every document of the flat row alone (window 0: none, softcap 0: none),
-    and the ``[B, H, T]`` fp32 logsumexp its backward needs (empty when the backward recomputes instead)."""
+    and the ``[B, H, T]`` fp32 logsumexp its backward needs (empty when the backward recomputes instead).
+
+    Args:
+        query: the flat row's queries ``[B, H, T, D]``, GQA heads already expanded.
+        key: its keys ``[B, H, T, D]``.
+        value: its values ``[B, H, T, Dv]``.
+        host_bounds: the document bounds ``(0, l0, l0 + l1, ..., T)``, a CPU int32 tensor.
+        kind: ``"sdpa"`` or ``"eager"`` (the math each document runs).
+        window: how many keys a query sees, itself included (0: no window).
+        scale: the softmax scale.
+        softcap: the score cap of ``"eager"`` (0: no cap).
+
+    Returns:
+        ``(out, lse)``: the output ``[B, H, T, Dv]`` and the logsumexp (sdpa on the CPU; else an empty tensor).
+
+    Example::
+
+        >>> bounds = Documents.of([0, 17, 40]).bounds_on("cpu")  # q, k, v: [1, 8, 40, 64] on the CPU
+        >>> out, lse = document_attention(q, k, v, bounds, "sdpa", 0, 0.125, 0.0)
+        >>> out.shape, lse.shape  # (torch.Size([1, 8, 40, 64]), torch.Size([1, 8, 40]))
+    """
     if not _flash(kind, query):
         with torch.no_grad():
             return _loop(query, key, value, host_bounds, kind, window, scale, softcap), query.new_empty(
@@ -180,7 +286,30 @@ def document_attention_backward(
     scale: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`document_attention` for ``query``, ``key``, ``value``, one document at a time."""
+    """Gradients of :func:`document_attention` for ``query``, ``key``, ``value``, one document at a time.
+
+    Args:
+        grad: the gradient of the forward's output ``[B, H, T, Dv]``, contiguous.
+        query: the forward's queries.
+        key: the forward's keys.
+        value: the forward's values.
+        out: the forward's output.
+        lse: the forward's logsumexp (empty: each document's probabilities are recomputed in fp32).
+        host_bounds: the forward's document bounds, a CPU int32 tensor.
+        kind: the forward's ``kind``.
+        window: the forward's window (0: none).
+        scale: the forward's softmax scale.
+        softcap: the forward's score cap (0: none).
+
+    Returns:
+        ``(dq, dk, dv)``, shaped like ``query``, ``key`` and ``value``.
+
+    Example::
+
+        >>> out, lse = document_attention(q, k, v, bounds, "eager", 0, 0.125, 0.0)
+        >>> dq, dk, dv = document_attention_backward(g, q, k, v, out, lse, bounds, "eager", 0, 0.125, 0.0)
+        >>> dq.shape == q.shape  # True; autograd calls it for you: out.sum().backward()
+    """
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     for s, e in pairwise(host_bounds.tolist()):
         q, k, v, g = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], grad[:, :, s:e]

@@ -41,23 +41,81 @@ class Documents:
 
     @classmethod
     def of(cls, bounds: tuple[int, ...] | list[int], device: torch.device | str = "cpu") -> Documents:
+        """The documents at ``bounds``, with their int32 bounds made once: on ``device`` and on the CPU.
+
+        Args:
+            bounds: where the documents start and end in the flat row, ``(0, l0, l0 + l1, ..., T)``.
+            device: the model's device, for ``device_bounds``.
+
+        Returns:
+            The :class:`Documents`, ``device_bounds`` on ``device`` and ``host_bounds`` on the CPU.
+
+        Example::
+
+            >>> docs = Documents.of(layout.bounds(), input_ids.device)  # as flat/inputs.py builds them
+            >>> Documents.of([0, 17, 40], "cuda").device_bounds
+            tensor([ 0, 17, 40], device='cuda:0', dtype=torch.int32)
+        """
         host = torch.tensor(bounds, dtype=torch.int32)
         return cls(tuple(bounds), host.to(device, non_blocking=True), host)
 
     @functools.cached_property
     def spans(self) -> list[tuple[int, int]]:
+        """Each document's ``(start, end)`` in the flat row.
+
+        Returns:
+            One ``(start, end)`` pair per document.
+
+        Example::
+
+            >>> Documents.of([0, 17, 40]).spans
+            [(0, 17), (17, 40)]
+        """
         return list(itertools.pairwise(self.bounds))
 
     @functools.cached_property
     def lengths(self) -> list[int]:
+        """Each document's length in tokens.
+
+        Returns:
+            One length per document.
+
+        Example::
+
+            >>> Documents.of([0, 17, 40]).lengths
+            [17, 23]
+        """
         return [e - s for s, e in self.spans]
 
     @functools.cached_property
     def max_length(self) -> int:
+        """The longest document's length (FA2's ``max_seqlen``).
+
+        Returns:
+            The length in tokens; 0 without documents.
+
+        Example::
+
+            >>> Documents.of([0, 17, 40]).max_length
+            23
+        """
         return max(self.lengths, default=0)
 
     def bounds_on(self, device: torch.device | str) -> torch.Tensor:
-        """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there)."""
+        """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there).
+
+        Args:
+            device: where the bounds are wanted (``query.device`` for FA2's ``cu_seqlens``, ``"cpu"`` for the op).
+
+        Returns:
+            The int32 bounds ``[n + 1]`` on ``device``.
+
+        Example::
+
+            >>> docs = Documents.of([0, 17, 40], "cuda")
+            >>> docs.bounds_on("cpu") is docs.host_bounds
+            True
+        """
         device = torch.device(device)
         for made in (self.device_bounds, self.host_bounds):
             if made is not None and made.device == device:
@@ -65,16 +123,54 @@ class Documents:
         return torch.tensor(self.bounds, dtype=torch.int32, device=device)
 
     def document_ids(self, device: torch.device) -> torch.Tensor:
+        """Which document each token of the flat row belongs to (flex's document mask).
+
+        Args:
+            device: where the ids are made.
+
+        Returns:
+            The ``[T]`` int64 document index of each token.
+
+        Example::
+
+            >>> Documents.of([0, 3, 5]).document_ids(torch.device("cpu"))
+            tensor([0, 0, 0, 1, 1])
+        """
         lengths = torch.tensor([e - s for s, e in self.spans])
         return torch.repeat_interleave(torch.arange(len(self.spans)), lengths).to(device)
 
     def positions(self, device: torch.device) -> torch.Tensor:
+        """Each token's position within its document (the ``position_ids`` FA2's varlen path takes).
+
+        Args:
+            device: where the positions are made.
+
+        Returns:
+            The ``[1, T]`` int64 positions, restarting at 0 with each document.
+
+        Example::
+
+            >>> Documents.of([0, 3, 5]).positions(torch.device("cpu"))
+            tensor([[0, 1, 2, 0, 1]])
+        """
         return torch.cat([torch.arange(e - s) for s, e in self.spans]).to(device)[None]
 
 
 def is_placeholder(mask: Any) -> bool:
     """The ``[1, 1, 1, 1]`` mask ``forward_documents`` hands the model: it masks nothing, and the model's own
-    mask code (Gemma's sliding-window step included) passes it on without growing it to L x L."""
+    mask code (Gemma's sliding-window step included) passes it on without growing it to L x L.
+
+    Args:
+        mask: the ``attention_mask`` an attention function received (a tensor, None, a BlockMask, ...).
+
+    Returns:
+        True for a 4-D tensor whose last two dimensions are 1 x 1.
+
+    Example::
+
+        >>> is_placeholder(torch.ones(1, 1, 1, 1)), is_placeholder(torch.ones(1, 1, 40, 40)), is_placeholder(None)
+        (True, False, False)
+    """
     return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (1, 1)
 
 

@@ -106,7 +106,38 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: object = None,
 ) -> torch.Tensor:
-    """Reference of ``flash_attn.flash_attn_varlen_func``: q [total_q, Hq, D] -> [total_q, Hq, D]."""
+    """Reference of ``flash_attn.flash_attn_varlen_func``: q [total_q, Hq, D] -> [total_q, Hq, D].
+
+    Args:
+        q: the queries of every sequence, concatenated ``[total_q, Hq, D]``.
+        k: the keys ``[total_k, Hk, D]`` (``Hq`` a multiple of ``Hk``).
+        v: the values ``[total_k, Hk, Dv]``.
+        cu_seqlens_q: int32 query bounds ``(0, l0, l0 + l1, ...)``.
+        cu_seqlens_k: int32 key bounds, likewise.
+        max_seqlen_q: the longest query sequence (taken for the signature; the bounds decide).
+        max_seqlen_k: the longest key sequence (likewise).
+        dropout_p: must be 0.
+        softmax_scale: the softmax scale (None: ``1/sqrt(D)``).
+        causal: causal within each sequence, aligned bottom-right.
+        window_size: ``(left, right)`` keys a query sees beside its diagonal (-1: unbounded).
+        softcap: caps the scores at ``softcap * tanh(scores / softcap)`` (0: no cap).
+        alibi_slopes: must be None.
+        deterministic: taken for the signature (the reference always is).
+        return_attn_probs: must be False.
+        block_table: taken for the signature; ignored.
+
+    Returns:
+        The output ``[total_q, Hq, Dv]`` in ``q``'s dtype, contiguous.
+
+    Raises:
+        NotImplementedError: dropout, ALiBi or attention probabilities were asked for.
+
+    Example::
+
+        >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)  # two sequences: 3 and 4 tokens
+        >>> flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True).shape  # q [7, 4, 8], k/v [7, 2, 8]
+        torch.Size([7, 4, 8])
+    """
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     allowed = _segment_mask(cu_seqlens_q, cu_seqlens_k, causal, tuple(window_size))
     return _attend(q, k, v, allowed, softmax_scale, softcap)
@@ -125,7 +156,32 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> torch.Tensor:
-    """Reference of ``flash_attn.flash_attn_func``: q [B, Sq, Hq, D] -> [B, Sq, Hq, D(v)]."""
+    """Reference of ``flash_attn.flash_attn_func``: q [B, Sq, Hq, D] -> [B, Sq, Hq, D(v)].
+
+    Args:
+        q: the queries ``[B, Sq, Hq, D]``.
+        k: the keys ``[B, Sk, Hk, D]`` (``Hq`` a multiple of ``Hk``).
+        v: the values ``[B, Sk, Hk, Dv]``.
+        dropout_p: must be 0.
+        softmax_scale: the softmax scale (None: ``1/sqrt(D)``).
+        causal: causal, aligned bottom-right.
+        window_size: ``(left, right)`` keys a query sees beside its diagonal (-1: unbounded).
+        softcap: caps the scores at ``softcap * tanh(scores / softcap)`` (0: no cap).
+        alibi_slopes: must be None.
+        deterministic: taken for the signature (the reference always is).
+        return_attn_probs: must be False.
+
+    Returns:
+        The output ``[B, Sq, Hq, Dv]`` in ``q``'s dtype.
+
+    Raises:
+        NotImplementedError: dropout, ALiBi or attention probabilities were asked for.
+
+    Example::
+
+        >>> flash_attn_func(q, k, v, causal=True).shape  # q [2, 5, 4, 8], k/v [2, 5, 2, 8]
+        torch.Size([2, 5, 4, 8])
+    """
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
@@ -144,16 +200,62 @@ def flash_attn_func(
 
 # flash_attn.bert_padding equivalents, which transformers imports next to the kernels
 def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``bert_padding.index_first_axis``: the rows ``indices`` of ``x``.
+
+    Args:
+        x: a tensor of flattened tokens ``[B * S, ...]``.
+        indices: the rows to take.
+
+    Returns:
+        ``x[indices]``.
+
+    Example::
+
+        >>> index_first_axis(x.reshape(6, 4, 8), indices).shape  # indices of 5 real tokens
+        torch.Size([5, 4, 8])
+    """
     return x[indices]
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """``bert_padding.pad_input``: unpadded tokens back into a zero-padded batch.
+
+    Args:
+        hidden_states: the real tokens ``[total, ...]``.
+        indices: their positions in the flattened ``[batch * seqlen]`` batch (from :func:`unpad_input`).
+        batch: the batch size.
+        seqlen: the padded sequence length.
+
+    Returns:
+        The batch ``[batch, seqlen, ...]``, zeros at the padding.
+
+    Example::
+
+        >>> pad_input(flat, indices, 2, 3).shape  # flat: [5, 4, 8]
+        torch.Size([2, 3, 4, 8])
+    """
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
     out[indices] = hidden_states
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
 
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: object = None):
+    """``bert_padding.unpad_input``: the real tokens of a padded batch, flattened.
+
+    Args:
+        hidden_states: the padded batch ``[B, S, ...]``.
+        attention_mask: ``[B, S]``, 1 for a real token.
+        unused_mask: taken for flash-attn >= 2.7's signature; ignored.
+
+    Returns:
+        ``(tokens [total, ...], indices, cu_seqlens, max_seqlen, seqlens)``.
+
+    Example::
+
+        >>> flat, indices, cu, longest, lengths = unpad_input(x, torch.tensor([[1, 1, 1], [1, 1, 0]]))
+        >>> flat.shape, cu, longest  # x: [2, 3, 4, 8]
+        (torch.Size([5, 4, 8]), tensor([0, 3, 5], dtype=torch.int32), 3)
+    """
     seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
@@ -215,7 +317,18 @@ _active = 0  # how many reference_flash_attn blocks are open (the tracer asks wh
 
 
 def active() -> bool:
-    """Whether transformers' FA2 code runs on the reference (or a stand-in) kernel right now, not flash-attn."""
+    """Whether transformers' FA2 code runs on the reference (or a stand-in) kernel right now, not flash-attn.
+
+    Returns:
+        True inside a :func:`reference_flash_attn` block.
+
+    Example::
+
+        >>> active()
+        False
+        >>> with reference_flash_attn(): print(active())
+        True
+    """
     return _active > 0
 
 
@@ -234,6 +347,18 @@ def reference_flash_attn(varlen: Callable | None = None, dense: Callable | None 
     (``foundry_attn.patching``): they sit *beneath* any tracer wrapper (``upad_tracer``),
     so a tracer attached before or after still counts the calls, and contexts and tracers may close in
     any order. Nests with itself.
+
+    Args:
+        varlen: the kernel to install as ``flash_attn_varlen_func`` (None: the reference).
+        dense: the kernel to install as ``flash_attn_func`` (None: the reference).
+
+    Returns:
+        A context manager; the kernels are in place while it is open.
+
+    Example::
+
+        >>> with reference_flash_attn():  # transformers' stock FA2 path, on a CPU
+        ...     out = model(**batch)
     """
     dense, varlen = dense or flash_attn_func, varlen or flash_attn_varlen_func
     kernels = {**_KERNELS, "flash_attn_func": dense, "flash_attn_varlen_func": varlen}
@@ -274,6 +399,19 @@ def kernel_context(impl: str, device: torch.device, fa2_reference: bool = False)
 
     Models attached with ``attach(model, "flash_attention_2", fa2_reference=True)`` need no context: their
     attention function installs the reference kernel for each call itself.
+
+    Args:
+        impl: the attention implementation the block runs (only ``flash_attention_2`` gets the kernel).
+        device: the device the block runs on (not read).
+        fa2_reference: whether to install the reference kernel.
+
+    Returns:
+        :func:`reference_flash_attn` for ``flash_attention_2`` with ``fa2_reference``, else a null context.
+
+    Example::
+
+        >>> with kernel_context("flash_attention_2", torch.device("cpu"), fa2_reference=True):
+        ...     stock = model(**batch)
     """
     if impl == FA2 and fa2_reference:
         return reference_flash_attn()

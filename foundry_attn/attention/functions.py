@@ -40,8 +40,6 @@ from foundry_attn.attention.backends import (
     PREFIX,
     SDPA,
     TORCH_VARLEN,
-    backend_of,
-    set_implementation,
 )
 from foundry_attn.attention.block_masks import BLOCK_MASKS
 from foundry_attn.attention.compiled_op import document_attention, eager_document, eager_math, sdpa_document
@@ -504,19 +502,3 @@ def register() -> None:
     masks = {SDPA: SDPA, FLEX: FLEX}  # FA2, torch_varlen and eager take the additive mask on their mask branch
     for name in FUNCTIONS:
         AttentionMaskInterface.register(PREFIX + name, ALL_MASK_ATTENTION_FUNCTIONS[masks.get(name, EAGER)])
-
-
-def point(model: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
-    """Point ``model``'s attention at our function for ``backend`` (default: its current one), unproven.
-
-    Low level: :func:`foundry_attn.flat.attach.attach` points, proves the flat path against stock and records the
-    path; ``forward_documents`` runs a model that was only pointed one document per row.
-    Returns the name now in ``config._attn_implementation``.
-    """
-    register()
-    backend = backend or backend_of(model.config._attn_implementation)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
-    set_implementation(model, name)
-    return name

@@ -14,7 +14,16 @@ import torch
 
 
 def torch_varlen_kernel() -> Callable | None:
-    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), or None."""
+    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), or None.
+
+    Returns:
+        The kernel, or None where this torch has none.
+
+    Example::
+
+        >>> torch_varlen_kernel() is None  # torch 2.7
+        True
+    """
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -27,7 +36,19 @@ _VARLEN_PARAMETERS: dict[Callable, frozenset[str]] = {}
 
 def varlen_parameters(kernel: Callable | None) -> frozenset[str]:
     """The keywords a ``varlen_attn`` takes (2.10-2.11: ``is_causal``; 2.12+: ``window_size``, ``enable_gqa``),
-    read once per kernel; empty for None."""
+    read once per kernel; empty for None.
+
+    Args:
+        kernel: a ``varlen_attn`` (from :func:`torch_varlen_kernel`), or None.
+
+    Returns:
+        The names of its parameters.
+
+    Example::
+
+        >>> "window_size" in varlen_parameters(torch_varlen_kernel())  # torch 2.10-2.11 (True from 2.12)
+        False
+    """
     if kernel is None:
         return frozenset()
     if kernel not in _VARLEN_PARAMETERS:
@@ -51,7 +72,33 @@ def call_varlen(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D] through torch's ``varlen_attn`` in whichever signature it has:
     a window ``(left, right)`` as flash-attn counts it, grouped KV heads (repeated where there is no
-    ``enable_gqa``), and ``scale`` (folded into the query where the kernel takes none)."""
+    ``enable_gqa``), and ``scale`` (folded into the query where the kernel takes none).
+
+    Args:
+        kernel: the ``varlen_attn`` to call (:func:`torch_varlen_kernel`).
+        q: the queries of every sequence, concatenated ``[T, Hq, D]``.
+        k: the keys ``[T, Hk, D]`` (``Hq`` a multiple of ``Hk``).
+        v: the values ``[T, Hk, D]``.
+        cu_q: int32 query bounds ``(0, l0, l0 + l1, ...)`` on ``q``'s device.
+        cu_k: int32 key bounds, likewise.
+        max_q: the longest query sequence.
+        max_k: the longest key sequence.
+        scale: the softmax scale (None: ``1/sqrt(D)``).
+        window: ``(left, right)`` keys a query sees beside its diagonal, as flash-attn counts (-1: unbounded).
+        causal: causal within each sequence.
+
+    Returns:
+        The output ``[T, Hq, D]``.
+
+    Raises:
+        ValueError: a window was asked of a kernel without ``window_size`` (torch < 2.12).
+
+    Example::
+
+        >>> cu = torch.tensor([0, 17, 40], dtype=torch.int32, device="cuda")
+        >>> call_varlen(torch_varlen_kernel(), q, k, v, cu, cu, 23, 23, scale=0.125).shape  # q [40, 8, 64]
+        torch.Size([40, 8, 64])
+    """
     params = varlen_parameters(kernel)
     left, right = window
     extra: dict[str, Any] = {}

@@ -13,7 +13,7 @@ proves the flat path, keeping the :class:`~foundry_attn.flat.state.PathState` on
 
 What ``attach`` changes on the model, all of it here: ``config._attn_implementation`` (our registered name while flat,
 the stock one while rows), ``model.foundry_path`` (the :class:`~foundry_attn.flat.state.PathState`), the instance's
-``forward`` and its base model's (:class:`~foundry_attn.flat.forward.FlattenedForward`, ``FlattenedBackbone``: the
+``forward`` and its base model's (:class:`~foundry_attn.flat.model_forward.FlattenedForward`, ``FlattenedBackbone``: the
 ecosystem's packed batches take the proven path). When each path runs and when the proof is due again:
 :mod:`foundry_attn.flat.state`. Core module: torch and transformers only.
 """
@@ -28,36 +28,24 @@ from typing import Any
 
 import torch
 
-from foundry_attn.attention.backends import (
-    BACKENDS,
-    EAGER,
-    FA2,
-    FA2_REFERENCE,
-    FLEX,
-    NAMES,
-    PREFIX,
-    REGISTERED,
-    SDPA,
-    backend_of,
-    set_implementation,
-)
-from foundry_attn.attention.functions import point
-from foundry_attn.checks import check_interval
-from foundry_attn.flat.forward import takes_flattened_batches
+from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, FLEX, NAMES, SDPA, backend_of, rows_name
+from foundry_attn.checks import check_choice, check_interval
+from foundry_attn.flat.forward import packed_backbone, packed_model
+from foundry_attn.flat.implementation import current, point, use
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
-from foundry_attn.flat.proof import proof_lengths, synthetic_documents
+from foundry_attn.flat.model_forward import replace_forwards
 from foundry_attn.flat.state import (
     AUTO,
     FLAT,
     PATH_ATTR,
     PROOF_INTERVAL,
     ROWS,
-    ROWS_NAME,
     FlatPathError,
     PathState,
     check_path,
 )
+from foundry_attn.flat.synthetic import proof_lengths, synthetic_documents
 from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.selection import policy
 from foundry_attn.selection.decision import decide
@@ -147,6 +135,8 @@ def attach(
     """
     check_path(path)
     check_interval("attach", "interval", interval, minimum=0)
+    if backend is not None:
+        check_choice("attention backend", backend, (policy.AUTO, *BACKENDS))
     hf = unwrapped(model)
     if backend == policy.AUTO:
         decision = decide(
@@ -239,25 +229,19 @@ def _attach_backend(
     """:func:`attach` for one named backend; a refusal leaves the model as it was."""
     hf = unwrapped(model)
     before = getattr(hf, PATH_ATTR, None)
-    built = before.rows_name if before is not None else hf.config._attn_implementation
-    backend = backend or backend_of(built) or EAGER
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join((policy.AUTO, *BACKENDS))}")
+    built = before.rows_name if before is not None else current(hf)
+    backend = check_choice("attention backend", backend or backend_of(built) or EAGER, BACKENDS)
     _refuse_unsupported(hf, backend, fa2_reference)
-    base = getattr(hf, "base_model", hf)
-    forwards = [(m, vars(m).get("forward")) for m in (hf, base)]
-    takes_flattened_batches(hf)  # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
-    rows_name = built if backend_of(built) == backend and built not in REGISTERED else ROWS_NAME[backend]
-    if backend == FA2 and fa2_reference and built != FA2:  # our function's stock branch installs the reference
-        rows_name = PREFIX + FA2_REFERENCE
-    if backend == FLEX and next(hf.parameters()).device.type == "cpu":  # stock flex compiles: no CPU training
-        rows_name = EAGER
+    # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
+    forwards = replace_forwards(hf, packed_model, packed_backbone)
+    cpu = next(hf.parameters()).device.type == "cpu"
+    rows = rows_name(backend, built, fa2_reference, cpu)
     state = PathState(
         backend,
         FLAT,
         "proven flat",
         point(hf, backend, fa2_reference),
-        rows_name,
+        rows,
         reference=fa2_reference,
         binding=strict and path == FLAT,
         interval=interval,
@@ -269,7 +253,7 @@ def _attach_backend(
         log.warning("foundry_attn: %s", bypassed)
     if path == ROWS:
         state.path, state.reason = ROWS, "attn_path: rows"
-        set_implementation(hf, rows_name)
+        use(hf, rows)
     if prove_now:
         device = next(hf.parameters()).device
         docs = synthetic_documents(hf.config, proof_lengths(hf.config), device)
@@ -282,16 +266,12 @@ def _attach_backend(
             else:
                 state.prove(hf, inputs, "attach")
         except AttentionUnavailableError:  # refused: the model as it was before this attach
-            set_implementation(hf, built)
+            use(hf, built)
             if before is None:
                 delattr(hf, PATH_ATTR)
             else:
                 setattr(hf, PATH_ATTR, before)
-            for module, forward in forwards:
-                if forward is None:
-                    vars(module).pop("forward", None)
-                else:
-                    module.forward = forward
+            forwards.restore()
             raise
     elif path != ROWS:
         state.reason = "flat, proven on the first training batch"

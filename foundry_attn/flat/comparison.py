@@ -17,7 +17,6 @@ transformers only.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import itertools
 import math
@@ -29,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn.attention.backends import config_value
+from foundry_attn.flat.forward_probe import looked_up
+from foundry_attn.flat.model_forward import own_forward
 
 #: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
 ATOL_FP32 = 1e-4
@@ -67,24 +68,6 @@ class Limits:
         )
 
 
-_PROVING = contextvars.ContextVar("foundry_attn_proving", default=False)
-
-
-def proving() -> bool:
-    """True inside a proof's forwards: the callbacks' hooks and tracers leave them out of what they report."""
-    return _PROVING.get()
-
-
-@contextlib.contextmanager
-def hidden() -> Iterator[None]:
-    """Forwards in this block are a check's, not the batch's: :func:`proving` is True inside it."""
-    token = _PROVING.set(True)
-    try:
-        yield
-    finally:
-        _PROVING.reset(token)
-
-
 @contextlib.contextmanager
 def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
     """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after."""
@@ -100,65 +83,6 @@ def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
 def half(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a forward in ``dtype`` on ``device`` computes in half precision (half weights or autocast)."""
     return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
-
-
-class ForwardProbe:
-    """What one forward of ``hf`` really ran, read inside it by hooks on its input embeddings: its autocast
-    (accelerate's mixed precision wraps the model's ``forward`` itself, so code outside that forward sees fp32 while
-    the layers run in bf16; :meth:`context` repeats it for a judgement's own forwards) and, in a training forward,
-    the input ``embeds`` as a tensor the verdict differentiates against (a frozen embedding's output becomes a leaf
-    that requires grad: the same values, the same graph above it). A user's ``torch.autocast`` and Composer's
-    precision context are read the same way.
-
-        probe = ForwardProbe(hf)
-        out = model(**batch)
-        judge(hf, batch, out, context=probe.context(), embeds=probe.embeds)
-        probe.remove()
-    """
-
-    def __init__(self, hf: Any) -> None:
-        self.autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype) of the forward read
-        self.embeds: torch.Tensor | None = None
-        inner = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
-        inner = inner if isinstance(inner, torch.nn.Module) else hf
-        self._handles: list[Any] = [inner.register_forward_pre_hook(self._read)]
-        if inner is not hf:
-            self._handles.append(inner.register_forward_hook(self._keep))
-
-    def _read(self, module: torch.nn.Module, args: Any) -> None:
-        if proving():  # a proof's forward inside the step's call, before the step's own
-            return
-        param = next(module.parameters(), None)
-        device = param.device.type if param is not None else "cpu"
-        if torch.is_autocast_enabled(device):
-            self.autocast = (device, torch.get_autocast_dtype(device))
-        self._handles[0].remove()
-
-    def _keep(self, module: torch.nn.Module, args: Any, out: Any) -> Any:
-        """The last training forward's (a batch that moved to rows runs again: its second forward is the one that
-        returns), until :meth:`remove`."""
-        if proving() or not (looked_up(args) and isinstance(out, torch.Tensor) and out.is_floating_point()):
-            return None
-        if not torch.is_grad_enabled():
-            return None
-        if not out.requires_grad:
-            out = out.detach().requires_grad_()
-        self.embeds = out
-        return out
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def context(self) -> contextlib.AbstractContextManager:
-        """The forward's autocast again (nothing when it ran without)."""
-        return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
-
-
-def looked_up(args: Any) -> bool:
-    """Whether an embedding module's call looks token ids up (an integer input), not a shared embedding used as the
-    output layer (MPT's ``wte(hidden, unembed=True)``)."""
-    return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point()
 
 
 def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
@@ -346,21 +270,6 @@ class Run:
     logits: torch.Tensor
     grad: torch.Tensor | None = None
     params: ParamGrads | None = None
-
-
-def own_forward(hf: Any, **inputs: Any) -> Any:
-    """``hf`` called with its class ``forward``: what stock computes, through the module's hooks (FSDP2 gathers its
-    weights in one) but without what replaced the instance's ``forward`` (accelerate's mixed precision, TRL's fused
-    head, our flattened forward), which is put back after. A check's forward runs inside the step's own call;
-    calling accelerate's wrapper from there re-enters its one ``torch.autocast`` object, whose outer exit then leaves
-    autocast on for the rest of the process. The precision is the caller's: the step's autocast, or
-    :meth:`ForwardProbe.context`."""
-    instance = vars(hf).pop("forward", None)
-    try:
-        return hf(**inputs)
-    finally:
-        if instance is not None:
-            vars(hf)["forward"] = instance
 
 
 def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from foundry_attn.attention.documents import DOCS_KEY
 from foundry_attn.flat.inputs import (
     Placed,
     base_parameters,
@@ -36,7 +34,6 @@ from foundry_attn.flat.inputs import (
     flat_positions,
     has_targets,
     one_per_row,
-    packed_call,
     placed_back,
     real_tokens,
     stock_packed,
@@ -161,83 +158,59 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
     return Prepared(inputs, placed, no_targets)
 
 
-class FlattenedForward:
-    """An attached model's ``forward`` (:func:`foundry_attn.flat.attach.attach` sets it on the instance): a batch the
-    ecosystem packed into one row (transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free``:
-    restarting ``position_ids``, ``cu_seq_lens_*``, ``seq_idx``; :func:`foundry_attn.flat.layout.flattened_lengths`)
-    runs the proven path, flat or rows, with the proof, exactly as :func:`forward_documents` runs ours; every other
-    call (a 2-D mask, generation, our own flat inputs) runs the model's own ``forward`` unchanged.
+def packed_model(model: Any, forward: Callable[..., Any], batch: dict[str, Any], extra: dict[str, Any]) -> Any:
+    """What a packed call of an attached model runs (its :class:`~foundry_attn.flat.model_forward.FlattenedForward`):
+    the proven path, flat or rows, with the proof, as :func:`forward_documents`; the logits in the batch's one row.
 
-        attach(model, "sdpa")
-        SFTTrainer(model=model, args=SFTConfig(padding_free=True), ...)    # model(**batch) takes this path
+    Args:
+        model: the transformers causal LM.
+        forward: its class ``forward`` (called unbound: nothing for Dynamo to guard).
+        batch: the call's packed documents as a batch (:func:`foundry_attn.flat.inputs.packed_call`).
+        extra: the call's other keywords, passed on.
+
+    Returns:
+        The model's output, shaped as the call's batch.
+
+    Example::
+
+        >>> out = model(input_ids=row, position_ids=restarting, labels=row)   # an attached model routes it here
     """
-
-    def __init__(self, model: Any) -> None:
-        self.model = model  # a deep copy of the model copies this too, bound to the copy
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        """The model's own (the Trainer reads it to keep the dataset's columns)."""
-        return inspect.signature(type(self.model).forward.__get__(self.model))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model, forward = self.model, type(self.model).forward  # no bound method made: nothing for Dynamo to guard
-        if args or DOCS_KEY in kwargs:  # ours (flat inputs) or a positional call: the model's own forward
-            return forward(model, *args, **kwargs)
-        packed = packed_call(kwargs)
-        if packed is None:
-            return forward(model, **kwargs)
-        batch, extra = packed
-        prepared = prepare_documents(model, batch, in_step=not torch.compiler.is_compiling())
-        out, prepared = run_prepared(
-            lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, batch, prepared
-        )
-        return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
+    prepared = prepare_documents(model, batch, in_step=not torch.compiler.is_compiling())
+    out, prepared = run_prepared(
+        lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, batch, prepared
+    )
+    return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
 
 
-class FlattenedBackbone:
-    """An attached model's base model ``forward``: a packed batch that reaches the backbone itself (TRL's fused LM
-    head calls ``model.base_model`` and projects the hidden states in chunks, so the model's own ``forward`` never
-    runs) takes the proven path too, flat or rows (proven on the causal LM, its own forward), and its
-    ``last_hidden_state`` comes back in the batch's one row. Calls that carry our documents (the causal LM's own
-    flat path), a mask, or no packed documents run the base model's forward unchanged."""
+def packed_backbone(model: Any, forward: Callable[..., Any], batch: dict[str, Any], extra: dict[str, Any]) -> Any:
+    """What a packed call of an attached model's base model runs (TRL's fused LM head calls the backbone itself):
+    the proven path, flat or rows (proven on the causal LM, its own forward), ``last_hidden_state`` back in the
+    batch's one row, and router logits of real tokens only.
 
-    def __init__(self, model: Any) -> None:
-        self.model = model  # the causal LM; its base model is model.base_model
+    Args:
+        model: the transformers causal LM whose ``base_model`` was called.
+        forward: the base model's class ``forward``.
+        batch: the call's packed documents as a batch.
+        extra: the call's other keywords, passed on.
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        base = self.model.base_model
-        return inspect.signature(type(base).forward.__get__(base))
+    Returns:
+        The base model's output, shaped as the call's batch.
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        base = self.model.base_model
-        forward = type(base).forward
-        packed = None if args or DOCS_KEY in kwargs or torch.compiler.is_compiling() else packed_call(kwargs)
-        if packed is None:
-            return forward(base, *args, **kwargs)
-        batch, extra = packed
-        prepared = prepare_documents(self.model, batch)  # a proof due runs its own forward of the causal LM
-        inputs = {k: v for k, v in prepared.inputs.items() if k != "labels"}
-        if "use_cache" in base_parameters(type(base)):  # type: ignore[arg-type]  # (see flat_inputs)
-            extra["use_cache"] = False
-        out = forward(base, **inputs, **extra)
-        out.last_hidden_state = placed_back(out.last_hidden_state, prepared.placed)
-        routers = getattr(out, "router_logits", None)
-        if routers:  # the caller's router loss reads every token as real: the rows path's padding leaves
-            out.router_logits = tuple(real_tokens(r, prepared.placed.src) for r in routers)
-        return out
+    Example::
 
-
-def takes_flattened_batches(model: Any) -> None:
-    """Set :class:`FlattenedForward` as ``model``'s forward, and :class:`FlattenedBackbone` as its base model's
-    (once; the HF model inside a wrapper)."""
-    hf = unwrapped(model)
-    if not isinstance(vars(hf).get("forward"), FlattenedForward):
-        hf.forward = FlattenedForward(hf)
-    base = getattr(hf, "base_model", hf)
-    if base is not hf and not isinstance(vars(base).get("forward"), FlattenedBackbone):
-        base.forward = FlattenedBackbone(hf)
+        >>> hidden = model.base_model(input_ids=row, position_ids=restarting).last_hidden_state
+    """
+    base = model.base_model
+    prepared = prepare_documents(model, batch)  # a proof due runs its own forward of the causal LM
+    inputs = {k: v for k, v in prepared.inputs.items() if k != "labels"}
+    if "use_cache" in base_parameters(type(base)):  # type: ignore[arg-type]  # (see flat_inputs)
+        extra["use_cache"] = False
+    out = forward(base, **inputs, **extra)
+    out.last_hidden_state = placed_back(out.last_hidden_state, prepared.placed)
+    routers = getattr(out, "router_logits", None)
+    if routers:  # the caller's router loss reads every token as real: the rows path's padding leaves
+        out.router_logits = tuple(real_tokens(r, prepared.placed.src) for r in routers)
+    return out
 
 
 @functools.cache

@@ -44,7 +44,20 @@ FLATTENED_KEYS = frozenset(
 def packed_call(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """A call's keywords as the batch :func:`prepare_documents` lays out (``doc_lens`` read by
     :func:`foundry_attn.flat.layout.flattened_lengths`, its ``labels`` and ``position_ids``) and the keywords that pass
-    on to the model; None for a call that is not one packed row."""
+    on to the model; None for a call that is not one packed row.
+
+    Args:
+        kwargs: the keywords of a model call (``input_ids``, ``position_ids``, ``labels``, ...).
+
+    Returns:
+        The batch and the keywords left for the model, or None.
+
+    Example::
+
+        >>> batch, rest = packed_call(dict(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]])))
+        >>> batch["doc_lens"], rest  # ids: [1, 7]
+        ([[3, 4]], {})
+    """
     lengths = flattened_lengths(kwargs)
     if lengths is None:
         return None
@@ -56,7 +69,20 @@ def packed_call(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
 
 
 def real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
-    """A layer's router logits (``[tokens, experts]`` or ``[rows, width, experts]``) at the real tokens only."""
+    """A layer's router logits (``[tokens, experts]`` or ``[rows, width, experts]``) at the real tokens only.
+
+    Args:
+        router_logits: one layer's router logits (anything else passes through).
+        src: :attr:`Placed.src`, the real tokens' indices in the model's layout.
+
+    Returns:
+        ``[real tokens, experts]`` logits, or ``router_logits`` as given.
+
+    Example::
+
+        >>> real_tokens(router_logits, placed.src).shape  # one_per_row's 3 x 5 rows: [15, 8] logits, 12 real tokens
+        torch.Size([12, 8])
+    """
     if not isinstance(router_logits, torch.Tensor):
         return router_logits
     flat = router_logits.reshape(-1, router_logits.shape[-1])
@@ -64,7 +90,20 @@ def real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
 
 
 def flat_positions(ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The batch's own; else ours restart per document; a user's mask keeps HF's default (index in the row)."""
+    """The batch's own; else ours restart per document; a user's mask keeps HF's default (index in the row).
+
+    Args:
+        ids: the batch's ``input_ids``, ``[rows, width]``.
+        layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
+
+    Returns:
+        ``[rows, width]`` position ids.
+
+    Example::
+
+        >>> flat_positions(ids, Layout.from_batch({"input_ids": ids, "doc_lens": [[3, 4], [5]]}))  # ids: [2, 8]
+        tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
+    """
     if layout.positions is not None:
         return layout.positions
     if layout.marked:
@@ -73,7 +112,20 @@ def flat_positions(ids: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
-    """Whether any token has a target (host counts when the collator gave them: no device sync)."""
+    """Whether any token has a target (host counts when the collator gave them: no device sync).
+
+    Args:
+        batch: the batch, read for the collator's ``loss_generating_tokens``.
+        labels: its ``[rows, width]`` labels (on a GPU without counts: assumed True, no sync).
+
+    Returns:
+        True when some token is trained on.
+
+    Example::
+
+        >>> has_targets({"loss_generating_tokens": [6, 4]}, labels)
+        True
+    """
     counts = batch.get("loss_generating_tokens")
     if counts is not None:
         return sum(counts) > 0
@@ -92,7 +144,24 @@ def flat_inputs(
     hf: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
 ) -> tuple[dict[str, Any], Placed]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
-    (:mod:`foundry_attn.flat.proof`) runs these very inputs: the layout that trains."""
+    (:mod:`foundry_attn.flat.proof`) runs these very inputs: the layout that trains.
+
+    Args:
+        hf: the HF model (not a wrapper), read for its config, dtype and base model.
+        ids: the batch's ``input_ids``, ``[rows, width]``.
+        positions: its ``[rows, width]`` position ids (:func:`flat_positions`).
+        labels: its ``[rows, width]`` labels, or None.
+        layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
+
+    Returns:
+        The model's keywords (a ``[1, real tokens]`` row, the documents under ``DOCS_KEY``) and :class:`Placed`.
+
+    Example::
+
+        >>> inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)  # doc_lens [[3, 4], [5]]
+        >>> inputs["input_ids"].shape, inputs[DOCS_KEY]
+        (torch.Size([1, 12]), Documents(bounds=(0, 3, 7, 12)))
+    """
     flat = layout.real_indices(ids.device)
     docs = Documents.of(layout.bounds(), ids.device)
     total = docs.bounds[-1]
@@ -123,7 +192,16 @@ def flat_inputs(
 @functools.cache
 def stock_splits_packed_rows() -> bool:
     """Whether stock transformers keeps the documents of one packed row apart by itself (5.x ``masking_utils``: a
-    block-diagonal mask from restarting ``position_ids`` when the call has no mask and no cache)."""
+    block-diagonal mask from restarting ``position_ids`` when the call has no mask and no cache).
+
+    Returns:
+        True where ``masking_utils`` has ``find_packed_sequence_indices`` (5.x), else False.
+
+    Example::
+
+        >>> stock_splits_packed_rows()  # transformers 4.51
+        False
+    """
     import importlib.util
 
     if importlib.util.find_spec("transformers.masking_utils") is None:
@@ -137,14 +215,38 @@ def stock_packed(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The flat row as stock's padding-free batch gives it (:func:`flat_inputs` without a mask: under a stock
     implementation, stock builds its own packed mask from the restarting ``position_ids``), for a model whose
     attention our documents cannot reach. The documents stay in the call (stock's functions take them as an unused
-    keyword; our forward reads them as a call it must not lay out again)."""
+    keyword; our forward reads them as a call it must not lay out again).
+
+    Args:
+        inputs: the keywords :func:`flat_inputs` made.
+
+    Returns:
+        The same keywords less ``attention_mask``.
+
+    Example::
+
+        >>> sorted(stock_packed(inputs))
+        ['foundry_documents', 'input_ids', 'labels', 'position_ids']
+    """
     return {k: v for k, v in inputs.items() if k != "attention_mask"}
 
 
 @functools.lru_cache(maxsize=64)
 def base_parameters(base_class: type[torch.nn.Module]) -> frozenset[str]:
     """The parameter names of a module class's ``forward`` (a base model's, a causal LM's: what it reads besides
-    ``**kwargs``)."""
+    ``**kwargs``).
+
+    Args:
+        base_class: a module class, e.g. ``type(hf.base_model)``.
+
+    Returns:
+        Its ``forward``'s parameter names (``self`` included).
+
+    Example::
+
+        >>> "last_cache_position" in base_parameters(type(hf.base_model))  # LlamaModel
+        False
+    """
     return frozenset(inspect.signature(base_class.forward).parameters)
 
 
@@ -158,7 +260,25 @@ def one_per_row(
 ) -> tuple[dict[str, Any], Placed]:
     """One document per row with a 2-D mask, right-padded (exact under any stock backend for a model that handles
     right padding) or, with ``left``, left-padded, with each document's positions counted from its first token where
-    the model takes ``position_ids`` (a model that assumes left padding: CPM-Ant)."""
+    the model takes ``position_ids`` (a model that assumes left padding: CPM-Ant).
+
+    Args:
+        hf: the HF model (not a wrapper), read for its pad token and ``forward``'s parameters.
+        ids: the batch's ``input_ids``, ``[rows, width]``.
+        positions: its ``[rows, width]`` position ids, or None (the model's own).
+        labels: its ``[rows, width]`` labels, or None.
+        layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
+        left: left-pad the rows instead of right-padding them.
+
+    Returns:
+        The model's keywords (``[documents, longest]`` rows with a 2-D ``attention_mask``) and :class:`Placed`.
+
+    Example::
+
+        >>> inputs, placed = one_per_row(hf, ids, None, labels, layout)  # doc_lens [[3, 4], [5]]
+        >>> inputs["attention_mask"]
+        tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    """
     flat = layout.real_indices(ids.device)
     lengths = layout.lengths
     width = max(lengths)
@@ -190,14 +310,39 @@ def one_per_row(
 
 def pad_id(hf: Any) -> int:
     """The id right padding is filled with: the model's pad token where it has one (RoBERTa-style position ids
-    count from it), else 0."""
+    count from it), else 0.
+
+    Args:
+        hf: the HF model, read for ``config.pad_token_id``.
+
+    Returns:
+        The pad id.
+
+    Example::
+
+        >>> pad_id(LlamaForCausalLM(LlamaConfig()))  # no pad token
+        0
+    """
     pad = getattr(hf.config, "pad_token_id", None)
     return pad if isinstance(pad, int) and pad >= 0 else 0
 
 
 def placed_back(values: torch.Tensor, placed: Placed) -> torch.Tensor:
     """``[..., C]`` values in the model's layout as ``[rows, width, C]`` in the batch's (zeros at its padding); a
-    view, no copy, where neither layout has padding (a packed row, full rows)."""
+    view, no copy, where neither layout has padding (a packed row, full rows).
+
+    Args:
+        values: the model's output in its layout, e.g. ``out.logits``.
+        placed: the :class:`Placed` of the inputs it ran.
+
+    Returns:
+        ``[rows, width, C]`` values.
+
+    Example::
+
+        >>> placed_back(out.logits, placed).shape  # out.logits: [1, 12, 64]; the batch: [2, 8]
+        torch.Size([2, 8, 64])
+    """
     src, dst, rows, width = placed  # both ascending: where the real tokens are in the model's layout, the batch's
     flat = values.reshape(-1, values.shape[-1])
     if src.numel() != flat.shape[0]:  # the rows layout pads its own rows

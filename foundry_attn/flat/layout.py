@@ -42,6 +42,20 @@ class Layout:
 
         A mask row must be one contiguous run of ones (right, left or both sides padded); a row with gaps
         is refused, never misread.
+
+        Args:
+            batch: its ``input_ids`` ``[rows, width]``, and ``doc_lens``, ``attention_mask``, ``position_ids`` if any.
+
+        Returns:
+            The batch's layout.
+
+        Raises:
+            ValueError: an ``attention_mask`` row with more than one run of real tokens.
+
+        Example::
+
+            >>> Layout.from_batch({"input_ids": ids, "doc_lens": [[3, 4], [5]]}).bounds()  # ids: [2, 8]
+            [0, 3, 7, 12]
         """
         ids = batch["input_ids"]
         rows, width = ids.shape
@@ -71,30 +85,103 @@ class Layout:
 
     @property
     def rows(self) -> int:
+        """The number of rows of the batch.
+
+        Returns:
+            ``len(doc_lens)``.
+
+        Example::
+
+            >>> Layout(((3, 4), (5,)), 8).rows
+            2
+        """
         return len(self.doc_lens)
 
     def start(self, row: int) -> int:
+        """Where ``row``'s first real token sits (0 unless left-padded).
+
+        Args:
+            row: the row's index.
+
+        Returns:
+            The column of its first real token.
+
+        Example::
+
+            >>> Layout(((4,), (4,)), 6, starts=(0, 2)).start(1)
+            2
+        """
         return self.starts[row] if self.starts else 0
 
     @functools.cached_property  # read by every derived quantity below; the layout is frozen
     def lengths(self) -> list[int]:
-        """All document lengths, row after row."""
+        """All document lengths, row after row.
+
+        Returns:
+            The lengths, flat.
+
+        Example::
+
+            >>> Layout(((3, 4), (5,)), 8).lengths
+            [3, 4, 5]
+        """
         return [n for row in self.doc_lens for n in row]
 
     @property
     def real_tokens(self) -> int:
+        """How many real tokens the batch holds.
+
+        Returns:
+            The sum of all document lengths.
+
+        Example::
+
+            >>> Layout(((3, 4), (5,)), 8).real_tokens
+            12
+        """
         return sum(self.lengths)
 
     @property
     def max_length(self) -> int:
+        """The longest document (FA2's ``max_length``).
+
+        Returns:
+            Its length; 0 for a batch without documents.
+
+        Example::
+
+            >>> Layout(((3, 4), (5,)), 8).max_length
+            5
+        """
         return max(self.lengths, default=0)
 
     def bounds(self) -> list[int]:
-        """``[0, l0, l0+l1, ...]``: where each document starts and ends in the flat row of real tokens."""
+        """``[0, l0, l0+l1, ...]``: where each document starts and ends in the flat row of real tokens.
+
+        Returns:
+            The document bounds, ``len(lengths) + 1`` of them.
+
+        Example::
+
+            >>> Layout(((3, 4), (5,)), 8).bounds()
+            [0, 3, 7, 12]
+        """
         return [0, *itertools.accumulate(self.lengths)]
 
     def real_indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Flat indices (into ``rows * width``) of the real tokens, in order."""
+        """Flat indices (into ``rows * width``) of the real tokens, in order.
+
+        Args:
+            device: where the indices go.
+
+        Returns:
+            A ``[real_tokens]`` long tensor.
+
+        Example::
+
+            >>> Layout(((4,), (4,)), 6, starts=(0, 2)).real_indices()
+            tensor([ 0,  1,  2,  3,  8,  9, 10, 11])
+        """
         idx = [
             torch.arange(r * self.width + self.start(r), r * self.width + self.start(r) + sum(row))
             for r, row in enumerate(self.doc_lens)
@@ -102,7 +189,19 @@ class Layout:
         return torch.cat(idx).to(device, non_blocking=True) if idx else torch.zeros(0, dtype=torch.long)
 
     def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[rows, width] positions restarting at every document; padding counts from 0 as well."""
+        """[rows, width] positions restarting at every document; padding counts from 0 as well.
+
+        Args:
+            device: where the positions go.
+
+        Returns:
+            A ``[rows, width]`` long tensor.
+
+        Example::
+
+            >>> Layout(((3, 4), (5,)), 8).position_ids()
+            tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
+        """
         out = torch.empty(self.rows, self.width, dtype=torch.long)
         for r, row in enumerate(self.doc_lens):
             sizes = [self.start(r), *row, self.width - self.start(r) - sum(row)]
@@ -127,6 +226,17 @@ def packed_rows(batch: Mapping) -> list[DocumentRow]:
 
     Read from ``doc_lens`` (foundry_attn's collator), else ``sequence_id`` (LLM-Foundry's packing: -1 on padding),
     else ``position_ids`` that restart inside a row (on real tokens when a 2-D ``attention_mask`` is given).
+
+    Args:
+        batch: a batch with ``doc_lens``, ``sequence_id`` or ``position_ids`` (and ``attention_mask``).
+
+    Returns:
+        One :class:`DocumentRow` per such row; empty when the batch marks none.
+
+    Example::
+
+        >>> packed_rows({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])})
+        [DocumentRow(row=0, start=0, lengths=(3, 4))]
     """
     if batch.get("doc_lens") is not None:
         rows = [DocumentRow(r, 0, tuple(int(n) for n in lens)) for r, lens in enumerate(batch["doc_lens"])]
@@ -157,7 +267,22 @@ def packed_rows(batch: Mapping) -> list[DocumentRow]:
 def flattened_lengths(batch: Mapping) -> list[int] | None:
     """The document lengths of one flat row as the ecosystem packs it (transformers' ``DataCollatorWithFlattening``,
     TRL's padding-free collator): ``cu_seq_lens_q``, else ``seq_idx``, else ``position_ids`` that restart, in a
-    ``[1, tokens]`` batch without a mask or a cache; None for anything else (one host sync when it reads a tensor)."""
+    ``[1, tokens]`` batch without a mask or a cache; None for anything else (one host sync when it reads a tensor).
+
+    Args:
+        batch: a batch, or a model call's keywords.
+
+    Returns:
+        The document lengths, or None.
+
+    Raises:
+        ValueError: ``labels`` of another shape than ``input_ids``, or ``position_ids`` that mark other documents.
+
+    Example::
+
+        >>> flattened_lengths({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])})  # ids: [1, 7]
+        [3, 4]
+    """
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         return None
@@ -198,5 +323,18 @@ def flattened_lengths(batch: Mapping) -> list[int] | None:
 
 
 def short(values: list[int], keep: int = 6) -> str:
-    """``[0, 5, 16, ...]`` with the count when long."""
+    """``[0, 5, 16, ...]`` with the count when long.
+
+    Args:
+        values: the list to show.
+        keep: how many values a long list shows.
+
+    Returns:
+        The list as text.
+
+    Example::
+
+        >>> short(list(range(0, 100, 10)))
+        '[0, 10, 20, 30, 40, 50, ...] (10)'
+    """
     return str(values) if len(values) <= keep else f"[{', '.join(map(str, values[:keep]))}, ...] ({len(values)})"

@@ -33,6 +33,8 @@ from itertools import pairwise
 
 import torch
 
+from foundry_attn.checks import check_choice
+
 PADDING_MODES = ("mask", "pack", "none")
 OVERFLOW_MODES = ("split", "truncate")
 IGNORE_INDEX = -100
@@ -40,17 +42,24 @@ Example = tuple[torch.Tensor, torch.Tensor | None]  # real tokens, labels (None:
 Document = tuple[torch.Tensor, torch.Tensor]  # tokens, labels
 
 
-def check_choice(key: str, value: str, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ValueError(f"{key}: unknown value {value!r}; valid values: {', '.join(choices)}")
-    return value
-
-
 def true_lengths(input_ids: torch.Tensor, pad_id: int, eos_id: int | None) -> torch.Tensor:
     """Real length of each row of ``input_ids`` [B, S] from its trailing pad run.
 
     With pad == EOS the first EOS of the trailing run ends the document, so it counts as real.
     A row made only of padding has length 0.
+
+    Args:
+        input_ids: ``[B, S]`` token ids, padded at the end.
+        pad_id: the pad token.
+        eos_id: the EOS token, or None.
+
+    Returns:
+        A ``[B]`` long tensor of lengths.
+
+    Example::
+
+        >>> true_lengths(torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9]]), pad_id=2, eos_id=2)
+        tensor([3, 5])
     """
     seq = input_ids.shape[-1]
     positions = torch.arange(seq, device=input_ids.device)

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from foundry_attn.attention.backends import config_value, set_implementation
 from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.comparison import (
@@ -47,12 +46,10 @@ from foundry_attn.flat.comparison import (
     documents_loss,
     embeddings,
     evaluating,
-    hidden,
     influence,
     limits_for,
     limits_note,
     loss_grads,
-    own_forward,
     params_differ,
     run,
     summed,
@@ -61,8 +58,11 @@ from foundry_attn.flat.comparison import (
     training_noise,
     worse,
 )
+from foundry_attn.flat.implementation import running
 from foundry_attn.flat.inputs import one_per_row, stock_packed
 from foundry_attn.flat.layout import Layout
+from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.flat.proving import hidden
 from foundry_attn.flat.unwrap import unwrapped
 
 
@@ -88,42 +88,6 @@ class Proof:
         return f"failed ({docs}): {self.reason}"
 
 
-def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-    """Seeded token ids (a local generator: the global RNG is untouched) that avoid the config's special ids."""
-    gen = torch.Generator().manual_seed(0)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its decoder's
-    vocab = int(config_value(config, "vocab_size", 0) or config_value(text, "vocab_size", 0) or 1000)
-    special: set[int] = set()
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = config_value(config, name)
-        special.update(v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, int))
-    low, high = 1, max(2, min(vocab, 1000))
-    docs = []
-    for n in lengths:
-        ids = torch.randint(low, high, (n,), generator=gen)
-        for s in special:
-            ids[ids == s] = (s + 1) % high or low
-        docs.append(ids.to(device))
-    return docs
-
-
-def shortest_window(config: Any) -> int | None:
-    """The shortest sliding window or attention chunk the config names (per layer on a heterogeneous one)."""
-    windows = [
-        int(w)
-        for n in ("sliding_window", "attention_chunk_size", "local_window", "window_size")
-        if isinstance(w := config_value(config, n, None, min), int) and w > 0
-    ]
-    return min(windows, default=None)
-
-
-def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
-    """Two documents for the build-time proof, the first longer than any short window or chunk of the config."""
-    short = shortest_window(config) or longest
-    first = short + 5 if short + 5 <= 64 else longest
-    return max(first, 9), 13
-
-
 def pick(docs: Documents) -> tuple[int, int]:
     """The two documents of a flat row to run alone: the longest (the length a kernel picks its code path by,
     past a window where any document is) and the last (the most exposed to what precedes it, ending at the row's
@@ -139,17 +103,6 @@ def pick(docs: Documents) -> tuple[int, int]:
         return longest, last
     others = [i for i in range(last) if lengths[i] > 1] or list(range(last))
     return min(others, key=lambda i: lengths[i]), last
-
-
-@contextlib.contextmanager
-def _implementation(hf: Any, name: str) -> Iterator[None]:
-    """``config._attn_implementation`` set to ``name`` for the block, restored after."""
-    before = hf.config._attn_implementation
-    set_implementation(hf, name)
-    try:
-        yield
-    finally:
-        set_implementation(hf, before)
 
 
 #: the packed side of a proof: (model, the compared documents' spans, grads) -> its run, or None and why not
@@ -350,7 +303,7 @@ def _compare(
         return alone_inputs(ids[:, span[0] : span[1]], positions)
 
     with evaluating(hf, grad=grads):
-        with _implementation(hf, stock), kernel_context(stock, ids.device, reference):
+        with running(hf, stock), kernel_context(stock, ids.device, reference):
             try:
                 runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads) for span in spans]
                 limits = limits_for(hf, alone(spans[-1]), runs[-1])
@@ -475,7 +428,7 @@ def _stock_packed_run(
 ) -> tuple[Run | None, str]:
     """Stock's own run of the flat row (its packed mask), or None and why it cannot run."""
     try:
-        with _implementation(hf, stock):
+        with running(hf, stock):
             return run(hf, {**stock_packed(inputs), "labels": None}, spans, grads), ""
     except Exception as exc:
         return None, f"the flat row with stock's packed mask does not run: {_short(exc)}"
@@ -512,7 +465,7 @@ def _rows_run(
     dst = where.src  # each document's tokens in the padded rows
     rows = {k: v for k, v in rows.items() if v is not None}
     try:
-        with _implementation(hf, rows_name), kernel_context(rows_name, ids.device, reference):
+        with running(hf, rows_name), kernel_context(rows_name, ids.device, reference):
             with embeddings(hf, grads) as captured:
                 out = own_forward(hf, **rows, use_cache=False).logits
     except Exception as exc:

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 
-from foundry_attn.attention.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, set_implementation
+from foundry_attn.attention.backends import BACKENDS, EAGER, SDPA
 from foundry_attn.attention.documents import DOCS_KEY, Documents
+from foundry_attn.checks import check_choice
 from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls
+from foundry_attn.flat.implementation import current, use
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.proof import (
     Proof,
@@ -54,12 +56,6 @@ PATHS = (AUTO, FLAT, ROWS)
 
 
 PROOF_INTERVAL = 100
-
-
-#: the stock backend each of ours is proven against (torch_varlen: sdpa's window convention; flex: the exact
-#: eager math, as stock flex cannot run everywhere) and the stock name its rows path runs
-TRUTH = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: EAGER}
-ROWS_NAME = {FA2: FA2, TORCH_VARLEN: SDPA, SDPA: SDPA, EAGER: EAGER, FLEX: FLEX}
 
 
 def ceil2(n: int) -> int:
@@ -112,9 +108,20 @@ class FlatPathError(AttentionUnavailableError):
 
 
 def check_path(path: str) -> str:
-    if path not in PATHS:
-        raise ValueError(f"attn_path: unknown value {path!r}; valid values: {', '.join(PATHS)}")
-    return path
+    """``path`` if it is one of :data:`PATHS`, else the ValueError that lists them.
+
+    Args:
+        path: ``attn_path`` as the user gave it.
+
+    Returns:
+        ``path``.
+
+    Example::
+
+        >>> check_path("flatt")
+        ValueError: attn_path: unknown value 'flatt'; valid values: auto, flat, rows
+    """
+    return check_choice("attn_path", path, PATHS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,12 +179,12 @@ class PathState:
         """Prove the flat path on ``inputs`` (:func:`foundry_attn.flat.inputs.flat_inputs`); a failure moves to rows
         (or raises, binding)."""
         hf = unwrapped(model)
-        set_implementation(hf, self.flat_name)
+        use(hf, self.flat_name)
         prove = prove_packed if self.stock_mask else prove_flat
         proof = prove(
             hf,
             inputs,
-            TRUTH[self.backend],
+            BACKENDS[self.backend].truth,
             reference=self.reference,
             grads=grads,
             own_positions=own_positions,
@@ -220,7 +227,7 @@ class PathState:
         if not proof.ok:
             return None
         self.stock_mask, self.flat_name = True, self.rows_name
-        set_implementation(hf, self.rows_name)
+        use(hf, self.rows_name)
         self._cover(inputs[DOCS_KEY])
         self._fingerprint = self.fingerprint()
         self.reason = (
@@ -243,7 +250,7 @@ class PathState:
                 hf,
                 inputs,
                 self.rows_name,
-                TRUTH[self.backend],
+                BACKENDS[self.backend].truth,
                 reference=self.reference,
                 grads=grads,
                 own_positions=own_positions,
@@ -326,7 +333,7 @@ class PathState:
         any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
         uncompiled, so a flat proof may take that forward as its packed side where
         :func:`foundry_attn.flat.proof.step_blocker` allows."""
-        if self.path == FLAT and hf.config._attn_implementation != self.flat_name:
+        if self.path == FLAT and current(hf) != self.flat_name:
             return Choice(ROWS)  # someone set another implementation: stock runs it, one document per row
         if not (hf.training and torch.is_grad_enabled()):
             return Choice(self.path)
@@ -365,7 +372,7 @@ class PathState:
                 f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
             )
         self.path, self.reason = ROWS, reason
-        set_implementation(hf, self.rows_name)
+        use(hf, self.rows_name)
         log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
         for listener in self.listeners:
             listener(self)
@@ -414,7 +421,7 @@ class StepProof:
                 self.inputs,
                 out,
                 self.captured,
-                TRUTH[state.backend],
+                BACKENDS[state.backend].truth,
                 head=self.head,
                 reference=state.reference,
                 grads=self.grads,

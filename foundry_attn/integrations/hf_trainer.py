@@ -34,7 +34,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from foundry_attn.checks import check_interval
-from foundry_attn.flat.comparison import ForwardProbe, proving
+from foundry_attn.flat.forward_probe import ForwardProbe
+from foundry_attn.flat.proving import proving
 from foundry_attn.flat.state import PathState, path_of
 from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
 from foundry_attn.observe.discovery import attn_implementation, decision_of

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from foundry_attn.attention import fa2_reference
-from foundry_attn.flat.comparison import proving
+from foundry_attn.flat.proving import proving
 from foundry_attn.patching import Patch, original, patch_attribute  # noqa: F401 - original is re-exported
 
 FA_UTILS = "transformers.modeling_flash_attention_utils"

@@ -34,14 +34,14 @@ from foundry_attn.flat.comparison import (
     differs,
     embeddings,
     half,
-    hidden,
     influence,
     next_token_loss,
-    own_forward,
     training_noise,
 )
 from foundry_attn.flat.inputs import base_parameters, stock_splits_packed_rows
 from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
+from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.flat.proving import hidden
 from foundry_attn.flat.state import path_of
 from foundry_attn.observe.discovery import mpt_attn_impl
 
@@ -228,7 +228,7 @@ def measure(
     it? The gradient of its next-token loss with respect to their input embeddings
     (:func:`foundry_attn.flat.comparison.influence`): exactly zero when they are isolated, at any precision.
     Differentiated through the training forward itself where its ``logits`` and input ``embeds`` (a
-    :class:`~foundry_attn.flat.comparison.ForwardProbe`'s) are given with their graph, which is kept for the step's
+    :class:`~foundry_attn.flat.forward_probe.ForwardProbe`'s) are given with their graph, which is kept for the step's
     backward; else through a forward of those documents of their own, as the batch gives them, in the model's own
     mode (an eval switch can change a model: RWKV rescales its weights in place) and ``context`` (the run's
     precision), hidden from the tracers, the global RNG untouched; without ``rerun`` (a model on foundry_attn's path,

@@ -61,12 +61,32 @@ class Capability:
 
     @property
     def sm(self) -> str:
-        """``sm80``-style name of the compute capability, or ``cpu``."""
+        """``sm80``-style name of the compute capability, or ``cpu``.
+
+        Returns:
+            ``sm`` and the capability's two digits, or ``cpu`` without one.
+
+        Example::
+
+            >>> probe("cuda").sm  # an A100
+            'sm80'
+        """
         if self.compute_capability is None:
             return "cpu"
         return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
 
     def as_dict(self) -> dict:
+        """The fields as a JSON-ready dict (the doctor's ``environment``), with ``sm`` added.
+
+        Returns:
+            Every field by name, ``compute_capability`` as a list (or None), and ``sm``.
+
+        Example::
+
+            >>> info = probe().as_dict()  # on an A100
+            >>> info["compute_capability"], info["sm"]
+            ([8, 0], 'sm80')
+        """
         out = dataclasses.asdict(self)
         out["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
         out["sm"] = self.sm
@@ -74,7 +94,16 @@ class Capability:
 
 
 def probe_flash_attn() -> tuple[str | None, str | None]:
-    """Version of flash-attn if it really imports, else why not, by kind (the guard's one import of it)."""
+    """Version of flash-attn if it really imports, else why not, by kind (the guard's one import of it).
+
+    Returns:
+        ``(version, None)`` where flash-attn imports, else ``(None, reason)``.
+
+    Example::
+
+        >>> probe_flash_attn()
+        (None, 'flash-attn is not installed (pip install flash-attn --no-build-isolation)')
+    """
     tried = guard.check()
     if not tried.imported:
         return None, tried.reason
@@ -95,7 +124,21 @@ def _hub_kernel() -> str | None:
 def hub_kernel_missing(repo: str, cuda: bool, env: Mapping[str, str] | None = None) -> str | None:
     """What the hub kernel ``repo`` lacks to run here, or None when it is usable: the ``kernels`` release transformers
     wants (its own bounds), CUDA (hub kernels are CUDA builds), and a copy in the Hugging Face cache (nothing is
-    fetched at run time, and offline nodes cannot)."""
+    fetched at run time, and offline nodes cannot).
+
+    Args:
+        repo: the hub kernel's repository, e.g. ``kernels-community/flash-attn2``.
+        cuda: whether the device is a CUDA device.
+        env: the environment ``USE_HUB_KERNELS`` is read from (None: ``os.environ``).
+
+    Returns:
+        What is missing, with the fix, or None when the hub kernel is usable.
+
+    Example::
+
+        >>> hub_kernel_missing("kernels-community/flash-attn2", cuda=True, env={"USE_HUB_KERNELS": "0"})
+        'USE_HUB_KERNELS is off'
+    """
     from packaging.version import Version
     from transformers.utils import import_utils
 
@@ -125,7 +168,19 @@ def hub_kernel_missing(repo: str, cuda: bool, env: Mapping[str, str] | None = No
 
 def rng_untouched(device: torch.device | str) -> contextlib.AbstractContextManager:
     """A block that leaves the global RNG as it found it: the CPU's, and ``device``'s when it is CUDA (probes and
-    smoke calls draw their inputs inside, so a seeded model build starts from the weights stock gives)."""
+    smoke calls draw their inputs inside, so a seeded model build starts from the weights stock gives).
+
+    Args:
+        device: the device whose RNG is kept as well, where it is CUDA.
+
+    Returns:
+        A context manager that restores the RNG state on exit.
+
+    Example::
+
+        >>> with rng_untouched(device):
+        ...     q = torch.randn(1, 8, 2, 64, device=device)  # the global RNG is as before afterwards
+    """
     device = torch.device(device)
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
@@ -135,6 +190,17 @@ def flex_backward_error(device_type: str) -> str | None:
     """One tiny FlexAttention forward + backward on ``device_type``: None when it trains, else why not.
 
     torch 2.7 runs eager flex backward on the CPU; later releases raise ``NotImplementedError`` there.
+
+    Args:
+        device_type: ``cpu`` or ``cuda``; the answer is cached per device type.
+
+    Returns:
+        None when flex trains here, else the reason.
+
+    Example::
+
+        >>> flex_backward_error("cpu") is None  # torch 2.7: eager flex trains on the CPU
+        True
     """
     try:
         from torch.nn.attention.flex_attention import flex_attention
@@ -153,7 +219,20 @@ def flex_backward_error(device_type: str) -> str | None:
 
 
 def probe(device: torch.device | str | None = None) -> Capability:
-    """Collect the capability of ``device`` (default: the current CUDA device, else CPU)."""
+    """Collect the capability of ``device`` (default: the current CUDA device, else CPU).
+
+    Args:
+        device: the device to describe (None: ``cuda`` where there is one, else ``cpu``).
+
+    Returns:
+        The :class:`Capability` snapshot.
+
+    Example::
+
+        >>> cap = probe()  # on a CPU-only machine
+        >>> cap.device_name, cap.sm, cap.flash_attn_version
+        ('cpu', 'cpu', None)
+    """
     cuda = torch.cuda.is_available()
     device = torch.device(device) if device is not None else torch.device("cuda" if cuda else "cpu")
     if device.type == "cuda" and cuda:

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from foundry_attn.attention.backends import load_name
+from foundry_attn.checks import check_choice
 from foundry_attn.selection.capability import Capability
 from foundry_attn.selection.policy import (
     AUTO,
     DEFAULT_FALLBACK,
-    EAGER,
     FA2,
     FLEX,
     SDPA,
-    TORCH_VARLEN,
     Decision,
     ModelTraits,
     choose,
@@ -41,9 +41,7 @@ def resolve_compute_dtype(name: str, cap: Capability) -> torch.dtype:
     Composer's ``precision: amp_bf16``/``amp_fp16`` autocast, where fp32 master weights still run
     attention in half precision; fp32 on CPU. Name the dtype when you train in fp32 on a GPU.
     """
-    if name not in COMPUTE_DTYPES:
-        raise ValueError(f"attn_compute_dtype: unknown value {name!r}; valid values: {', '.join(COMPUTE_DTYPES)}")
-    named = COMPUTE_DTYPES[name]
+    named = COMPUTE_DTYPES[check_choice("attn_compute_dtype", name, COMPUTE_DTYPES)]
     if named is not None:
         return named
     if not cap.cuda:
@@ -58,15 +56,6 @@ def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
         return mapping[type(config)]
     auto_map = getattr(config, "auto_map", None) or {}
     raise ValueError(f"no causal-LM class for {type(config).__name__} (auto_map: {auto_map or 'none'})")
-
-
-def load_name(chosen: str, fa2_reference: bool = False, model_class: type | None = None) -> str:
-    """The implementation transformers builds the model with for ``chosen``: our backends that transformers
-    does not know (torch_varlen, FA2 on the reference kernel) load as sdpa, or eager where ``model_class`` has no
-    sdpa (GPT-J in 4.51); ``attach.attach`` points them after."""
-    if chosen != TORCH_VARLEN and not (chosen == FA2 and fa2_reference):
-        return chosen
-    return SDPA if model_class is None or getattr(model_class, "_supports_sdpa", False) else EAGER
 
 
 def transformers_load_check(

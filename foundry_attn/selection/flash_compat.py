@@ -131,13 +131,42 @@ def _version(dist: str) -> str | None:
 
 
 def supported(keyword: str, flash_attn_version: str) -> bool:
-    """Whether ``flash_attn_version`` takes ``keyword`` (keywords not in :data:`ADDED` are as old as 2.1)."""
+    """Whether ``flash_attn_version`` takes ``keyword`` (keywords not in :data:`ADDED` are as old as 2.1).
+
+    Args:
+        keyword: a keyword of ``flash_attn_func`` / ``flash_attn_varlen_func``.
+        flash_attn_version: the installed flash-attn release.
+
+    Returns:
+        True where that release has the keyword.
+
+    Example::
+
+        >>> supported("softcap", "2.5.8"), supported("softcap", "2.6.3")
+        (False, True)
+    """
     first = ADDED.get(keyword)
     return first is None or Version(flash_attn_version) >= Version(first[0])
 
 
 def keywords(flash_attn_version: str, **kwargs: Any) -> dict[str, Any]:
-    """``kwargs`` fit for this release: a newer keyword at its default is dropped; a real request raises."""
+    """``kwargs`` fit for this release: a newer keyword at its default is dropped; a real request raises.
+
+    Args:
+        flash_attn_version: the installed flash-attn release.
+        **kwargs: the keywords for the call.
+
+    Returns:
+        The keywords this release takes.
+
+    Raises:
+        FlashAttnFeatureError: a keyword this release lacks is set to something other than its default.
+
+    Example::
+
+        >>> keywords("2.5.9", causal=True, softcap=0.0)
+        {'causal': True}
+    """
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if supported(key, flash_attn_version):
@@ -151,7 +180,24 @@ def keywords(flash_attn_version: str, **kwargs: Any) -> dict[str, Any]:
 
 
 def call(name: str, *args: Any, **kwargs: Any) -> Any:
-    """Call ``flash_attn.<name>`` with only its leading tensors positional and the rest as fitting keywords."""
+    """Call ``flash_attn.<name>`` with only its leading tensors positional and the rest as fitting keywords.
+
+    Args:
+        name: ``flash_attn_func`` or ``flash_attn_varlen_func``.
+        *args: the leading positional arguments (q, k, v; for varlen also the bounds and maximum lengths).
+        **kwargs: everything else, fitted to the installed release by :func:`keywords`.
+
+    Returns:
+        What flash-attn's function returns.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`POSITIONAL`.
+        TypeError: more arguments were passed positionally.
+
+    Example::
+
+        >>> out = call("flash_attn_func", q, k, v, causal=True, softcap=0.0)  # flash-attn 2.5.8: softcap dropped
+    """
     if name not in POSITIONAL:
         raise ValueError(f"flash_compat.call: unknown entry point {name!r}; valid: {', '.join(POSITIONAL)}")
     if len(args) > POSITIONAL[name]:
@@ -182,7 +228,20 @@ class Problem:
 def te_problem(te: str, fa: str) -> Problem | None:
     """What TransformerEngine ``te`` does with flash-attn ``fa`` where its own attention runs (:data:`TE_RULES`), as a
     :class:`Problem` that rejects FA2 only where the call raises and TE's attention is in the model; None when
-    the pair works."""
+    the pair works.
+
+    Args:
+        te: the installed transformer-engine release.
+        fa: the installed flash-attn release.
+
+    Returns:
+        The :class:`Problem`, or None when the pair works.
+
+    Example::
+
+        >>> te_problem("1.13.0", "2.6.3").fix
+        "pip install 'flash-attn==2.5.6' --no-build-isolation, or pip install 'transformer-engine>=2.1' (...)"
+    """
     te_v, fa_v = Version(te), Version(fa)
     for (te_from, te_below), (fa_from, fa_below), raises, what, fix in TE_RULES:
         if Version(te_from) <= te_v < Version(te_below) and Version(fa_from) <= fa_v < Version(fa_below):
@@ -200,7 +259,19 @@ def te_problem(te: str, fa: str) -> Problem | None:
 
 def preflight(cap: Capability) -> list[Problem]:
     """Every known-bad combination among the installed distributions (read with ``importlib.metadata``) on the
-    device ``cap`` describes; empty when none applies."""
+    device ``cap`` describes; empty when none applies.
+
+    Args:
+        cap: the device and install, from :func:`~foundry_attn.selection.capability.probe`.
+
+    Returns:
+        Every :class:`Problem` found.
+
+    Example::
+
+        >>> [p.check for p in preflight(probe())]  # flash-attn 2.3.0 under transformers 5.x
+        ['flash-attn version']
+    """
     problems: list[Problem] = []
     fa = _version("flash-attn") or _version("flash_attn")
     te = _version("transformer-engine") or _version("transformer_engine")

@@ -32,6 +32,7 @@ from foundry_attn.attention.backends import (
 )
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 from foundry_attn.attention.torch_varlen import call_varlen, torch_varlen_kernel
+from foundry_attn.checks import check_choice
 from foundry_attn.selection.capability import Capability, rng_untouched
 from foundry_attn.selection.flash_compat import preflight
 
@@ -213,13 +214,11 @@ class Decision:
 
 def validate_names(requested: str, fallback: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     """Fail before any model is built when a name is unknown; the message lists the valid names."""
-    if requested not in (AUTO, *NAMES):
-        raise ValueError(f"attn_implementation: unknown name {requested!r}; valid names: {', '.join((AUTO, *NAMES))}")
+    check_choice("attn_implementation", requested, (AUTO, *NAMES))
     if isinstance(fallback, str):
         fallback = [fallback]
-    bad = [f for f in fallback if f not in NAMES]
-    if bad:
-        raise ValueError(f"attn_fallback: unknown name(s) {bad}; valid names: {', '.join(NAMES)}")
+    for name in fallback:
+        check_choice("attn_fallback", name, NAMES)
     if not fallback:
         raise ValueError(f"attn_fallback: empty; give an ordered list from {', '.join(NAMES)}")
     return requested, tuple(dict.fromkeys(fallback))

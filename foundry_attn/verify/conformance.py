@@ -22,12 +22,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.attention.backends import EAGER, FA2, NAMES, SDPA
+from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, NAMES, SDPA
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.packing import IGNORE_INDEX
-from foundry_attn.flat.state import TRUTH
 
 MODES = ("pack", "mask")
 CHECKPOINTING = ("plain", "hf_reentrant", "hf_non_reentrant", "checkpoint_wrapper")
@@ -218,11 +217,11 @@ def rows_inputs(docs: list[torch.Tensor], pad_id: int = 0) -> dict[str, torch.Te
 
 @functools.lru_cache(maxsize=64)
 def truth_alone(family: str, backend: str) -> tuple[float, torch.Tensor]:
-    """Stock transformers, each document alone, the backend the flat path is proven against
-    (``state.TRUTH``): the mean loss over every target, its gradient. Stock eager where stock transformers cannot
-    run FA2 itself (5.x GPT-2 FA2 in fp32 looks for an ``nn.Linear`` that GPT-2's ``Conv1D`` projections are not)."""
+    """Stock transformers, each document alone, the backend the flat path is proven against (the backend table's
+    ``truth``): the mean loss over every target, its gradient. Stock eager where stock transformers cannot run FA2
+    itself (5.x GPT-2 FA2 in fp32 looks for an ``nn.Linear`` that GPT-2's ``Conv1D`` projections are not)."""
     try:
-        return stock_alone(family, TRUTH[backend])
+        return stock_alone(family, BACKENDS[backend].truth)
     except StopIteration:
         return stock_alone(family, EAGER)
 

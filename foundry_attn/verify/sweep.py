@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.attention.backends import EAGER, FA2, SDPA
+from foundry_attn.attention.backends import EAGER, FA2, SDPA, load_name
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.comparison import alone_inputs
@@ -155,11 +155,6 @@ def _outcome(
     return "WRONG", loss_err, grad_err
 
 
-def _default_backend(model_class: type) -> str:
-    """What ``from_pretrained`` builds: sdpa where the class has it, else eager."""
-    return SDPA if getattr(model_class, "_supports_sdpa", False) else EAGER
-
-
 def _zoo_ours(model: Any, docs: list[torch.Tensor]) -> float:
     """Ours on the packed batch (no labels: the loss is :func:`document_loss` on the re-padded logits)."""
     batch = collated(docs, "pack")
@@ -192,7 +187,7 @@ def raised_by_us(exc: BaseException) -> bool:
 def zoo_cell(model_type: str, requested: str) -> ZooCell:
     """Run ``model_type``'s tiny config under ``requested`` (``auto``: the default chain; a backend: strict) through
     ``attach`` + ``forward_documents`` on packed documents, against stock on each document alone."""
-    from foundry_attn.flat.proof import synthetic_documents
+    from foundry_attn.flat.synthetic import synthetic_documents
     from foundry_attn.selection.decision import decide
     from foundry_attn.selection.policy import DEFAULT_FALLBACK, AttentionUnavailableError
     from foundry_attn.verify import zoo
@@ -257,7 +252,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     then ``attach(model, backend)`` (explicit, not strict) and ``forward_documents`` on packed documents, against
     stock on each document alone under ``backend``. ``refused`` only where stock cannot train the pair either
     (``over-refused`` otherwise); an exception out of our code is a ``crash``."""
-    from foundry_attn.flat.proof import synthetic_documents
+    from foundry_attn.flat.synthetic import synthetic_documents
     from foundry_attn.selection.policy import AttentionUnavailableError
     from foundry_attn.verify import zoo
 
@@ -267,7 +262,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
 
     try:
         config, model_class = zoo.tiny(model_type)
-        model = _zoo_model(config, model_class, _default_backend(model_class))
+        model = _zoo_model(config, model_class, load_name(SDPA, model_class=model_class))
     except zoo.Unbuildable as exc:
         return done("unbuildable", str(exc))
     except Exception as exc:  # stock cannot build its own default here
@@ -322,13 +317,13 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
     of the zoo's documents through stock, then through ``attach(model, backend)`` and ``model(**batch)``."""
     from transformers import DataCollatorWithFlattening
 
-    from foundry_attn.flat.proof import synthetic_documents
+    from foundry_attn.flat.synthetic import synthetic_documents
     from foundry_attn.selection.policy import AttentionUnavailableError
     from foundry_attn.verify import zoo
 
     try:
         config, model_class = zoo.tiny(model_type)
-        backend = _default_backend(model_class)
+        backend = load_name(SDPA, model_class=model_class)
         model = _zoo_model(config, model_class, backend)
         stock = _zoo_model(config, model_class, backend)
     except zoo.Unbuildable as exc:
@@ -395,7 +390,7 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
 def _judged_stock(stock: Any, batch: dict[str, Any]) -> tuple[Any, str]:
     """Stock's training forward of the flattened ``batch`` (fp32), and the verdict our callbacks give it
     (:func:`foundry_attn.observe.verdict.judge` on the step's own graph)."""
-    from foundry_attn.flat.comparison import ForwardProbe
+    from foundry_attn.flat.forward_probe import ForwardProbe
     from foundry_attn.observe.verdict import judge
 
     stock.train()

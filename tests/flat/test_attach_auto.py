@@ -77,7 +77,7 @@ def test_auto_moves_down_the_chain_past_a_backend_attach_refuses(monkeypatch: py
 
 
 def test_auto_with_an_unknown_fallback_lists_the_valid_names() -> None:
-    with pytest.raises(ValueError, match="valid names"):
+    with pytest.raises(ValueError, match="valid values"):
         attach(make_llama("sdpa"), "auto", fallback=("flash_attention_3",))
 
 

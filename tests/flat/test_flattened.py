@@ -18,9 +18,9 @@ from transformers import DataCollatorWithFlattening
 
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.comparison import alone_inputs
-from foundry_attn.flat.forward import FlattenedForward
 from foundry_attn.flat.layout import flattened_lengths
-from foundry_attn.flat.proof import synthetic_documents
+from foundry_attn.flat.model_forward import FlattenedForward
+from foundry_attn.flat.synthetic import synthetic_documents
 from foundry_attn.verify import conformance, sweep, zoo
 
 LENGTHS = (5, 11, 3, 9)

@@ -21,8 +21,8 @@ from foundry_attn.attention.documents import DOCS_KEY
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import stock_splits_packed_rows
-from foundry_attn.flat.proof import proof_lengths
 from foundry_attn.flat.state import FlatPathError, path_of
+from foundry_attn.flat.synthetic import proof_lengths
 from foundry_attn.selection.policy import AttentionUnavailableError
 from foundry_attn.verify import conformance
 from tests.conftest import leaky_attention, registered_attention
@@ -164,8 +164,8 @@ def test_an_unknown_path_lists_the_valid_ones() -> None:
 
 
 def test_an_unattached_model_runs_rows_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    from foundry_attn.attention.functions import point
     from foundry_attn.flat import forward
+    from foundry_attn.flat.implementation import point
 
     forward._say_unproven.cache_clear()  # said once per class and process
     model = conformance.build("llama", "sdpa")
@@ -388,7 +388,7 @@ def test_rows_is_proven_on_its_first_batch_and_each_longer_one() -> None:
 
 def _forwards(model) -> list[bool]:
     """Each forward of the base model from now on: whether it was a proof's (``proving()``) or the batch's."""
-    from foundry_attn.flat.comparison import proving
+    from foundry_attn.flat.proving import proving
 
     seen: list[bool] = []
     model.model.register_forward_pre_hook(lambda _m, _a: seen.append(proving()))

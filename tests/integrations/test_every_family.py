@@ -114,7 +114,7 @@ def test_fa2_on_the_reference_kernel_is_refused_where_the_class_calls_flash_attn
     """GPT-J (4.51) builds its FA2 attention class at construction and that class calls flash-attn itself: the
     reference kernel cannot stand in, so strict FA2 is refused in the standard format (not transformers' raw load
     error); a class without sdpa loads our backends transformers does not know under eager."""
-    from foundry_attn.selection.decision import load_name
+    from foundry_attn.attention.backends import load_name
     from foundry_attn.selection.policy import AttentionUnavailableError
 
     _, model_class = zoo.tiny("gptj")

@@ -23,7 +23,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from foundry_attn import cli
 from foundry_attn.flat.attach import attach
-from foundry_attn.flat.proof import synthetic_documents
+from foundry_attn.flat.synthetic import synthetic_documents
 from foundry_attn.integrations import hf_trainer
 from foundry_attn.observe.events import event_files, iter_events
 from foundry_attn.verify import conformance, zoo

@@ -85,7 +85,7 @@ def test_unknown_names_fail_before_building(assets: Path, tmp_path: Path, key: s
     from foundry_attn.integrations.llm_foundry.model import FoundryAttnCausalLM
 
     value = "flash2" if key == "attn_implementation" else ["flash2", "sdpa"]
-    with pytest.raises(ValueError, match=r"valid names: .*flash_attention_2"):
+    with pytest.raises(ValueError, match=r"valid values: .*flash_attention_2"):
         FoundryAttnCausalLM(
             tokenizer=None,
             pretrained_model_name_or_path=str(assets / "tiny-llama"),

@@ -19,7 +19,7 @@ import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from foundry_attn.flat.attach import attach
-from foundry_attn.flat.proof import synthetic_documents
+from foundry_attn.flat.synthetic import synthetic_documents
 from foundry_attn.integrations import hf_trainer
 from foundry_attn.verify import conformance
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from foundry_attn.flat.attach import attach
-from foundry_attn.flat.comparison import ForwardProbe
 from foundry_attn.flat.forward import forward_documents
+from foundry_attn.flat.forward_probe import ForwardProbe
 from foundry_attn.flat.layout import packed_rows
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.observe.verdict import ISOLATED, LEAKS, NOT_PACKED, Features, Verdict, measure, structural

@@ -17,7 +17,7 @@ from composer.core import State
 from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 
-from foundry_attn.flat.comparison import ForwardProbe
+from foundry_attn.flat.forward_probe import ForwardProbe
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.flat.unwrap import compiled, find_hf_model
 from foundry_attn.observe.inspector import InspectorCore

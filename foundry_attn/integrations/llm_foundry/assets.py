@@ -27,6 +27,19 @@ WORDS = ["the", "a", "and", ".", "?", "what", "who", "does", "answer", ":", *_NO
 
 
 def sentence(rng: random.Random) -> str:
+    """One random sentence of the tiny vocabulary, ``the <adj> <noun> <verb> a <adj> <noun> .`` as words.
+
+    Args:
+        rng: the random source.
+
+    Returns:
+        The sentence, words separated by spaces.
+
+    Example::
+
+        >>> sentence(random.Random(0))
+        'the dark wolf sees a tall duck .'
+    """
     return (
         f"the {rng.choice(_ADJS)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} "
         f"a {rng.choice(_ADJS)} {rng.choice(_NOUNS)} ."
@@ -38,7 +51,20 @@ def _document(rng: random.Random, max_sentences: int) -> str:
 
 
 def build_tokenizer(out: Path):
-    """A word-level fast tokenizer whose pad token is its EOS token."""
+    """A word-level fast tokenizer whose pad token is its EOS token.
+
+    Args:
+        out: the folder it is saved to.
+
+    Returns:
+        The ``PreTrainedTokenizerFast`` (60 tokens, ``<|endoftext|>`` at id 0).
+
+    Example::
+
+        >>> tok = build_tokenizer(Path("build/tiny/tokenizer"))
+        >>> len(tok), tok.pad_token_id, tok.eos_token_id
+        (60, 0, 0)
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -51,7 +77,19 @@ def build_tokenizer(out: Path):
 
 
 def write_text_mds(out: Path, tokenizer, n_rows: int, max_seq_len: int, seed: int) -> None:
-    """Pre-tokenized rows, one real document each (ending in EOS), padded with EOS to ``max_seq_len``."""
+    """Pre-tokenized rows, one real document each (ending in EOS), padded with EOS to ``max_seq_len``.
+
+    Args:
+        out: the MDS folder written.
+        tokenizer: the tokenizer of :func:`build_tokenizer`.
+        n_rows: how many rows.
+        max_seq_len: the length of every row.
+        seed: the seed of the documents.
+
+    Example::
+
+        >>> write_text_mds(Path("build/tiny/text/train"), tok, n_rows=512, max_seq_len=128, seed=0)
+    """
     from streaming import MDSWriter
 
     rng = random.Random(seed)
@@ -65,6 +103,18 @@ def write_text_mds(out: Path, tokenizer, n_rows: int, max_seq_len: int, seed: in
 
 
 def write_finetune_jsonl(path: Path, n: int, seed: int) -> None:
+    """Prompt/response pairs, one JSON object a line.
+
+    Args:
+        path: the ``.jsonl`` file written.
+        n: how many pairs.
+        seed: the seed of the pairs.
+
+    Example::
+
+        >>> write_finetune_jsonl(Path("build/tiny/finetune/train.jsonl"), n=512, seed=2)
+        >>> # {"prompt": "what does the old dog see ?", "response": "answer : the old dog sees a old fish ."}
+    """
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
@@ -75,7 +125,22 @@ def write_finetune_jsonl(path: Path, n: int, seed: int) -> None:
 
 
 def build_assets(out: str | Path, max_seq_len: int = 128, train_rows: int = 512, val_rows: int = 64) -> Path:
-    """Write every tiny asset under ``out`` (idempotent: existing MDS folders are replaced)."""
+    """Write every tiny asset under ``out`` (idempotent: existing MDS folders are replaced).
+
+    Args:
+        out: the folder to write.
+        max_seq_len: the length of every text row.
+        train_rows: text rows and finetuning pairs in ``train``.
+        val_rows: text rows and finetuning pairs in ``val``.
+
+    Returns:
+        ``out`` as a ``Path``.
+
+    Example::
+
+        >>> build_assets("build/tiny")  # the CLI: foundry-attn assets build/tiny
+        PosixPath('build/tiny')
+    """
     import shutil
 
     out = Path(out)

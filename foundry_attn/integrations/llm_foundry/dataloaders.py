@@ -36,7 +36,8 @@ from llmfoundry.data.utils import get_tokens_per_batch_func
 from streaming import StreamingDataset
 from torch.utils.data import DataLoader
 
-from foundry_attn.flat.packing import IGNORE_INDEX, PADDING_MODES, PaddingCollator, check_choice
+from foundry_attn.checks import check_choice
+from foundry_attn.flat.packing import IGNORE_INDEX, PADDING_MODES, PaddingCollator
 
 
 def _collator(tokenizer: Any, max_seq_len: int, padding: str, overflow: str) -> PaddingCollator:
@@ -89,9 +90,36 @@ class WholeRowTextDataset(StreamingTextDataset):
         return torch.from_numpy(tokens.copy()).to(torch.int64)
 
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        """The stock dataset's checkpoint state, with this run's padding mode.
+
+        Args:
+            num_samples: samples consumed so far (as Composer passes it).
+            from_beginning: whether ``num_samples`` counts from the start of the epoch.
+
+        Returns:
+            The state, ``foundry_attn_padding`` added.
+
+        Example::
+
+            >>> dataset.state_dict(8, True)["foundry_attn_padding"]
+            'pack'
+        """
         return {**super().state_dict(num_samples, from_beginning), "foundry_attn_padding": self.padding}
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`'s state, refusing one written under another padding mode.
+
+        Args:
+            obj: the checkpointed state (no ``foundry_attn_padding``: the stock loader's, ``padding: none``).
+
+        Raises:
+            ValueError: the checkpoint's padding mode is not this run's.
+
+        Example::
+
+            >>> dataset.load_state_dict(dataset.state_dict(8, True))  # the same padding: resumes
+            >>> dataset.load_state_dict(mask_run_state)  # ValueError: ... resume with padding: mask (...)
+        """
         saved = obj.get("foundry_attn_padding", "none")
         if saved != self.padding:
             raise ValueError(
@@ -115,7 +143,31 @@ def build_text_dataloader(
     persistent_workers: bool = True,
     timeout: int = 0,
 ) -> DataSpec:
-    """LLM-Foundry's text loader (same keys) with ``padding``/``overflow`` added."""
+    """LLM-Foundry's text loader (same keys) with ``padding``/``overflow`` added.
+
+    Args:
+        tokenizer: the run's tokenizer (its pad and EOS tokens).
+        device_batch_size: examples per batch on this device.
+        dataset: LLM-Foundry's ``dataset`` keys (``local``/``remote``, ``split``, ``max_seq_len``, ``shuffle``, ...).
+        padding: ``mask``, ``pack`` or ``none`` (the stock collator).
+        overflow: a document longer than ``max_seq_len``: ``split`` or ``truncate``.
+        drop_last: drop the last incomplete batch.
+        num_workers: DataLoader workers (0: also pass ``prefetch_factor=None, persistent_workers=False``).
+        pin_memory: DataLoader ``pin_memory``.
+        prefetch_factor: DataLoader ``prefetch_factor``.
+        persistent_workers: DataLoader ``persistent_workers``.
+        timeout: DataLoader ``timeout``.
+
+    Returns:
+        A Composer ``DataSpec`` counting real tokens, and examples as samples.
+
+    Example::
+
+        >>> data = {"local": "build/tiny/text", "split": "train", "max_seq_len": 128, "shuffle": False}
+        >>> batch = next(iter(build_text_dataloader(tok, 8, data, padding="pack", num_workers=2).dataloader))
+        >>> batch["doc_lens"], batch["examples"]  # 8 examples in 2 rows
+        ([[33, 9, 33, 17, 25], [17, 17, 33]], [5, 3])
+    """
     check_choice("padding", padding, PADDING_MODES)
     loader_kwargs = dict(
         drop_last=drop_last,
@@ -154,7 +206,26 @@ def build_finetuning_dataloader(
     overflow: str = "split",
     **kwargs: Any,
 ) -> DataSpec:
-    """LLM-Foundry's finetuning loader (same keys: tokenization, prompt masking, splits) with our collator."""
+    """LLM-Foundry's finetuning loader (same keys: tokenization, prompt masking, splits) with our collator.
+
+    Args:
+        tokenizer: the run's tokenizer (its pad and EOS tokens).
+        device_batch_size: examples per batch on this device.
+        dataset: LLM-Foundry's finetuning ``dataset`` keys (``hf_name``, ``split``, ``max_seq_len``, ...).
+        padding: ``mask``, ``pack`` or ``none`` (the stock collator).
+        overflow: an example longer than ``max_seq_len``: ``split`` or ``truncate``.
+        **kwargs: the stock loader's other keys (``num_workers``, ``drop_last``, ``pin_memory``, ...).
+
+    Returns:
+        A Composer ``DataSpec`` counting real tokens, and examples as samples.
+
+    Example::
+
+        >>> data = {"hf_name": "build/tiny/finetune", "split": "train", "max_seq_len": 128, "decoder_only_format": True}
+        >>> spec = build_finetuning_dataloader(tok, 4, {**data, "shuffle": True}, padding="pack", num_workers=2)
+        >>> next(iter(spec.dataloader))["doc_lens"]  # 4 prompt/response pairs in 1 row
+        [[18, 18, 18, 18]]
+    """
     check_choice("padding", padding, PADDING_MODES)
     spec = _stock_finetuning(tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset), **kwargs)
     if padding == "none":

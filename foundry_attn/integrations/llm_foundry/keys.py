@@ -32,7 +32,23 @@ OWNER = "foundry_attn_causal_lm"
 
 
 def rank_override(overrides: Mapping | None, rank: int) -> dict:
-    """This rank's entry of ``attn_rank_overrides`` (keys: rank numbers), checked against what it may set."""
+    """This rank's entry of ``attn_rank_overrides`` (keys: rank numbers), checked against what it may set.
+
+    Args:
+        overrides: the model's ``attn_rank_overrides`` (rank keys as ints or strings), or None.
+        rank: this process's global rank.
+
+    Returns:
+        The entry's keys (a subset of :data:`RANK_OVERRIDABLE`); empty where the rank has none.
+
+    Raises:
+        ValueError: the entry sets a key outside :data:`RANK_OVERRIDABLE`.
+
+    Example::
+
+        >>> rank_override({1: {"attn_implementation": "sdpa"}}, 1)
+        {'attn_implementation': 'sdpa'}
+    """
     entry = (overrides or {}).get(rank, (overrides or {}).get(str(rank))) or {}
     unknown = sorted(set(entry) - set(RANK_OVERRIDABLE))
     if unknown:
@@ -71,7 +87,32 @@ class AttnKeys:
         attn_rank_overrides: Mapping | None = None,
         use_flash_attention_2: bool = False,
     ) -> AttnKeys:
-        """The keys as the model got them; :data:`KEYS` names them, the model passes on the rest."""
+        """The keys as the model got them; :data:`KEYS` names them, the model passes on the rest.
+
+        Args:
+            rank: this process's global rank (picks its ``attn_rank_overrides`` entry).
+            attn_implementation: ``auto`` or a backend name (None: ``auto``).
+            attn_fallback: the chain ``auto`` walks, fastest first.
+            attn_strict: fail instead of falling back.
+            attn_compute_dtype: ``auto``, ``bf16``, ``fp16`` or ``fp32``.
+            attn_path: ``auto``, ``flat`` or ``rows``.
+            attn_proof_interval: re-prove every N training batches (0: first batch and changes only).
+            attn_prove_at_build: prove at build (False: on the first training batch).
+            fa2_reference_kernel: run FA2 on the pure-PyTorch reference kernel.
+            attn_rank_overrides: per rank, the keys it sets otherwise (:func:`rank_override`).
+            use_flash_attention_2: LLM-Foundry's old key; under ``auto``, asks for ``flash_attention_2``.
+
+        Returns:
+            The validated keys.
+
+        Raises:
+            ValueError: an unknown backend, path or override key, or a bad ``attn_proof_interval``.
+
+        Example::
+
+            >>> AttnKeys.parse(1, attn_rank_overrides={1: {"attn_implementation": "sdpa"}}).requested
+            'sdpa'
+        """
         override = rank_override(attn_rank_overrides, rank)
         requested = override.get("attn_implementation", attn_implementation) or AUTO
         if use_flash_attention_2 and requested == AUTO:

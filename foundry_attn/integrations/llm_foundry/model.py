@@ -43,7 +43,7 @@ from llmfoundry.models.hf import ComposerHFCausalLM
 from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
 
-from foundry_attn.attention.backends import backend_of
+from foundry_attn.attention.backends import backend_of, load_name
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 from foundry_attn.flat.attach import attach_decision
 from foundry_attn.flat.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
@@ -52,7 +52,7 @@ from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.selection.capability import probe
-from foundry_attn.selection.decision import decide, load_name, model_class_for
+from foundry_attn.selection.decision import decide, model_class_for
 from foundry_attn.selection.policy import (
     FA2,
     AttentionUnavailableError,

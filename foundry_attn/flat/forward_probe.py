@@ -1,0 +1,77 @@
+"""What one training forward really ran, read inside it: its autocast and its input embeddings.
+
+    probe = ForwardProbe(hf_model)
+    out = model(**batch)
+    judge(hf_model, batch, out, context=probe.context(), embeds=probe.embeds)
+    probe.remove()
+
+Core module: torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from foundry_attn.flat.proving import proving
+
+
+class ForwardProbe:
+    """What one forward of ``hf`` really ran, read inside it by hooks on its input embeddings: its autocast
+    (accelerate's mixed precision wraps the model's ``forward`` itself, so code outside that forward sees fp32 while
+    the layers run in bf16; :meth:`context` repeats it for a judgement's own forwards) and, in a training forward,
+    the input ``embeds`` as a tensor the verdict differentiates against (a frozen embedding's output becomes a leaf
+    that requires grad: the same values, the same graph above it). A user's ``torch.autocast`` and Composer's
+    precision context are read the same way.
+
+        probe = ForwardProbe(hf)
+        out = model(**batch)
+        judge(hf, batch, out, context=probe.context(), embeds=probe.embeds)
+        probe.remove()
+    """
+
+    def __init__(self, hf: Any) -> None:
+        self.autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype) of the forward read
+        self.embeds: torch.Tensor | None = None
+        inner = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+        inner = inner if isinstance(inner, torch.nn.Module) else hf
+        self._handles: list[Any] = [inner.register_forward_pre_hook(self._read)]
+        if inner is not hf:
+            self._handles.append(inner.register_forward_hook(self._keep))
+
+    def _read(self, module: torch.nn.Module, args: Any) -> None:
+        if proving():  # a proof's forward inside the step's call, before the step's own
+            return
+        param = next(module.parameters(), None)
+        device = param.device.type if param is not None else "cpu"
+        if torch.is_autocast_enabled(device):
+            self.autocast = (device, torch.get_autocast_dtype(device))
+        self._handles[0].remove()
+
+    def _keep(self, module: torch.nn.Module, args: Any, out: Any) -> Any:
+        """The last training forward's (a batch that moved to rows runs again: its second forward is the one that
+        returns), until :meth:`remove`."""
+        if proving() or not (looked_up(args) and isinstance(out, torch.Tensor) and out.is_floating_point()):
+            return None
+        if not torch.is_grad_enabled():
+            return None
+        if not out.requires_grad:
+            out = out.detach().requires_grad_()
+        self.embeds = out
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast again (nothing when it ran without)."""
+        return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
+
+
+def looked_up(args: Any) -> bool:
+    """Whether an embedding module's call looks token ids up (an integer input), not a shared embedding used as the
+    output layer (MPT's ``wte(hidden, unembed=True)``)."""
+    return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point()

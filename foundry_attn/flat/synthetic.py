@@ -1,0 +1,52 @@
+"""The two synthetic documents the proof at attach runs: seeded ids that avoid special tokens, lengths past any
+short window of the config.
+
+    docs = synthetic_documents(config, proof_lengths(config), device)    # [tensor of 28 ids, tensor of 13 ids]
+
+Core module: torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from foundry_attn.attention.backends import config_value
+
+
+def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Seeded token ids (a local generator: the global RNG is untouched) that avoid the config's special ids."""
+    gen = torch.Generator().manual_seed(0)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its decoder's
+    vocab = int(config_value(config, "vocab_size", 0) or config_value(text, "vocab_size", 0) or 1000)
+    special: set[int] = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = config_value(config, name)
+        special.update(v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, int))
+    low, high = 1, max(2, min(vocab, 1000))
+    docs = []
+    for n in lengths:
+        ids = torch.randint(low, high, (n,), generator=gen)
+        for s in special:
+            ids[ids == s] = (s + 1) % high or low
+        docs.append(ids.to(device))
+    return docs
+
+
+def shortest_window(config: Any) -> int | None:
+    """The shortest sliding window or attention chunk the config names (per layer on a heterogeneous one)."""
+    windows = [
+        int(w)
+        for n in ("sliding_window", "attention_chunk_size", "local_window", "window_size")
+        if isinstance(w := config_value(config, n, None, min), int) and w > 0
+    ]
+    return min(windows, default=None)
+
+
+def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
+    """Two documents for the build-time proof, the first longer than any short window or chunk of the config."""
+    short = shortest_window(config) or longest
+    first = short + 5 if short + 5 <= 64 else longest
+    return max(first, 9), 13
