@@ -1,7 +1,7 @@
 """The guarded flash-attn import: a broken flash-attn is tried once, kept for the record, and hidden, so the run
 reaches the builder and falls back instead of dying inside ``import llmfoundry`` or ``import transformers``.
 
-Installed with the package, ``foundry_attn_guard.pth`` calls :func:`install` at interpreter start. That only puts
+Installed with the package, ``foundry_attn_guard.pth`` calls :func:`arm` at interpreter start. That only puts
 an import finder first on ``sys.meta_path`` (no torch, nothing heavy: about 0.1 ms). The first time anything
 imports ``transformers``, ``llmfoundry`` or ``flash_attn``, the finder imports flash_attn once, before they look
 for it. If that fails, it keeps the error and the installed version and sets ``sys.modules["flash_attn"] = None``:
@@ -221,7 +221,7 @@ class _Finder:
 _finder = _Finder()
 
 
-def install() -> None:
+def arm() -> None:
     """Put the finder first on ``sys.meta_path`` (once; nothing when switched off). Where a trigger is already
     imported, try flash_attn now instead."""
     if not enabled() or _finder in sys.meta_path or _result is not None:

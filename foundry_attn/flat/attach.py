@@ -246,6 +246,9 @@ def _attach_backend(
         binding=strict and path == FLAT,
         interval=interval,
     )
+    dtype = str(next(hf.parameters()).dtype).removeprefix("torch.")
+    given = Decision.given(backend, f"attach(model, {backend!r})", strict=state.binding, compute_dtype=dtype)
+    state.decision = dataclasses.replace(given, proof="first batch")  # attach_decision puts the chain's in its place
     setattr(hf, PATH_ATTR, state)
     bypassed = _bypassed(backend)
     if bypassed:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -135,6 +135,16 @@ class Choice:
     in_step: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class PathChange:
+    """The run moved to ``path`` on training batch ``batch`` (0: at attach), and why: an event of the
+    :class:`PathState` (``state.changes``) that the glues read after a batch and log."""
+
+    batch: int
+    path: str
+    reason: str
+
+
 @dataclasses.dataclass
 class PathState:
     """The path a model runs and why, kept on the HF model (``model.foundry_path``) by :func:`attach`."""
@@ -154,17 +164,38 @@ class PathState:
     proven_on_batch: bool = False
     covered: tuple[int, int] = (0, 0)  # (flat row, document) lengths proven, each up to its next power of two
     notes: list[str] = dataclasses.field(default_factory=list)
-    decision: Decision | None = None  # attach(model, "auto") and the builder: the chain, and why not each
-    listeners: list[Callable[[PathState], None]] = dataclasses.field(default_factory=list)
+    decision: Decision | None = None  # what attach ran: the chain and why not each (auto, the builder), or the name
+    changes: list[PathChange] = dataclasses.field(default_factory=list)  # every move to rows, in order: the glues read
     _fingerprint: tuple = ()
     _modules: tuple = ()
 
     def __deepcopy__(self, memo: dict) -> PathState:
-        """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch, and tells nobody
-        who listened to the original."""
+        """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch."""
         return dataclasses.replace(
-            self, proofs=list(self.proofs), notes=list(self.notes), listeners=[], proven_on_batch=False, _modules=()
+            self,
+            proofs=list(self.proofs),
+            notes=list(self.notes),
+            changes=list(self.changes),
+            proven_on_batch=False,
+            _modules=(),
         )
+
+    def decision_now(self) -> Decision | None:
+        """What attach decided, with the path, its reason and the last proof as they are now: the one source of the
+        ``attn_impl`` fields (:meth:`~foundry_attn.selection.policy.Decision.as_dict`).
+
+        Returns:
+            The decision (None for a state made without one).
+
+        Example::
+
+            >>> path_of(model).decision_now().as_dict()["path"]
+            'flat'
+        """
+        if self.decision is None:
+            return None
+        proof = self.proofs[-1][1].describe() if self.proofs else self.decision.proof
+        return dataclasses.replace(self.decision, proof=proof, path=self.path, path_reason=self.reason)
 
     # ---- the proof --------------------------------------------------------------------------------------
     def prove(
@@ -374,8 +405,7 @@ class PathState:
         self.path, self.reason = ROWS, reason
         use(hf, self.rows_name)
         log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
-        for listener in self.listeners:
-            listener(self)
+        self.changes.append(PathChange(self.batches, ROWS, reason))
 
 
 @dataclasses.dataclass

@@ -59,10 +59,3 @@ def compiled(model: Any) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
-
-
-#: what a callback says once when the model runs under ``torch.compile``, and steps aside
-COMPILED = (
-    "{owner}: the model runs under torch.compile; per-call hooks and patches inside a compiled graph would break or "
-    "change it, so {owner} steps aside for this run; training goes on"
-)

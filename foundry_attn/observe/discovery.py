@@ -22,6 +22,7 @@ from torch import nn
 from foundry_attn.attention.backends import backend_of
 from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import clean_name
+from foundry_attn.selection.policy import Decision
 
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
 
@@ -106,33 +107,28 @@ def discover_modules(model: nn.Module, attention_selector: str | None = None) ->
 
 
 def decision_of(hf: Any) -> dict[str, Any]:
-    """The ``attn_impl`` event fields of ``hf`` (the decision callback's core): what
-    :func:`foundry_attn.flat.attach.attach` chose and proved, or the implementation the model runs, set by the model."""
+    """The ``attn_impl`` event fields of ``hf`` (the decision callbacks' core), built by
+    :meth:`~foundry_attn.selection.policy.Decision.as_dict` alone: what :func:`foundry_attn.flat.attach.attach` decided,
+    with the path and proof as they are now, or the implementation the model runs, set by the model.
+
+    Args:
+        hf: the transformers model (not a wrapper).
+
+    Returns:
+        ``requested``, ``chosen``, ``fell_back``, ``reason``, ``strict``, ``compute_dtype``, ``proof``, ``path``,
+        ``path_reason``, ``warning`` and ``candidates``.
+
+    Example::
+
+        >>> decision_of(hf_model)["reason"]
+        "attach(model, 'sdpa')"
+    """
     state = path_of(hf)
-    param = next(hf.parameters(), None)
-    info: dict[str, Any] = {
-        "fell_back": False,
-        "strict": False,
-        "compute_dtype": str(param.dtype if param is not None else torch.float32).removeprefix("torch."),
-        "proof": "",
-        "path": "",
-        "path_reason": "",
-        "candidates": [],
-    }
-    if state is None:
-        impl = attn_implementation(hf)
+    decision = state.decision_now() if state is not None else None
+    if decision is None:
+        impl = attn_implementation(hf) or "unknown"
+        param = next(hf.parameters(), None)
+        dtype = str(param.dtype if param is not None else torch.float32).removeprefix("torch.")
         reason = "set by the model, not chosen by foundry_attn (not attached; its config._attn_implementation)"
-        return {**info, "requested": impl, "chosen": impl, "reason": reason}
-    if state.decision is not None:  # attach(model, "auto"): the chain, each backend and why not, as the builder's
-        proof = state.proofs[-1][1].describe() if state.proofs else state.decision.proof
-        return {**state.decision.as_dict(), "proof": proof, "path": state.path, "path_reason": state.reason}
-    return {
-        **info,
-        "requested": state.backend,
-        "chosen": state.backend,
-        "reason": f"attach(model, {state.backend!r})",
-        "strict": state.binding,
-        "proof": state.proofs[-1][1].describe() if state.proofs else "first batch",
-        "path": state.path,
-        "path_reason": state.reason,
-    }
+        decision = Decision.given(impl, reason, compute_dtype=dtype)
+    return decision.as_dict()

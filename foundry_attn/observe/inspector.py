@@ -8,12 +8,14 @@ report.
     core.table(step, records, batch, impl, verdict, rank=0)    # the console table, once
 
 The Composer callback (:mod:`foundry_attn.integrations.composer.attention_inspector`) and the Trainer's
-(:mod:`foundry_attn.integrations.hf_trainer`) only say when: which step, which forward, where the metrics go.
+(:mod:`foundry_attn.integrations.hf_trainer.attention_inspector`) only say when: which step, which forward, where the
+metrics go. Both validate their arguments here, at construction.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from foundry_attn.observe.console_table import format_table
@@ -30,6 +32,13 @@ class InspectorCore:
     """What one inspector reports, whoever calls it: metrics, events, the table once, warnings once each."""
 
     def __init__(self, selector: str | None = None, print_table: bool = True, unit: str = "batch") -> None:
+        if selector is not None:  # both glues' inspectors fail here, at construction, not at the first batch
+            try:
+                re.compile(selector)
+            except re.error as exc:
+                raise ValueError(
+                    f"{OWNER}: attention_selector {selector!r} is not a valid regular expression: {exc}"
+                ) from exc
         self.selector, self.print_table, self.unit = selector, print_table, unit
         self.events: EventLog | None = None
         self.said: set[str] = set()  # one warning of a kind per run

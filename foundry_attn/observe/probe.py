@@ -47,6 +47,12 @@ __all__ = [
 MODEL, LAYER, ATTENTION = "model", "layer", "attention"
 # ---- what one module was given ------------------------------------------------------------------------------
 
+#: what a callback says once when the model runs under ``torch.compile``, and steps aside
+COMPILED = (
+    "{owner}: the model runs under torch.compile; per-call hooks and patches inside a compiled graph would break or "
+    "change it, so {owner} steps aside for this run; training goes on"
+)
+
 
 @functools.lru_cache(maxsize=256)
 def _parameters(cls: type[nn.Module]) -> tuple[tuple[str, ...], bool] | None:

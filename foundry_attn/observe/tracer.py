@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from foundry_attn.attention.backends import FA2
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.unwrap import COMPILED, compiled
+from foundry_attn.flat.state import path_of
+from foundry_attn.flat.unwrap import compiled
 from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.flash_symbols import (
@@ -34,6 +36,7 @@ from foundry_attn.observe.flash_symbols import (
     short_list,
     symbol_label,
 )
+from foundry_attn.observe.probe import COMPILED
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +67,24 @@ class TracerCore:
         if self.events is not None:
             self.events.append(key, message=message, **event)
 
-    def resolve(self, model: Any, hf: Any, reference: bool = False) -> None:
+    def resolve(self, model: Any, hf: Any) -> None:
         """Whether there is anything to trace in ``model`` (the HF model ``hf`` inside it, or None): flash
-        attention (transformers' FA2, MPT's ``flash``), uncompiled, with its symbols found. ``reference``: the model
-        was built on the pure-PyTorch reference kernel."""
+        attention (transformers' FA2, MPT's ``flash``), uncompiled, with its symbols found; whether attach put FA2
+        on the pure-PyTorch reference kernel (its :class:`~foundry_attn.flat.state.PathState` says).
+
+        Args:
+            model: what the trainer calls (a wrapper, compiled or not).
+            hf: the HF model inside it, or None.
+
+        Example::
+
+            >>> core.resolve(state.model, hf_model); core.idle_reason
+            'the model runs sdpa, not flash attention'
+        """
         self.implementation = attn_implementation(hf)
         mpt = mpt_attn_impl(hf)
-        self._reference = reference
+        state = path_of(hf) if hf is not None else None
+        self._reference = state is not None and state.reference and state.backend == FA2
         if compiled(model):
             self.idle_reason = "the model runs under torch.compile"
             self.say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer"))

@@ -43,6 +43,7 @@ from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
 from foundry_attn.flat.model_forward import own_forward
 from foundry_attn.flat.proving import hidden
 from foundry_attn.flat.state import path_of
+from foundry_attn.flat.unwrap import compiled
 from foundry_attn.observe.discovery import mpt_attn_impl
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
@@ -329,6 +330,34 @@ def _untouched(hf: Any) -> Iterator[None]:
     changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
     if changed:
         raise RuntimeError(f"the model changed {changed} of its own weights or buffers in place in this forward")
+
+
+def second_forward_blocked(model: Any, hf: Any, sharded: bool = False) -> str | None:
+    """Why the verdict may not differentiate or run the model again here (then it reads the structure), or None.
+
+    Args:
+        model: what the trainer calls (compiled or not, wrapped or not).
+        hf: the HF model inside it.
+        sharded: the trainer says its weights are sharded (Composer's ``state.fsdp_enabled``); else read from the
+            model (FSDP2's DTensor parameters, an FSDP module).
+
+    Returns:
+        The reason, in the words of the verdict's event, or None.
+
+    Example::
+
+        >>> second_forward_blocked(torch.compile(model), hf_model)
+        'the model is compiled (a second forward would recompile it)'
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    if compiled(model):
+        return "the model is compiled (a second forward would recompile it)"
+    param = next(hf.parameters(), None)
+    if sharded or isinstance(param, DTensor) or isinstance(model, FullyShardedDataParallel):
+        return "FSDP shards the weights (a second forward on one rank would hang the others)"
+    return None
 
 
 def judge(

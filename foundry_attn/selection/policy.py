@@ -163,6 +163,27 @@ class Decision:
     path: str = ""  # "flat" | "rows" (foundry_attn.flat.attach), empty before the model is attached
     path_reason: str = ""
 
+    @classmethod
+    def given(cls, name: str, reason: str, *, strict: bool = False, compute_dtype: str = "float32") -> Decision:
+        """A decision no chain made: the implementation a user named (``attach(model, "sdpa")``) or the one a model
+        runs that we never attached, with why.
+
+        Args:
+            name: the implementation.
+            reason: why it runs (``attach(model, 'sdpa')``, ``set by the model, ...``).
+            strict: ``attn_path: flat`` with ``strict``: a failed proof raises.
+            compute_dtype: the weights' dtype (``float32``, ``bfloat16``).
+
+        Returns:
+            A decision with one candidate, ``name``, available.
+
+        Example::
+
+            >>> Decision.given("sdpa", "attach(model, 'sdpa')").as_dict()["fell_back"]
+            False
+        """
+        return cls(name, name, (Candidate(name, True, reason),), strict, compute_dtype)
+
     @property
     def binding(self) -> bool:
         """The strict rule: ``attn_strict`` binds an explicit request (``auto`` + strict fails only if nothing runs)."""
@@ -510,41 +531,4 @@ def nothing_runs(candidates: Sequence[Candidate], where: str) -> AttentionUnavai
     return AttentionUnavailableError(
         f"attention: no implementation in {[c.name for c in candidates]} can run on {where}: {failures}. "
         f"Fix one of these, or add sdpa/eager to attn_fallback."
-    )
-
-
-def summarize(decisions: Sequence[dict]) -> str:
-    """One line for rank 0, e.g.
-    ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back (rank 3, rank 7: T4 sm75 < 8.0)``.
-
-    ``decisions`` are ``Decision.as_dict()`` results with a ``rank`` key, one per rank.
-    """
-    n = len(decisions)
-    counts: dict[str, int] = {}
-    reasons: dict[str, list[int]] = {}
-    for d in sorted(decisions, key=lambda d: d["rank"]):
-        counts[d["chosen"]] = counts.get(d["chosen"], 0) + 1
-        if d["fell_back"]:
-            reasons.setdefault(d["reason"].split(": ", 1)[-1], []).append(d["rank"])
-        elif d["reason"].startswith(REFERENCE_NAME):  # never let the reference kernel pass for flash-attn
-            reasons.setdefault(REFERENCE_NAME, []).append(d["rank"])
-    parts = [
-        f"{c}/{n} {'ranks ' if i == 0 else ''}{impl}"
-        for i, (impl, c) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))
-    ]
-    fell = sum(1 for d in decisions if d["fell_back"])
-    detail = "; ".join(f"{', '.join(f'rank {r}' for r in ranks)}: {why}" for why, ranks in reasons.items())
-    rows = sorted(d["rank"] for d in decisions if d.get("path") == "rows")
-    path = (
-        f"; path rows on {len(rows)}/{n} ({', '.join(f'rank {r}' for r in rows[:8])}: one document per row)"
-        if rows
-        else "; path flat"
-        if any(d.get("path") == "flat" for d in decisions)
-        else ""
-    )
-    return (
-        f"attention: {', '.join(parts)}"
-        + (f"; {fell}/{n} fell back" if fell else "")
-        + (f" ({detail})" if detail else "")
-        + path
     )

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import DataCollatorWithFlattening
 
+from foundry_attn.attention.backends import SDPA, load_name
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.comparison import alone_inputs
 from foundry_attn.flat.layout import flattened_lengths
@@ -173,7 +174,7 @@ def test_every_model_types_backbone_takes_the_packed_batch_exactly_attached(mode
     if not attached.startswith("exact"):
         pytest.skip(f"{model_type}: attached is {attached!r} in docs/trainer.md")
     config, model_class = zoo.tiny(model_type)
-    backend = sweep._default_backend(model_class)
+    backend = load_name(SDPA, model_class=model_class)
     model, stock = (sweep._zoo_model(config, model_class, backend) for _ in range(2))
     if getattr(model, "base_model", model) is model:
         pytest.skip(f"{model_type}: the causal LM is its own base model")

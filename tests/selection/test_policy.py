@@ -22,7 +22,6 @@ from foundry_attn.selection.policy import (
     Decision,
     ModelTraits,
     choose,
-    summarize,
 )
 
 LLAMA_TRAITS = ModelTraits("LlamaForCausalLM", 64, frozenset(NAMES))
@@ -258,16 +257,18 @@ def test_with_rejection_moves_on() -> None:
 
 
 def test_summarize_eight_ranks() -> None:
+    from foundry_attn.observe.ranks import summarize_ranks
+
     dicts = []
     for rank in range(8):
         cap = T4 if rank in (3, 7) else make_cap()
         dicts.append({**decide(cap).as_dict(), "rank": rank})
     dicts.reverse()  # arrival order does not matter
-    assert summarize(dicts) == (
+    assert summarize_ranks(dicts) == (
         "attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back (rank 3, rank 7: Tesla T4 sm75 < 8.0)"
     )
     same = [{**decide(make_cap()).as_dict(), "rank": r} for r in range(2)]
-    assert summarize(same) == "attention: 2/2 ranks flash_attention_2"
+    assert summarize_ranks(same) == "attention: 2/2 ranks flash_attention_2"
 
 
 def test_model_traits_from_llama_class() -> None:

@@ -6,19 +6,17 @@ on packed documents, the callback's second job, is :mod:`foundry_attn.integratio
 
 from __future__ import annotations
 
-import re
-
 from composer.core import State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundry_attn.flat.unwrap import COMPILED, compiled, find_hf_model
+from foundry_attn.flat.unwrap import compiled, find_hf_model
 from foundry_attn.integrations.composer.common import ReleasingCallback, check_log_interval, open_event_log
 from foundry_attn.integrations.composer.document_verdict import DocumentVerdicts
 from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.inspector import InspectorCore, InspectorResults
-from foundry_attn.observe.probe import BatchInfo, ModelInspector, summarize
+from foundry_attn.observe.probe import COMPILED, BatchInfo, ModelInspector, summarize
 
 __all__ = ["AttentionInspector", "summarize"]
 
@@ -161,14 +159,6 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
         owner = "attention_inspector"
         self.log_interval = check_log_interval(owner, log_interval)
         self.verdict_interval = check_log_interval(owner, verdict_interval, "verdict_interval")
-        if attention_selector is not None:
-            try:
-                re.compile(attention_selector)
-            except re.error as exc:
-                raise ValueError(
-                    f"attention_inspector: attention_selector {attention_selector!r} is not a valid "
-                    f"regular expression: {exc}"
-                ) from exc
         self.events_dir = events_dir
         self.verdict = verdict
         self.core = InspectorCore(attention_selector, print_table)  # what is reported: shared with the Trainer's

@@ -128,7 +128,8 @@ class AttnDecision(Callback):
     """
 
     def __init__(self) -> None:
-        self._path: tuple[str, str] | None = None
+        self._ours: Any = None
+        self._changes = 0
 
     def init(self, state: State, logger: Logger) -> None:
         hparams = decision_hparams(state.model)
@@ -138,14 +139,13 @@ class AttnDecision(Callback):
                 logger.log_hyperparameters(stock)
             return
         logger.log_hyperparameters(hparams)
-        self._path = (hparams["attn/path"], hparams["attn/path_reason"])
+        self._ours = foundry_model(state.model)
+        self._changes = len(self._ours.attn_state.changes)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        """The proof on a training batch may move the run to rows: log the path again when it changed."""
-        if self._path is None:
+        """A proof on a training batch that moved the run to rows (the state's event): log the path again."""
+        if self._ours is None or len(self._ours.attn_state.changes) == self._changes:
             return
-        hparams = decision_hparams(state.model)
-        path = (hparams["attn/path"], hparams["attn/path_reason"])
-        if path != self._path:
-            logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith("attn/path")})
-            self._path = path
+        self._changes = len(self._ours.attn_state.changes)
+        hparams = decision_hparams(self._ours)
+        logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith("attn/path")})

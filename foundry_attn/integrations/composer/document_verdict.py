@@ -19,7 +19,7 @@ from composer.loggers import Logger
 
 from foundry_attn.flat.forward_probe import ForwardProbe
 from foundry_attn.flat.packing import PaddingCollator
-from foundry_attn.flat.unwrap import compiled, find_hf_model
+from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.observe.inspector import InspectorCore
 from foundry_attn.observe.verdict import (
     LEAKS,
@@ -28,6 +28,7 @@ from foundry_attn.observe.verdict import (
     Verdict,
     fix_for,
     judge,
+    second_forward_blocked,
     structural,
 )
 
@@ -93,13 +94,7 @@ class DocumentVerdicts:
         found = find_hf_model(state.model)
         if found is None:
             return Verdict(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
-        blocked = (
-            "the model is compiled (a second forward would recompile it)"
-            if compiled(state.model)
-            else "FSDP shards the weights (a second forward on one rank would hang the others)"
-            if state.fsdp_enabled
-            else None
-        )
+        blocked = second_forward_blocked(state.model, found[1], sharded=state.fsdp_enabled)
         precision = get_precision_context(state.precision)
         return judge(found[1], state.batch, state.outputs, blocked, precision, embeds=embeds)
 

@@ -16,18 +16,12 @@ from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.integrations.composer.common import (
     ReleasingCallback,
     check_log_interval,
-    foundry_model,
     open_event_log,
 )
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.tracer import TracerCore
 
 __all__ = ["UpadTracer"]
-
-
-def uses_reference_kernel(model: nn.Module) -> bool:
-    """Our registered model running FA2 on the pure-PyTorch reference kernel (through DDP)."""
-    return bool(getattr(foundry_model(model), "_fa2_reference", False))
 
 
 class UpadTracer(ReleasingCallback):
@@ -159,7 +153,7 @@ class UpadTracer(ReleasingCallback):
         self._model_id = id(state.model)
         found = find_hf_model(state.model)
         self._hf = found[1] if found else None
-        self.core.resolve(state.model, self._hf, uses_reference_kernel(state.model))
+        self.core.resolve(state.model, self._hf)
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.core.attach()

@@ -30,10 +30,8 @@ state after the build, are stock's; the weights load as often as stock loads the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,20 +42,18 @@ from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
 
 from foundry_attn.attention.backends import backend_of, load_name
-from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 from foundry_attn.flat.attach import attach_decision
 from foundry_attn.flat.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
-from foundry_attn.flat.state import PathState
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
+from foundry_attn.observe.ranks import announce, launch_id
 from foundry_attn.selection.capability import probe
 from foundry_attn.selection.decision import decide, model_class_for
 from foundry_attn.selection.policy import (
     FA2,
     AttentionUnavailableError,
     Decision,
-    summarize,
 )
 
 log = logging.getLogger(__name__)
@@ -78,12 +74,11 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         keys = AttnKeys.parse(rank, **{key: kwargs.pop(key) for key in KEYS if key in kwargs})
         self.attn_keys = keys
         cap = probe()
-        launch = [uuid.uuid4().hex[:12]]  # one id for every rank of this launch: rank 0's
-        dist.broadcast_object_list(launch, src=0)
+        launch = launch_id()  # one id for every rank of this launch: rank 0's
         # an explicit folder is checked now; the default waits for the run's name (our callbacks bind it at
         # FIT_START to ./<run_name>/attn_events; without them, the first forward binds the fallback folder)
         known = events_dir or (default_events_dir() if os.environ.get(ENV_EVENTS_DIR) or run_from_env() else None)
-        self.attn_events = EventLog(known, rank, cap, launch=launch[0])
+        self.attn_events = EventLog(known, rank, cap, launch=launch)
         config = AutoConfig.from_pretrained(
             pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code", True)
         )
@@ -100,7 +95,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 config=config,
             )
             self._build(tokenizer, pretrained_model_name_or_path, config, decision, keys.fa2_reference, kwargs)
-            decision = self._attach(decision, keys.fa2_reference, keys.prove_at_build)
+            self._attach(decision, keys.fa2_reference, keys.prove_at_build)
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
             self.attn_events.append(
                 "attn_impl",
@@ -114,11 +109,12 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             if not self.attn_events.bound:  # no run will start: write it where the run's folder would be
                 self.attn_events.bind(default_events_dir())
             raise
-        self.attn_decision = decision
         self.attn_capability = cap
-        self._fa2_reference = keys.fa2_reference and decision.chosen == FA2
         self._dtype_checked = False
-        self._record(decision, cap, rank)
+        #: every rank's choice in one line, gathered once here (``attn_decision`` logs it as ``attn/summary``)
+        self.attn_summary = announce(
+            self.attn_decision.as_dict(), self.attn_events, rank, log, device_name=cap.device_name, sm=cap.sm
+        )
 
     def _build(self, tokenizer: Any, path: str, config: Any, decision: Decision, reference: bool, kwargs: dict) -> None:
         """Build once, as stock builds. transformers' own attention check already ran on the config in ``decide``
@@ -131,11 +127,12 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             **kwargs,
         )
 
-    def _attach(self, decision: Decision, reference: bool, at_build: bool) -> Decision:
+    def _attach(self, decision: Decision, reference: bool, at_build: bool) -> None:
         """Prove the flat path for the choice (:func:`foundry_attn.flat.attach.attach_decision`, the chain walk
-        ``attach(model, "auto")`` takes too); rows where it does not hold, the next backend where neither path runs."""
+        ``attach(model, "auto")`` takes too); rows where it does not hold, the next backend where neither path runs.
+        The decision is kept on the model's :class:`~foundry_attn.flat.state.PathState`."""
         keys = self.attn_keys
-        decision, state = attach_decision(
+        _, self.attn_state = attach_decision(
             self.model,
             decision,
             keys.path,
@@ -144,43 +141,21 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             interval=keys.proof_interval,
             prove_now=at_build,
         )
-        state.listeners.append(self._path_changed)
+        self._changes_read = len(self.attn_state.changes)
+
+    @property
+    def attn_decision(self) -> Decision:
+        """What attach decided for this rank, with the path and proof as they are now (the state's)."""
+        decision = self.attn_state.decision_now()
+        assert decision is not None  # attach_decision always records one
         return decision
 
-    def _path_changed(self, state: PathState) -> None:
-        """A proof on a training batch moved the run to rows: record it in the decision and as an event."""
-        self.attn_decision = dataclasses.replace(self.attn_decision, path=state.path, path_reason=state.reason)
-        self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
-
-    def _record(self, decision: Decision, cap: Any, rank: int) -> None:
-        info = decision.as_dict()
-        level = logging.WARNING if decision.fell_back or self._fa2_reference else logging.INFO
-        log.log(
-            level,
-            "attention rank %d on %s (%s): requested %s, chose %s (%s); path %s (%s)",
-            rank,
-            cap.device_name,
-            cap.sm,
-            decision.requested,
-            decision.chosen,
-            decision.reason,
-            decision.path,
-            decision.path_reason,
-        )
-        if decision.warning:
-            log.warning("attention rank %d: %s kept, but: %s", rank, decision.chosen, decision.warning)
-        if self._fa2_reference:
-            log.warning(
-                "attention: flash_attention_2 runs on the pure-PyTorch REFERENCE kernel, not flash-attn "
-                "(fa2_reference_kernel: true). Use it for tests and diagnosis only."
-            )
-        self.attn_events.append("attn_impl", **info)
-        gathered = dist.all_gather_object({"rank": rank, "device_name": cap.device_name, "sm": cap.sm, **info})
-        #: every rank's choice in one line, gathered once here (``attn_decision`` logs it as ``attn/summary``)
-        self.attn_summary = summarize(gathered)
-        if rank == 0:
-            loud = any(d["fell_back"] for d in gathered) or REFERENCE_NAME in self.attn_summary
-            log.log(logging.WARNING if loud else logging.INFO, self.attn_summary)
+    def _path_changed(self) -> None:
+        """After a batch: a proof that moved the run to rows (the state's :class:`~foundry_attn.flat.state.PathChange`)
+        is an ``attn_impl`` event."""
+        if len(self.attn_state.changes) > self._changes_read:
+            self._changes_read = len(self.attn_state.changes)
+            self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
 
     # ---- forward ------------------------------------------------------------------------------------
     @property
@@ -191,15 +166,15 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
     def _check_fa2_dtype(self, device: torch.device) -> None:
         """First forward only: FA2 with fp32 weights and no autocast fails inside flash-attn; fall back now."""
         self._dtype_checked = True
-        if self.attn_implementation != FA2 or self._fa2_reference or device.type != "cuda":
+        if self.attn_implementation != FA2 or self.attn_state.reference or device.type != "cuda":
             return
         if torch.is_autocast_enabled(device.type) or self.model.dtype in (torch.float16, torch.bfloat16):
             return
         reason = "fp32 weights without autocast at the first forward (FA2 needs fp16/bf16)"
-        self.attn_decision = self.attn_decision.with_rejection(  # strict: raises, naming check, device and fix
+        decision = self.attn_decision.with_rejection(  # strict: raises, naming check, device and fix
             FA2, reason, check="dtype", fix="train with precision: amp_bf16 (or amp_fp16)"
         )
-        self.attn_decision = self._attach(self.attn_decision, reference=False, at_build=False)  # first batch proves
+        self._attach(decision, reference=False, at_build=False)  # the first batch proves
         log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 
@@ -208,6 +183,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
         out, routed = run_prepared(lambda inputs: self.model(**inputs, use_cache=False), self.model, batch, routed)
+        self._path_changed()
         return finish_documents(out, routed.placed, routed.no_targets, shaped=True)  # [rows, width, vocab] logits
 
     @torch.compiler.disable
