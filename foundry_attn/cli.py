@@ -19,9 +19,10 @@ import sys
 from typing import Any
 
 from foundry_attn import guard
+from foundry_attn.attention.backends import FA2
 from foundry_attn.bench import BENCHES
 from foundry_attn.selection.capability import Capability
-from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, FA2, AttentionUnavailableError, Decision
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableError, Decision
 
 
 def doctor(args: argparse.Namespace) -> int:

@@ -115,7 +115,10 @@ def test_policy_and_the_probe_import_without_transformers() -> None:
     imports transformers only when it looks for a model."""
     modules = (
         "selection.policy",
+        "selection.traits",
+        "selection.backend_checks",
         "attention.backends",
+        "attention.config_values",
         "observe.probe",
         "observe.discovery",
         "attention.documents",

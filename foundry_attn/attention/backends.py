@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
+from foundry_attn.attention.config_values import config_value
 from foundry_attn.attention.torch_varlen import torch_varlen_kernel, varlen_parameters
 
 PREFIX = "foundry_"
@@ -131,30 +132,6 @@ def config_refusals(config: Any, names: Iterable[str]) -> tuple[tuple[str, str],
         except ValueError as exc:
             refused.append((name, str(exc).splitlines()[0]))
     return tuple(refused)
-
-
-def config_values(config: Any, name: str) -> list[Any]:
-    """``config.<name>``, or on a heterogeneous 5.x config (gemma4, dots3: per-layer attributes that raise when
-    read globally) the value of every layer; empty when absent."""
-    try:
-        value = getattr(config, name)
-    except AttributeError:
-        return []
-    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, without importing 5.x names
-        layers = getattr(config, "per_layer_config", None) or []
-        return [v for layer in layers if (v := getattr(layer, name, None)) is not None]
-    return [] if value is None else [value]
-
-
-def config_value(config: Any, name: str, default: Any = None, pick: Callable = max) -> Any:
-    """One value of ``config.<name>`` (``pick`` of the per-layer values on a heterogeneous config), or ``default``."""
-    values = config_values(config, name)
-    if not values:
-        return default
-    try:
-        return pick(values)
-    except TypeError:  # values that do not compare: the first layer's
-        return values[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,13 +66,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from foundry_attn.attention.backends import FA2, SDPA
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.flat.state import path_of
-from foundry_attn.selection.policy import FA2, SDPA
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE
 
 if TYPE_CHECKING:

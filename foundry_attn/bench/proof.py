@@ -33,8 +33,8 @@ from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
-from foundry_attn.flat.proof import step_blocker
 from foundry_attn.flat.state import PROOF_INTERVAL, ceil2
+from foundry_attn.flat.step_proof import step_blocker
 from foundry_attn.selection.capability import flex_backward_error
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 

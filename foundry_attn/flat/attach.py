@@ -36,7 +36,7 @@ from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.model_forward import replace_forwards
 from foundry_attn.flat.state import (
-    AUTO,
+    AUTO_PATH,
     FLAT,
     PATH_ATTR,
     PROOF_INTERVAL,
@@ -48,14 +48,10 @@ from foundry_attn.flat.state import (
 from foundry_attn.flat.synthetic import proof_lengths, synthetic_documents
 from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.selection import policy
+from foundry_attn.selection.backend_checks import model_check
 from foundry_attn.selection.decision import decide
-from foundry_attn.selection.policy import (
-    DEFAULT_FALLBACK,
-    AttentionUnavailableError,
-    Decision,
-    ModelTraits,
-    model_check,
-)
+from foundry_attn.selection.policy import DEFAULT_FALLBACK, AttentionUnavailableError, Decision
+from foundry_attn.selection.traits import ModelTraits
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +82,7 @@ def _bypassed(backend: str) -> str | None:
 def attach(
     model: Any,
     backend: str | None = None,
-    path: str = AUTO,
+    path: str = AUTO_PATH,
     *,
     fallback: Sequence[str] = DEFAULT_FALLBACK,
     compute_dtype: str = "auto",
@@ -175,7 +171,7 @@ def _compute_dtype(hf: Any, named: str) -> str:
 def attach_decision(
     model: Any,
     decision: Decision,
-    path: str = AUTO,
+    path: str = AUTO_PATH,
     *,
     fa2_reference: bool = False,
     strict: bool = False,
@@ -282,7 +278,7 @@ def _attach_backend(
 
 
 def _refuse_unsupported(hf: Any, backend: str, reference: bool = False) -> None:
-    """The policy's model checks (:func:`foundry_attn.selection.policy.model_check`), before anything is pointed: a
+    """The model checks (:func:`foundry_attn.selection.backend_checks.model_check`), before anything is pointed: a
     backend the class does not declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap
     under sdpa, ALiBi under FA2) runs neither path exactly, so it is refused with the backends that do run the model."""
     traits = ModelTraits.from_model_class(type(hf), hf.config)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.attention.backends import config_value
+from foundry_attn.attention.config_values import config_value
 from foundry_attn.flat.forward_probe import looked_up
 from foundry_attn.flat.model_forward import own_forward
 

@@ -39,7 +39,8 @@ from foundry_attn.flat.inputs import (
     stock_packed,
 )
 from foundry_attn.flat.layout import Layout
-from foundry_attn.flat.state import FLAT, StepProof, path_of
+from foundry_attn.flat.state import FLAT, path_of
+from foundry_attn.flat.step_proof import StepProof
 from foundry_attn.flat.unwrap import compiled, unwrapped
 
 log = logging.getLogger(__name__)
@@ -140,17 +141,17 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
     if state is None:
         _say_unproven(type(hf).__name__)
     else:
-        choice = state.choose(hf, layout.real_tokens, layout.max_length, in_step=in_step)
-        if choice.path == FLAT:
+        plan = state.plan(hf, layout.real_tokens, layout.max_length, in_step=in_step)
+        if plan.path == FLAT:
             inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
-            if choice.in_step:
-                return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, choice, not layout.marked))
-            if choice.at is None or state.prove_batch(hf, inputs, choice, not layout.marked) == FLAT:
+            if plan.in_step:
+                return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, plan, not layout.marked))
+            if plan.at is None or state.prove_batch(hf, inputs, plan, not layout.marked) == FLAT:
                 return Prepared(stock_packed(inputs) if state.stock_mask else inputs, placed, no_targets)
-        elif choice.at is not None:  # rows, proven as flat is: the first batch, changes, longer batches, the interval
+        elif plan.at is not None:  # rows, proven as flat is: the first batch, changes, longer batches, the interval
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
-            state.prove_batch(hf, flat, choice, not layout.marked)
+            state.prove_batch(hf, flat, plan, not layout.marked)
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on
     left = state is not None and state.rows_left

@@ -6,7 +6,7 @@
 
 Pure functions of the batch, its :class:`~foundry_attn.flat.layout.Layout` and the HF model's config (the model
 itself, not a wrapper: callers unwrap once): no state, no decision (which layout a batch gets is
-:meth:`foundry_attn.flat.state.PathState.choose`'s). Core module: torch and transformers only.
+:meth:`foundry_attn.flat.state.PathState.plan`'s). Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from foundry_attn.attention.backends import config_value
+from foundry_attn.attention.config_values import config_value
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.flat.layout import Layout, flattened_lengths
 from foundry_attn.flat.packing import IGNORE_INDEX

@@ -55,7 +55,6 @@ from foundry_attn.flat.comparison import (
     summed,
     token_embeddings,
     trainable,
-    training_noise,
     worse,
 )
 from foundry_attn.flat.implementation import running
@@ -186,7 +185,7 @@ def prove_step(
     (:func:`embeddings`) and ``head`` its output layer's calls (:func:`head_calls`). With ``grads`` the compared
     documents' loss is differentiated through the training graph (:func:`documents_grad`), which is kept for the
     training backward. Only the documents alone run here: the forward is paid once.
-    Valid where training mode computes what eval mode does (:func:`step_blocker`)."""
+    Valid where training mode computes what eval mode does (:func:`foundry_attn.flat.step_proof.step_blocker`)."""
 
     def packed(hf: Any, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
         if inputs[DOCS_KEY].calls == 0:
@@ -202,29 +201,6 @@ def prove_step(
         return Run(logits[0].detach(), *grads_), ""
 
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, packed)
-
-
-def step_blocker(model: Any) -> str | None:
-    """Why a proof cannot take the training forward as its packed side (:func:`prove_step`), or None: dropout or
-    router noise (training mode would differ from the eval-mode truth), checkpointing (recomputation under
-    ``torch.autograd.grad``), sharded parameters (FSDP2's backward hooks would run for the proof), no embedding
-    module to differentiate against."""
-    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
-    if getattr(hf, "is_gradient_checkpointing", False):
-        return "HF gradient checkpointing"
-    if not passes_kwargs(hf):  # the documents cannot reach attention: the proof says so without a training forward
-        return "its base model's forward takes no **kwargs"
-    if not hasattr(hf, "get_input_embeddings") or hf.get_input_embeddings() is None:
-        return "no input embedding module"
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(next(hf.parameters()), DTensor):
-        return "sharded parameters (FSDP2)"
-    wrapped = next((name for name, m in hf.named_modules() if isinstance(m, CheckpointWrapper)), None)
-    if wrapped is not None:
-        return f"activation checkpointing ({wrapped})"
-    return training_noise(hf)
 
 
 NO_CALLS = "no attention call received the documents: this model's attention bypasses transformers' interface"

@@ -1,8 +1,8 @@
-"""The path a model runs, flat or rows, and the one per-batch choice: which layout, and whether a proof is due.
+"""The path a model runs, flat or rows, and the one per-batch plan: which layout, and whether a proof is due.
 
     state = path_of(hf_model)                        # kept on the HF model by attach (foundry_attn.flat.attach)
     state.path, state.reason                         # "flat" | "rows", and why
-    choice = state.choose(hf_model, tokens, longest, in_step=True)   # what forward_documents does with a batch
+    plan = state.plan(hf_model, tokens, longest, in_step=True)   # what forward_documents does with a batch
 
 **flat** (unpad once, the documents as an argument of every attention call) is used only while the proof
 (:mod:`foundry_attn.flat.proof`: the flat row that trains against stock on each document alone, logits and gradients)
@@ -12,16 +12,15 @@ that of the longest proven document: the number of such proofs grows with the lo
 function behind the dispatch, a kernel the flat path calls or a module's ``forward`` changes (an identity check per
 batch); and every ``interval`` batches, forward only. **rows** (the stock backend, one document per row, a 2-D mask)
 is used otherwise: a failed proof moves the run there, from the batch it failed on, with one warning (or, binding,
-raises with the reason and the batch). :mod:`foundry_attn.flat.forward` asks :meth:`PathState.choose` once per batch
+raises with the reason and the batch). :mod:`foundry_attn.flat.forward` asks :meth:`PathState.plan` once per batch
 and acts on the answer; nothing here calls back up. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,7 +28,6 @@ import torch
 from foundry_attn.attention.backends import BACKENDS, EAGER, SDPA
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
-from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls
 from foundry_attn.flat.implementation import current, use
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.proof import (
@@ -37,10 +35,9 @@ from foundry_attn.flat.proof import (
     prove_flat,
     prove_packed,
     prove_rows,
-    prove_step,
     rows_train_error,
-    step_blocker,
 )
+from foundry_attn.flat.step_proof import StepProof, step_blocker
 from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
 
@@ -49,10 +46,10 @@ log = logging.getLogger(__name__)
 FLAT, ROWS = "flat", "rows"
 PATH_ATTR = "foundry_path"  # the PathState :func:`foundry_attn.flat.attach.attach` keeps on the HF model
 
-AUTO = "auto"
+AUTO_PATH = "auto"  # flat where proven, else rows (attn_path: auto); the backend's "auto" is policy.AUTO
 
 
-PATHS = (AUTO, FLAT, ROWS)
+PATHS = (AUTO_PATH, FLAT, ROWS)
 
 
 PROOF_INTERVAL = 100
@@ -125,8 +122,8 @@ def check_path(path: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
-    """What a batch runs (:meth:`PathState.choose`): its ``path``, and the proof due on it, if any: why (``at``),
+class Plan:
+    """What a batch runs (:meth:`PathState.plan`): its ``path``, and the proof due on it, if any: why (``at``),
     with gradients or forward only, and whether it takes the batch's own forward (``in_step``)."""
 
     path: str
@@ -180,6 +177,20 @@ class PathState:
             _modules=(),
         )
 
+    @property
+    def is_flat(self) -> bool:
+        """Whether the run is on the flat path now.
+
+        Returns:
+            ``path == "flat"``.
+
+        Example::
+
+            >>> attach(model, "sdpa").is_flat
+            True
+        """
+        return self.path == FLAT
+
     def decision_now(self) -> Decision | None:
         """What attach decided, with the path, its reason and the last proof as they are now: the one source of the
         ``attn_impl`` fields (:meth:`~foundry_attn.selection.policy.Decision.as_dict`).
@@ -220,9 +231,9 @@ class PathState:
             grads=grads,
             own_positions=own_positions,
         )
-        return self._judge(hf, inputs, at, proof, grads, own_positions)
+        return self.keep_proof(hf, inputs, at, proof, grads, own_positions)
 
-    def _judge(
+    def keep_proof(
         self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, own_positions: bool
     ) -> Proof:
         """Keep ``proof`` of the flat path: proven lengths and code, or rows from now on (proven there too)."""
@@ -358,41 +369,55 @@ class PathState:
             return f"the {self.interval}-batch interval", False
         return None
 
-    def choose(self, hf: Any, tokens: int, longest: int, in_step: bool = False) -> Choice:
-        """The one per-batch choice, for a batch of ``tokens`` real tokens whose longest document is ``longest``:
+    def plan(self, hf: Any, tokens: int, longest: int, in_step: bool = False) -> Plan:
+        """The one per-batch plan, for a batch of ``tokens`` real tokens whose longest document is ``longest``:
         its layout (flat while proven and in place, else rows), and for a training batch the proof due on it, if
         any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
         uncompiled, so a flat proof may take that forward as its packed side where
-        :func:`foundry_attn.flat.proof.step_blocker` allows."""
+        :func:`foundry_attn.flat.step_proof.step_blocker` allows."""
         if self.path == FLAT and current(hf) != self.flat_name:
-            return Choice(ROWS)  # someone set another implementation: stock runs it, one document per row
+            return Plan(ROWS)  # someone set another implementation: stock runs it, one document per row
         if not (hf.training and torch.is_grad_enabled()):
-            return Choice(self.path)
+            return Plan(self.path)
         self.batches += 1
         due = self.due(hf, tokens, longest)
         if due is None:
-            return Choice(self.path)
+            return Plan(self.path)
         self.proven_on_batch = True
         at = f"batch {self.batches} ({due[0]})"
         in_step = in_step and self.path == FLAT and not self.stock_mask and step_blocker(hf) is None
-        return Choice(self.path, at, due[1], in_step)
+        return Plan(self.path, at, due[1], in_step)
 
-    def prove_batch(self, hf: Any, inputs: Mapping[str, Any], choice: Choice, own_positions: bool) -> str:
-        """Prove ``choice``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
+    def prove_batch(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, own_positions: bool) -> str:
+        """Prove ``plan``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
         row); the path the batch runs after (a failed flat proof: rows)."""
-        assert choice.at is not None
-        if choice.path == FLAT:
-            self.prove(hf, inputs, choice.at, grads=choice.grads, own_positions=own_positions)
+        assert plan.at is not None
+        if plan.path == FLAT:
+            self.prove(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions)
             return self.path
         self._modules = tuple(hf.modules())
-        self.prove_rows(hf, inputs, choice.at, grads=choice.grads, own_positions=own_positions)
+        self.prove_rows(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions)
         self._fingerprint = self.fingerprint()
         return ROWS
 
-    def step_proof(self, hf: Any, inputs: Mapping[str, Any], choice: Choice, own_positions: bool) -> StepProof:
-        """The proof ``choice`` calls for on the batch's own forward (``choice.in_step``)."""
-        assert choice.at is not None
-        return StepProof(self, hf, inputs, choice.at, choice.grads, own_positions)
+    def step_proof(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, own_positions: bool) -> StepProof:
+        """The proof ``plan`` calls for on the batch's own forward (``plan.in_step``).
+
+        Args:
+            hf: the transformers model.
+            inputs: the batch's flat inputs.
+            plan: this batch's :class:`Plan`, with ``in_step``.
+            own_positions: the documents alone get the row's ``position_ids``.
+
+        Returns:
+            The :class:`~foundry_attn.flat.step_proof.StepProof` to run the forward in.
+
+        Example::
+
+            >>> proof = state.step_proof(hf_model, inputs, plan, own_positions=False)
+        """
+        assert plan.at is not None
+        return StepProof(self, hf, inputs, plan.at, plan.grads, own_positions)
 
     # ---- moving to rows ---------------------------------------------------------------------------------
     def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:
@@ -406,67 +431,6 @@ class PathState:
         use(hf, self.rows_name)
         log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
         self.changes.append(PathChange(self.batches, ROWS, reason))
-
-
-@dataclasses.dataclass
-class StepProof:
-    """A proof due on a training batch that takes the batch's own forward as its packed side, so the flat row runs
-    once: :func:`foundry_attn.flat.forward.forward_documents` runs the forward inside :meth:`capturing`, then
-    :meth:`settle`. A difference there is judged again by the full proof (its own forward in eval mode): it decides,
-    and a difference only training mode shows moves the run to rows too. A training forward that raises on the flat
-    row (a model's own loss reading the mask, a layer refusing an argument) moves the run to rows, where the batch
-    runs again: never worse than stock."""
-
-    state: PathState
-    hf: Any
-    inputs: Mapping[str, Any]
-    at: str
-    grads: bool
-    own_positions: bool
-    captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    head: list[HeadCall] = dataclasses.field(default_factory=list)
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Around the training forward: its input embeddings and output layer's calls, for the gradient part."""
-        with embeddings(self.hf, self.grads) as captured, head_calls(self.hf, self.grads) as head:
-            self.captured, self.head = captured, head
-            yield
-
-    def settle(self, out: Any, error: BaseException | None = None) -> bool:
-        """Prove on the forward's ``out`` (or the ``error`` it raised); whether the batch's flat forward stands
-        (False: the run is on rows now, or on the flat row with stock's packed mask, and the batch runs again
-        there)."""
-        state, hf = self.state, self.hf
-        if error is not None:
-            text = str(error).strip().splitlines()
-            reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
-            failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1], ran=False)
-            state._judge(hf, self.inputs, self.at, failed, self.grads, self.own_positions)
-            return False
-        proof = None
-        if out is not None:
-            proof = prove_step(
-                hf,
-                self.inputs,
-                out,
-                self.captured,
-                BACKENDS[state.backend].truth,
-                head=self.head,
-                reference=state.reference,
-                grads=self.grads,
-                own_positions=self.own_positions,
-            )
-        if proof is not None and proof.ok:
-            state._judge(hf, self.inputs, self.at, proof, self.grads, self.own_positions)
-            return True
-        mask = state.stock_mask
-        full = state.prove(hf, self.inputs, self.at, grads=self.grads, own_positions=self.own_positions)
-        if state.stock_mask != mask:  # the flat row moved to stock's packed mask: the batch runs again there
-            return False
-        if full.ok and proof is not None:  # eval mode holds, the training forward does not: never run silently
-            state._judge(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.own_positions)
-        return state.path == FLAT
 
 
 def path_of(model: Any) -> PathState | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.attention.backends import config_value
+from foundry_attn.attention.config_values import config_value
 
 
 def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:

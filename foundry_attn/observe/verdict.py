@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import transformers
 
-from foundry_attn.attention.backends import backend_of, config_value
+from foundry_attn.attention.backends import backend_of
+from foundry_attn.attention.config_values import config_value
 from foundry_attn.flat.comparison import (
     alone_inputs,
     differs,

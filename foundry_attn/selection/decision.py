@@ -13,20 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from foundry_attn.attention.backends import load_name
+from foundry_attn.attention.backends import FA2, FLEX, SDPA, load_name
 from foundry_attn.checks import check_choice
+from foundry_attn.selection.backend_checks import fa2_smoke_test
 from foundry_attn.selection.capability import Capability
-from foundry_attn.selection.policy import (
-    AUTO,
-    DEFAULT_FALLBACK,
-    FA2,
-    FLEX,
-    SDPA,
-    Decision,
-    ModelTraits,
-    choose,
-    fa2_smoke_test,
-)
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, Decision, choose
+from foundry_attn.selection.traits import ModelTraits
 
 if TYPE_CHECKING:
     from transformers.modeling_utils import PreTrainedModel  # the top-level name is a dummy class to mypy

@@ -54,9 +54,10 @@ def test_auto_moves_down_the_chain_past_a_backend_attach_refuses(monkeypatch: py
     """A backend attach refuses (neither path runs it here) moves the choice to the next of the chain, the refusal
     kept in the decision (here FA2 on the reference kernel, refused as attach refuses a backend whose training
     forward cannot run)."""
+    from foundry_attn.attention.backends import FA2, SDPA
     from foundry_attn.flat import attach as attach_module
     from foundry_attn.selection.capability import probe
-    from foundry_attn.selection.policy import FA2, SDPA, choose
+    from foundry_attn.selection.policy import choose
 
     genuine = attach_module._attach_backend
 

@@ -409,7 +409,7 @@ def test_a_full_proof_on_a_batch_takes_the_batchs_own_forward() -> None:
 
 def test_where_training_differs_from_eval_the_proof_runs_its_own_forward() -> None:
     """Dropout makes the training forward random: the proof runs its own (eval-mode) flat forward, and says why."""
-    from foundry_attn.flat.proof import step_blocker
+    from foundry_attn.flat.step_proof import step_blocker
 
     model = conformance.build("llama", "sdpa")
     model.config.attention_dropout = 0.1

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn.flat.packing import IGNORE_INDEX, PaddingCollator
+from foundry_attn.selection.backend_checks import fa2_smoke_test, torch_varlen_smoke_test
 from foundry_attn.selection.capability import flex_backward_error, probe
-from foundry_attn.selection.policy import fa2_smoke_test, torch_varlen_smoke_test
 
 SEED = 17
 STOCK, OURS = "hf_causal_lm", "foundry_attn_causal_lm"

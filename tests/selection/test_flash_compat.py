@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from foundry_attn.attention.backends import FA2, SDPA
 from foundry_attn.selection import flash_compat
 from foundry_attn.selection.capability import Capability
-from foundry_attn.selection.policy import FA2, SDPA, AttentionUnavailableError, ModelTraits, choose
+from foundry_attn.selection.policy import AttentionUnavailableError, choose
+from foundry_attn.selection.traits import ModelTraits
 
 A100 = Capability(
     cuda=True,

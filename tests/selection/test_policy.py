@@ -8,21 +8,11 @@ import json
 import pytest
 import torch
 
-from foundry_attn.attention.backends import NAMES, ModelNeeds
+from foundry_attn.attention.backends import EAGER, FA2, FLEX, NAMES, SDPA, TORCH_VARLEN, ModelNeeds
+from foundry_attn.selection.backend_checks import Candidate
 from foundry_attn.selection.capability import Capability, probe
-from foundry_attn.selection.policy import (
-    AUTO,
-    EAGER,
-    FA2,
-    FLEX,
-    SDPA,
-    TORCH_VARLEN,
-    AttentionUnavailableError,
-    Candidate,
-    Decision,
-    ModelTraits,
-    choose,
-)
+from foundry_attn.selection.policy import AUTO, AttentionUnavailableError, Decision, choose
+from foundry_attn.selection.traits import ModelTraits
 
 LLAMA_TRAITS = ModelTraits("LlamaForCausalLM", 64, frozenset(NAMES))
 
@@ -405,7 +395,7 @@ def test_a_class_whose_flash_attention_is_another_kernel_has_no_fa2() -> None:
     run a hub kernel when FA2 is asked for: flash-attn 2 cannot run them, so the policy does not offer it."""
     from transformers import LlamaForCausalLM
 
-    from foundry_attn.selection.policy import ModelTraits
+    from foundry_attn.selection.traits import ModelTraits
 
     class SinksModel(LlamaForCausalLM):
         _compatible_flash_implementations = ("kernels-community/vllm-flash-attn3",)

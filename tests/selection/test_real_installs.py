@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from foundry_attn import guard
+from foundry_attn.attention.backends import FA2, SDPA
 from foundry_attn.selection import flash_compat
-from foundry_attn.selection.policy import FA2, SDPA, ModelTraits, choose
+from foundry_attn.selection.policy import choose
+from foundry_attn.selection.traits import ModelTraits
 from tests.conftest import REPO, read_events
 from tests.selection import real_installs
 from tests.selection.test_flash_compat import A100, installed

@@ -22,10 +22,10 @@ import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 
+from foundry_attn.attention.backends import FA2
 from foundry_attn.checks import check_interval
-from foundry_attn.flat.state import AUTO as AUTO_PATH
-from foundry_attn.flat.state import PROOF_INTERVAL, check_path
-from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, FA2, validate_names
+from foundry_attn.flat.state import AUTO_PATH, PROOF_INTERVAL, check_path
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, validate_names
 
 RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")
 OWNER = "foundry_attn_causal_lm"

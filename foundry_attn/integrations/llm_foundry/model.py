@@ -41,7 +41,7 @@ from llmfoundry.models.hf import ComposerHFCausalLM
 from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
 
-from foundry_attn.attention.backends import backend_of, load_name
+from foundry_attn.attention.backends import FA2, backend_of, load_name
 from foundry_attn.flat.attach import attach_decision
 from foundry_attn.flat.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
 from foundry_attn.flat.unwrap import compiled
@@ -50,11 +50,7 @@ from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events
 from foundry_attn.observe.ranks import announce, launch_id
 from foundry_attn.selection.capability import probe
 from foundry_attn.selection.decision import decide, model_class_for
-from foundry_attn.selection.policy import (
-    FA2,
-    AttentionUnavailableError,
-    Decision,
-)
+from foundry_attn.selection.policy import AttentionUnavailableError, Decision
 
 log = logging.getLogger(__name__)
 

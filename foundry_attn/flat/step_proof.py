@@ -1,0 +1,111 @@
+"""The proof due on a training batch that takes the batch's own forward as its packed side, and when it may.
+
+    blocked = step_blocker(hf_model)     # None: training mode computes what eval mode does; the flat row runs once
+    with proof.capturing():                     # forward_documents, around the batch's forward
+        out = model(**inputs)
+    stands = proof.settle(out)                  # False: the batch runs again where the state is now (rows)
+
+Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from foundry_attn.attention.backends import BACKENDS
+from foundry_attn.attention.documents import DOCS_KEY
+from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls, training_noise
+from foundry_attn.flat.proof import Proof, passes_kwargs, prove_step
+from foundry_attn.flat.unwrap import unwrapped
+
+if TYPE_CHECKING:
+    from foundry_attn.flat.state import PathState
+
+
+def step_blocker(model: Any) -> str | None:
+    """Why a proof cannot take the training forward as its packed side (:func:`prove_step`), or None: dropout or
+    router noise (training mode would differ from the eval-mode truth), checkpointing (recomputation under
+    ``torch.autograd.grad``), sharded parameters (FSDP2's backward hooks would run for the proof), no embedding
+    module to differentiate against."""
+    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
+    if getattr(hf, "is_gradient_checkpointing", False):
+        return "HF gradient checkpointing"
+    if not passes_kwargs(hf):  # the documents cannot reach attention: the proof says so without a training forward
+        return "its base model's forward takes no **kwargs"
+    if not hasattr(hf, "get_input_embeddings") or hf.get_input_embeddings() is None:
+        return "no input embedding module"
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(next(hf.parameters()), DTensor):
+        return "sharded parameters (FSDP2)"
+    wrapped = next((name for name, m in hf.named_modules() if isinstance(m, CheckpointWrapper)), None)
+    if wrapped is not None:
+        return f"activation checkpointing ({wrapped})"
+    return training_noise(hf)
+
+
+@dataclasses.dataclass
+class StepProof:
+    """A proof due on a training batch that takes the batch's own forward as its packed side, so the flat row runs
+    once: :func:`foundry_attn.flat.forward.forward_documents` runs the forward inside :meth:`capturing`, then
+    :meth:`settle`. A difference there is judged again by the full proof (its own forward in eval mode): it decides,
+    and a difference only training mode shows moves the run to rows too. A training forward that raises on the flat
+    row (a model's own loss reading the mask, a layer refusing an argument) moves the run to rows, where the batch
+    runs again: never worse than stock."""
+
+    state: PathState
+    hf: Any
+    inputs: Mapping[str, Any]
+    at: str
+    grads: bool
+    own_positions: bool
+    captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    head: list[HeadCall] = dataclasses.field(default_factory=list)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around the training forward: its input embeddings and output layer's calls, for the gradient part."""
+        with embeddings(self.hf, self.grads) as captured, head_calls(self.hf, self.grads) as head:
+            self.captured, self.head = captured, head
+            yield
+
+    def settle(self, out: Any, error: BaseException | None = None) -> bool:
+        """Prove on the forward's ``out`` (or the ``error`` it raised); whether the batch's flat forward stands
+        (False: the run is on rows now, or on the flat row with stock's packed mask, and the batch runs again
+        there)."""
+        state, hf = self.state, self.hf
+        if error is not None:
+            text = str(error).strip().splitlines()
+            reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
+            failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1], ran=False)
+            state.keep_proof(hf, self.inputs, self.at, failed, self.grads, self.own_positions)
+            return False
+        proof = None
+        if out is not None:
+            proof = prove_step(
+                hf,
+                self.inputs,
+                out,
+                self.captured,
+                BACKENDS[state.backend].truth,
+                head=self.head,
+                reference=state.reference,
+                grads=self.grads,
+                own_positions=self.own_positions,
+            )
+        if proof is not None and proof.ok:
+            state.keep_proof(hf, self.inputs, self.at, proof, self.grads, self.own_positions)
+            return True
+        mask = state.stock_mask
+        full = state.prove(hf, self.inputs, self.at, grads=self.grads, own_positions=self.own_positions)
+        if state.stock_mask != mask:  # the flat row moved to stock's packed mask: the batch runs again there
+            return False
+        if full.ok and proof is not None:  # eval mode holds, the training forward does not: never run silently
+            state.keep_proof(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.own_positions)
+        return state.is_flat
