@@ -123,3 +123,36 @@ def test_commands_the_docs_name_exist() -> None:
             assert bench in BENCHES, f"{doc.name}: foundry-attn bench {bench} is not a benchmark ({BENCHES})"
         for target in re.findall(r"`make ([\w-]+)", text):
             assert target in targets, f"{doc.name}: make {target} is not a Makefile target"
+
+
+def test_every_public_function_of_the_core_and_the_glues_says_its_args_returns_and_an_example() -> None:
+    """Every public function and method of ``attention/``, ``selection/``, ``flat/`` and ``integrations/`` has an
+    ``Args:`` section (when it takes parameters), ``Returns:`` (when it returns something) and an ``Example``."""
+    import ast
+
+    lacking: list[str] = []
+    for folder in ("attention", "selection", "flat", "integrations"):
+        for path in sorted((REPO / "foundry_attn" / folder).rglob("*.py")):
+
+            def visit(body: list[ast.stmt], owner: str = "", path: Path = path) -> None:
+                for node in body:
+                    if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                        visit(node.body, f"{node.name}.")
+                    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                        continue
+                    doc = ast.get_docstring(node) or ""
+                    args = node.args
+                    takes = [
+                        a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.arg not in ("self", "cls")
+                    ]
+                    takes += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+                    returns = node.returns is not None and not (
+                        isinstance(node.returns, ast.Constant) and node.returns.value is None
+                    )
+                    wanted = [("Args:", bool(takes)), ("Returns:", returns), ("Example", True)]
+                    missing = [word for word, needed in wanted if needed and word not in doc]
+                    if missing:
+                        lacking.append(f"{path.relative_to(REPO)}:{node.lineno} {owner}{node.name}: {missing}")
+
+            visit(ast.parse(path.read_text()).body)
+    assert not lacking, "\n".join(lacking)

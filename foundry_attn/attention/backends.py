@@ -65,7 +65,19 @@ REGISTERED = {PREFIX + name: name for name in (*BACKENDS, FA2_REFERENCE)}
 
 
 def backend_of(impl: str | None) -> str | None:
-    """``foundry_sdpa`` -> ``sdpa``; ``foundry_fa2_reference`` -> ``flash_attention_2``; stock names unchanged."""
+    """``foundry_sdpa`` -> ``sdpa``; ``foundry_fa2_reference`` -> ``flash_attention_2``; stock names unchanged.
+
+    Args:
+        impl: an attention implementation name (``config._attn_implementation``), or None.
+
+    Returns:
+        The backend it runs, ``impl`` itself for a name we did not register.
+
+    Example::
+
+        >>> backend_of("foundry_sdpa"), backend_of("foundry_fa2_reference"), backend_of("eager")
+        ('sdpa', 'flash_attention_2', 'eager')
+    """
     name = REGISTERED.get(impl or "", impl)
     return FA2 if name == FA2_REFERENCE else name
 
@@ -124,7 +136,20 @@ def load_name(chosen: str, fa2_reference: bool = False, model_class: type | None
 def config_refusals(config: Any, names: Iterable[str]) -> tuple[tuple[str, str], ...]:
     """The names the config itself refuses, with its words: a 5.x config may validate the name it is set to
     (HRM-text with ``prefix_lm`` refuses flash attention), as stock does at load. Asked of one copy; torch_varlen
-    as flash."""
+    as flash.
+
+    Args:
+        config: the model config (not changed: a deep copy is set).
+        names: the backends to try (torch_varlen is tried as ``flash_attention_2``).
+
+    Returns:
+        ``(name, first line of the config's error)`` for each name it refuses; empty when it takes them all.
+
+    Example::
+
+        >>> config_refusals(LlamaConfig(), ["flash_attention_2", "sdpa"])
+        ()
+    """
     probe, refused = copy.deepcopy(config), []
     for name in names:
         try:
@@ -146,6 +171,20 @@ class ModelNeeds:
 
     @classmethod
     def of(cls, class_name: str, config: Any) -> ModelNeeds:
+        """What ``config`` asks of attention: softcap, dropout, the shortest sliding window, ALiBi.
+
+        Args:
+            class_name: the model class's name, for refusal messages.
+            config: the model config.
+
+        Returns:
+            The needs, read from the config.
+
+        Example::
+
+            >>> ModelNeeds.of("Gemma2ForCausalLM", Gemma2Config())
+            ModelNeeds(class_name='Gemma2ForCausalLM', softcap=50.0, dropout=0.0, window=4096, alibi=False)
+        """
         dropout = max(float(config_value(config, n, 0.0) or 0.0) for n in ("attention_dropout", "attn_pdrop"))
         windowed = config_value(config, "use_sliding_window", True)
         window = config_value(config, "sliding_window", None, min) if windowed else None
@@ -154,7 +193,21 @@ class ModelNeeds:
 
 
 def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> str | None:
-    """Why ``backend`` cannot run this model's documents exactly, or None when it can."""
+    """Why ``backend`` cannot run this model's documents exactly, or None when it can.
+
+    Args:
+        backend: a backend name (``sdpa``, ``flash_attention_2``, ...).
+        needs: what the model asks (:meth:`ModelNeeds.of`).
+        fa2_version: the installed flash-attn version, for FA2's softcap minimum (None: not checked).
+
+    Returns:
+        The refusal, naming what the backend cannot apply, or None.
+
+    Example::
+
+        >>> refusal("sdpa", ModelNeeds.of("Gemma2ForCausalLM", Gemma2Config()))
+        "sdpa cannot apply Gemma2ForCausalLM's attention logit softcap (50.0) per document"
+    """
     caps = BACKENDS[backend]
     if needs.alibi and backend in (FA2, TORCH_VARLEN):  # varlen kernels take no bias; stock's FA2 class raises
         return f"{backend} cannot apply {needs.class_name}'s ALiBi position bias (alibi: true); use sdpa or eager"

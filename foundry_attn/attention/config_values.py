@@ -15,7 +15,20 @@ from typing import Any
 
 def config_values(config: Any, name: str) -> list[Any]:
     """``config.<name>``, or on a heterogeneous 5.x config (gemma4, dots3: per-layer attributes that raise when
-    read globally) the value of every layer; empty when absent."""
+    read globally) the value of every layer; empty when absent.
+
+    Args:
+        config: a transformers model config.
+        name: the attribute to read.
+
+    Returns:
+        The values found, one per layer on a heterogeneous config; empty when absent or None.
+
+    Example::
+
+        >>> config_values(Gemma2Config(), "sliding_window"), config_values(Qwen2Config(), "sliding_window")
+        ([4096], [])
+    """
     try:
         value = getattr(config, name)
     except AttributeError:
@@ -27,7 +40,24 @@ def config_values(config: Any, name: str) -> list[Any]:
 
 
 def config_value(config: Any, name: str, default: Any = None, pick: Callable = max) -> Any:
-    """One value of ``config.<name>`` (``pick`` of the per-layer values on a heterogeneous config), or ``default``."""
+    """One value of ``config.<name>`` (``pick`` of the per-layer values on a heterogeneous config), or ``default``.
+
+    Args:
+        config: a transformers model config.
+        name: the attribute to read.
+        default: what to return when the config has no value.
+        pick: chooses one of the per-layer values (``max``; ``min`` for the shortest window).
+
+    Returns:
+        The picked value (the first layer's where values do not compare), or ``default``.
+
+    Example::
+
+        >>> config_value(Gemma2Config(), "sliding_window", None, min)   # the shortest window of any layer
+        4096
+        >>> config_value(FalconConfig(alibi=True), "alibi", False)
+        True
+    """
     values = config_values(config, name)
     if not values:
         return default

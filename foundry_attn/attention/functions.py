@@ -83,7 +83,19 @@ IGNORED_KWARGS = frozenset(
 
 def unhonoured(kwargs: dict) -> list[str]:
     """The arguments of an attention call that the flat path would drop: any that carries a value and is not
-    known to be moot. Refusing them (rather than ignoring) keeps sinks, biases and the like exact."""
+    known to be moot. Refusing them (rather than ignoring) keeps sinks, biases and the like exact.
+
+    Args:
+        kwargs: the keyword arguments of one attention call.
+
+    Returns:
+        Their names, sorted; empty when the flat path honours the call.
+
+    Example::
+
+        >>> unhonoured({"position_ids": pos, "s_aux": sinks, "dropout": 0.0})   # gpt-oss's attention sinks
+        ['s_aux']
+    """
     return sorted(
         k
         for k, v in kwargs.items()
@@ -95,7 +107,19 @@ def mask_content(mask: Any) -> str | None:
     """What a mask reaching a flat call carries beyond the structure our documents replace (causal, padding,
     documents: booleans, integers, zeros and the most negative values), or None: a learnable bias (the mask
     requires grad: Doge's dynamic mask), or values that are neither zero nor a masked score. The placeholder and
-    None carry nothing; under ``torch.compile`` nothing is read (the proof, uncompiled, has read it)."""
+    None carry nothing; under ``torch.compile`` nothing is read (the proof, uncompiled, has read it).
+
+    Args:
+        mask: the ``attention_mask`` of one attention call.
+
+    Returns:
+        What it carries, in words, or None.
+
+    Example::
+
+        >>> mask_content(torch.zeros(1, 1, 4, 4)), mask_content(torch.randn(1, 1, 4, 4))
+        (None, 'values that are neither 0 nor a masked score (a [1, 1, 4, 4] bias)')
+    """
     if not isinstance(mask, torch.Tensor) or is_placeholder(mask) or torch.compiler.is_compiling():
         return None
     if mask.requires_grad:
@@ -196,7 +220,21 @@ def _compiled(
 def per_document(docs: Documents, *tensors: torch.Tensor) -> zip:
     """Each document's ``[B, H, n, D]`` piece of every tensor, as ``(q, k, v)`` per document. ``torch.split``, not
     a slice per document: its backward writes each gradient once into one tensor, where a slice's backward fills
-    a zero tensor of the whole row per document (no measurable step time on the blog row: bench proof's notes)."""
+    a zero tensor of the whole row per document (no measurable step time on the blog row: bench proof's notes).
+
+    Args:
+        docs: the documents of the row.
+        *tensors: ``[B, H, S, D]`` tensors (query, key, value), split along the sequence.
+
+    Returns:
+        One tuple per document, holding each tensor's piece.
+
+    Example::
+
+        >>> pieces = list(per_document(Documents.of([0, 17, 40]), q, k, v))   # q, k, v: [1, 4, 40, 16]
+        >>> len(pieces), pieces[0][0].shape
+        (2, torch.Size([1, 4, 17, 16]))
+    """
     return zip(*(t.split(docs.lengths, dim=2) for t in tensors), strict=True)
 
 
@@ -212,7 +250,34 @@ def sdpa_documents(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask."""
+    """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask.
+
+    Args:
+        module: the attention layer that calls (its ``is_causal``, ``training``).
+        query: ``[B, H, S, D]``; on the flat path one row holding every document.
+        key: ``[B, H_kv, S, D]`` (grouped KV heads are repeated here).
+        value: ``[B, H_kv, S, D]``.
+        attention_mask: the model's mask (on the flat path a placeholder); without documents, what stock applies.
+        dropout: the attention dropout probability.
+        scaling: the softmax scale (None: ``D ** -0.5``).
+        sliding_window: the layer's window (None: none).
+        softcap: the attention logit softcap (None: none).
+        **kwargs: the layer's other arguments; ``foundry_documents`` carries the :class:`Documents` of the row.
+
+    Returns:
+        ``(output, None)``: the output ``[B, S, H, D]`` and no attention weights.
+
+    Raises:
+        FlatUnsupported: the call passes an argument or mask content the flat path would drop.
+        ValueError: a softcap or dropout this backend cannot apply (:data:`BACKENDS`).
+
+    Example::
+
+        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
+        >>> out, _ = sdpa_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16]
+        >>> out.shape                                         # registered as "foundry_sdpa"
+        torch.Size([1, 40, 4, 16])
+    """
     docs = _open(SDPA, module, query, attention_mask, dropout, softcap, kwargs)
     if docs is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -271,7 +336,34 @@ def eager_documents(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' eager math, one document at a time (causal and window per document)."""
+    """transformers' eager math, one document at a time (causal and window per document).
+
+    Args:
+        module: the attention layer that calls (its ``is_causal``, ``training``).
+        query: ``[B, H, S, D]``; on the flat path one row holding every document.
+        key: ``[B, H_kv, S, D]`` (grouped KV heads are repeated here).
+        value: ``[B, H_kv, S, D]``.
+        attention_mask: the model's mask (on the flat path a placeholder); without documents, what stock applies.
+        dropout: the attention dropout probability.
+        scaling: the softmax scale (None: ``D ** -0.5``).
+        sliding_window: the layer's window (None: none).
+        softcap: the attention logit softcap (None: none).
+        **kwargs: the layer's other arguments; ``foundry_documents`` carries the :class:`Documents` of the row.
+
+    Returns:
+        ``(output, None)``: the output ``[B, S, H, D]`` and no attention weights.
+
+    Raises:
+        FlatUnsupported: the call passes an argument or mask content the flat path would drop.
+        ValueError: a softcap or dropout this backend cannot apply (:data:`BACKENDS`).
+
+    Example::
+
+        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
+        >>> out, _ = eager_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16]
+        >>> out.shape                                         # registered as "foundry_eager"
+        torch.Size([1, 40, 4, 16])
+    """
     docs = _open(EAGER, module, query, attention_mask, dropout, softcap, kwargs)
     if docs is None:
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
@@ -316,7 +408,34 @@ def flex_documents(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """One flex call over the flat row with a document ``BlockMask`` (:mod:`foundry_attn.attention.block_masks`; the
-    window in the mask). Uncompiled on CPU (the only dependable flex there in torch 2.7), compiled elsewhere."""
+    window in the mask). Uncompiled on CPU (the only dependable flex there in torch 2.7), compiled elsewhere.
+
+    Args:
+        module: the attention layer that calls (its ``is_causal``, ``training``).
+        query: ``[B, H, S, D]``; on the flat path one row holding every document.
+        key: ``[B, H_kv, S, D]`` (grouped KV heads are repeated here).
+        value: ``[B, H_kv, S, D]``.
+        attention_mask: the model's mask (on the flat path a placeholder); without documents, what stock applies.
+        dropout: the attention dropout probability.
+        scaling: the softmax scale (None: ``D ** -0.5``).
+        sliding_window: the layer's window (None: none).
+        softcap: the attention logit softcap (None: none).
+        **kwargs: the layer's other arguments; ``foundry_documents`` carries the :class:`Documents` of the row.
+
+    Returns:
+        ``(output, None)``: the output ``[B, S, H, D]`` and no attention weights.
+
+    Raises:
+        FlatUnsupported: the call passes an argument or mask content the flat path would drop.
+        ValueError: a softcap or dropout this backend cannot apply (:data:`BACKENDS`).
+
+    Example::
+
+        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
+        >>> out, _ = flex_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16]
+        >>> out.shape                                         # registered as "foundry_flex_attention"
+        torch.Size([1, 40, 4, 16])
+    """
     docs = _open(FLEX, module, query, attention_mask, dropout, softcap, kwargs)
     if docs is None:
         from transformers.integrations.flex_attention import flex_attention_forward
@@ -340,7 +459,20 @@ def flex_documents(
 
 def padding_of(mask: Any) -> torch.Tensor | None:
     """The ``[batch, keys]`` real-key mask inside a model's 4-D mask (a key no query may see is padding), for FA2's
-    stock unpad; None when every key is real (or there is no mask). Causal and window structure is FA2's own."""
+    stock unpad; None when every key is real (or there is no mask). Causal and window structure is FA2's own.
+
+    Args:
+        mask: a model's attention mask (4-D bool, or additive with 0 where visible), or anything else.
+
+    Returns:
+        An int32 ``[batch, keys]`` tensor, 1 for a real key, or None.
+
+    Example::
+
+        >>> padding_of(mask)      # row 1's first key is padding: no query sees it
+        tensor([[1, 1, 1, 1],
+                [0, 1, 1, 1]], dtype=torch.int32)
+    """
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         return None
     visible = mask if mask.dtype == torch.bool else mask == 0
@@ -428,7 +560,34 @@ def fa2_documents(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """FA2 varlen through transformers' FA2 code path: no per-layer unpad, no host sync."""
+    """FA2 varlen through transformers' FA2 code path: no per-layer unpad, no host sync.
+
+    Args:
+        module: the attention layer that calls (its ``is_causal``, ``training``).
+        query: ``[B, H, S, D]``; on the flat path one row holding every document.
+        key: ``[B, H_kv, S, D]`` (grouped KV heads are repeated here).
+        value: ``[B, H_kv, S, D]``.
+        attention_mask: the model's mask (on the flat path a placeholder); without documents, what stock applies.
+        dropout: the attention dropout probability.
+        scaling: the softmax scale (None: ``D ** -0.5``).
+        sliding_window: the layer's window (None: none).
+        softcap: the attention logit softcap (None: none).
+        **kwargs: the layer's other arguments; ``foundry_documents`` carries the :class:`Documents` of the row.
+
+    Returns:
+        ``(output, None)``: the output ``[B, S, H, D]`` and no attention weights.
+
+    Raises:
+        FlatUnsupported: the call passes an argument or mask content the flat path would drop.
+        ValueError: a softcap or dropout this backend cannot apply (:data:`BACKENDS`).
+
+    Example::
+
+        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
+        >>> out, _ = fa2_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16], bf16 on a GPU
+        >>> out.shape                                         # registered as "foundry_flash_attention_2"
+        torch.Size([1, 40, 4, 16])
+    """
     return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
 
 
@@ -444,7 +603,34 @@ def fa2_reference_documents(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """:func:`fa2_documents` on the pure-PyTorch REFERENCE kernel (not flash-attn), installed for this call only."""
+    """:func:`fa2_documents` on the pure-PyTorch REFERENCE kernel (not flash-attn), installed for this call only.
+
+    Args:
+        module: the attention layer that calls (its ``is_causal``, ``training``).
+        query: ``[B, H, S, D]``; on the flat path one row holding every document.
+        key: ``[B, H_kv, S, D]`` (grouped KV heads are repeated here).
+        value: ``[B, H_kv, S, D]``.
+        attention_mask: the model's mask (on the flat path a placeholder); without documents, what stock applies.
+        dropout: the attention dropout probability.
+        scaling: the softmax scale (None: ``D ** -0.5``).
+        sliding_window: the layer's window (None: none).
+        softcap: the attention logit softcap (None: none).
+        **kwargs: the layer's other arguments; ``foundry_documents`` carries the :class:`Documents` of the row.
+
+    Returns:
+        ``(output, None)``: the output ``[B, S, H, D]`` and no attention weights.
+
+    Raises:
+        FlatUnsupported: the call passes an argument or mask content the flat path would drop.
+        ValueError: a softcap or dropout this backend cannot apply (:data:`BACKENDS`).
+
+    Example::
+
+        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
+        >>> out, _ = fa2_reference_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16]
+        >>> out.shape                                         # registered as "foundry_fa2_reference"
+        torch.Size([1, 40, 4, 16])
+    """
     with reference_flash_attn():
         return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
 
@@ -462,7 +648,34 @@ def torch_varlen_documents(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """PyTorch's varlen flash kernel over the flat row: the FA2 layout (``cu_seqlens``, no per-layer unpad, no
-    host sync) without flash-attn. A window lets a query see ``sliding_window`` keys (as our sdpa does)."""
+    host sync) without flash-attn. A window lets a query see ``sliding_window`` keys (as our sdpa does).
+
+    Args:
+        module: the attention layer that calls (its ``is_causal``, ``training``).
+        query: ``[B, H, S, D]``; on the flat path one row holding every document.
+        key: ``[B, H_kv, S, D]`` (grouped KV heads are repeated here).
+        value: ``[B, H_kv, S, D]``.
+        attention_mask: the model's mask (on the flat path a placeholder); without documents, what stock applies.
+        dropout: the attention dropout probability.
+        scaling: the softmax scale (None: ``D ** -0.5``).
+        sliding_window: the layer's window (None: none).
+        softcap: the attention logit softcap (None: none).
+        **kwargs: the layer's other arguments; ``foundry_documents`` carries the :class:`Documents` of the row.
+
+    Returns:
+        ``(output, None)``: the output ``[B, S, H, D]`` and no attention weights.
+
+    Raises:
+        FlatUnsupported: the call passes an argument or mask content the flat path would drop.
+        ValueError: a softcap or dropout this backend cannot apply, or torch < 2.10 (no varlen kernel).
+
+    Example::
+
+        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
+        >>> out, _ = torch_varlen_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16]
+        >>> out.shape                                         # registered as "foundry_torch_varlen"
+        torch.Size([1, 40, 4, 16])
+    """
     docs = _open(TORCH_VARLEN, module, query, attention_mask, dropout, softcap, kwargs)
     if docs is None:  # rows, eval, generation: stock sdpa on the model's own mask, what the rows path runs
         return sdpa_documents(module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs)
@@ -490,7 +703,14 @@ FUNCTIONS = {
 
 @functools.cache
 def register() -> None:
-    """Register every function with transformers (idempotent; registering changes nothing for other names)."""
+    """Register every function with transformers (idempotent; registering changes nothing for other names).
+
+    Example::
+
+        >>> register()
+        >>> "foundry_sdpa" in AttentionInterface._global_mapping     # flat/implementation.point sets it on a model
+        True
+    """
     from transformers.modeling_utils import AttentionInterface
 
     for name, fn in FUNCTIONS.items():

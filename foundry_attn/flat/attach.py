@@ -127,7 +127,7 @@ def attach(
         >>> state.backend, state.decision.reason
         ('sdpa', 'flash_attention_2: flash-attn is not installed (pip install flash-attn --no-build-isolation)')
         >>> state.path, state.reason
-        ('flat', 'proven at attach: passed in 41 ms (documents [17, 23] of a 40-token row, ...)')
+        ('flat', 'proven at attach: passed in 41 ms (documents [28, 13] of a 41-token row, ...)')
     """
     check_path(path)
     check_interval("attach", "interval", interval, minimum=0)
@@ -182,12 +182,27 @@ def attach_decision(
     another backend (torch_varlen's rows are sdpa's), the next backend of the decision's chain, the reason kept in
     the decision. The LLM-Foundry builder and ``attach(model, "auto")`` both walk the chain here.
 
+    Args:
+        model: a transformers causal LM, or a wrapper of one.
+        decision: the selection's :class:`~foundry_attn.selection.policy.Decision` (``decide``), its chain included.
+        path: ``auto``, ``flat`` or ``rows``, as for :func:`attach`.
+        fa2_reference: run FA2 on the pure-PyTorch reference kernel.
+        strict: with ``path="flat"``, fail instead of falling back to rows.
+        interval: re-prove every ``interval`` training batches, forward only (0: first batch and changes only).
+        prove_now: prove at once where the weights can run (not on meta, not real FA2 on a CPU); else the first batch.
+
     Returns:
         The decision with the chosen backend's proof and path, and the :class:`PathState` (``state.decision``).
 
     Raises:
         AttentionUnavailableError: nothing in the chain can run the model (or, strict, the requested backend
             cannot).
+
+    Example::
+
+        >>> decision, state = attach_decision(hf_model, decision, "auto", interval=100)   # decision from decide()
+        >>> decision.chosen, state.path
+        ('sdpa', 'flat')
     """
     hf = unwrapped(model)
     while True:

@@ -60,6 +60,19 @@ class Limits:
 
     @classmethod
     def half(cls, noise: tuple[float, float]) -> Limits:
+        """Half-precision limits: the per-token floors, raised to ``NOISE_FACTOR`` times stock's own noise.
+
+        Args:
+            noise: stock against itself (logits, gradients), as :func:`stock_noise` measures it.
+
+        Returns:
+            Per-token :class:`Limits` (``fp32`` False) that keep ``noise``.
+
+        Example::
+
+            >>> Limits.half((1e-3, 8e-3))
+            Limits(fp32=False, logits=0.004, grads=0.032, noise=(0.001, 0.008))
+        """
         return cls(
             False,
             max(TOKEN_RTOL_HALF, NOISE_FACTOR * noise[0]),
@@ -70,7 +83,20 @@ class Limits:
 
 @contextlib.contextmanager
 def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
-    """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after."""
+    """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after.
+
+    Args:
+        model: the module to put in eval mode.
+        grad: keep autograd on inside the block (a proof with gradients).
+
+    Returns:
+        A context manager.
+
+    Example::
+
+        >>> with evaluating(hf_model, grad=True):
+        ...     alone = run(hf_model, alone_inputs(doc[None]), [(0, len(doc))], grads=True)
+    """
     was_training = model.training
     model.eval()
     try:
@@ -81,13 +107,40 @@ def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
 
 
 def half(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a forward in ``dtype`` on ``device`` computes in half precision (half weights or autocast)."""
+    """Whether a forward in ``dtype`` on ``device`` computes in half precision (half weights or autocast).
+
+    Args:
+        dtype: the weights' dtype.
+        device: the device the forward runs on (autocast is read for its type).
+
+    Returns:
+        True for fp16/bf16 weights or an autocast enabled on ``device``'s type.
+
+    Example::
+
+        >>> half(next(hf_model.parameters()).dtype, ids.device)     # fp32 weights, no autocast
+        False
+    """
     return dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device.type)
 
 
 def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
     """Each token's (last dimension's) relative L2 difference; ``floor`` adds that share of the mean token norm to
-    each denominator."""
+    each denominator.
+
+    Args:
+        got: the tensor compared, ``[..., d]``.
+        want: the truth, of the same shape.
+        floor: the share of the mean token norm added to each denominator (1.0 for gradients).
+
+    Returns:
+        One relative difference per token, of shape ``got.shape[:-1]``.
+
+    Example::
+
+        >>> per_token(logits * 1.01, logits)     # [13, vocab] -> [13]
+        tensor([0.0100, 0.0100, 0.0100, ..., 0.0100])
+    """
     got, want = got.float(), want.float()
     norms = want.norm(dim=-1)
     scale = norms + floor * norms.mean() if norms.numel() else norms
@@ -97,7 +150,22 @@ def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torc
 def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, limit: float | None = None) -> tuple[float, bool]:
     """The difference of two logits tensors and whether it is beyond tolerance (nan always is). fp32: max |diff|
     against ``limit`` (default :data:`ATOL_FP32`) x max(1, max |want|); half: the worst token's relative L2
-    difference against ``limit`` (default :data:`TOKEN_RTOL_HALF`)."""
+    difference against ``limit`` (default :data:`TOKEN_RTOL_HALF`).
+
+    Args:
+        got: the packed slice's logits ``[n, vocab]``.
+        want: the document's logits alone ``[n, vocab]``.
+        fp32: compare max |diff| (True) or per token (False: half precision).
+        limit: the tolerance (None: the default above).
+
+    Returns:
+        The difference and whether it is beyond tolerance (another shape: ``(inf, True)``).
+
+    Example::
+
+        >>> differs(packed.logits[s:e], alone.logits, fp32=True)
+        (4.5e-08, False)
+    """
     if got.shape != want.shape:
         return float("inf"), True
     if not got.numel():
@@ -110,7 +178,21 @@ def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, limit: float | No
 
 
 def grad_differs(got: torch.Tensor, want: torch.Tensor, limits: Limits) -> tuple[float, bool]:
-    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token."""
+    """Gradients: fp32 relative to the largest (a gradient has no unit scale); half per token.
+
+    Args:
+        got: the packed slice's input-embedding gradient ``[n, hidden]``.
+        want: the document's gradient alone ``[n, hidden]``.
+        limits: the proof's :class:`Limits` (``fp32`` and ``grads`` are read).
+
+    Returns:
+        The worst relative difference and whether it is beyond ``limits.grads`` (another shape: ``(inf, True)``).
+
+    Example::
+
+        >>> grad_differs(packed.grad[s:e], alone.grad, Limits())
+        (1.3e-07, False)
+    """
     if got.shape != want.shape:
         return float("inf"), True
     if not got.numel():
@@ -126,7 +208,21 @@ def grad_differs(got: torch.Tensor, want: torch.Tensor, limits: Limits) -> tuple
 @contextlib.contextmanager
 def embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
     """The input embeddings of each forward in the block, as tensors the loss can be differentiated against (a
-    frozen embedding's output becomes a leaf that requires grad: the same values, the same graph above it)."""
+    frozen embedding's output becomes a leaf that requires grad: the same values, the same graph above it).
+
+    Args:
+        hf: the transformers model (its ``get_input_embeddings()`` is hooked).
+        grads: hook only with gradients (False: the list stays empty).
+
+    Returns:
+        A context manager that yields the list the block's forwards append their input embeddings to.
+
+    Example::
+
+        >>> with embeddings(hf_model, grads=True) as captured:
+        ...     logits = hf_model(input_ids=ids).logits
+        >>> captured[0].shape      # torch.Size([1, 13, hidden])
+    """
     captured: list[torch.Tensor] = []
     module = hf.get_input_embeddings() if grads and hasattr(hf, "get_input_embeddings") else None
     if module is None:
@@ -155,7 +251,21 @@ HeadCall = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 @contextlib.contextmanager
 def head_calls(hf: Any, grads: bool) -> Iterator[list[HeadCall]]:
     """The calls of the model's output layer in the block, where it is a plain ``nn.Linear`` (no adapter, no
-    quantised subclass): :func:`documents_grad` carries the loss's gradient through it on the compared rows."""
+    quantised subclass): :func:`documents_grad` carries the loss's gradient through it on the compared rows.
+
+    Args:
+        hf: the transformers model (its ``get_output_embeddings()`` is hooked).
+        grads: hook only with gradients (False: the list stays empty).
+
+    Returns:
+        A context manager that yields the list of :data:`HeadCall` tuples, one per call of the output layer.
+
+    Example::
+
+        >>> with embeddings(hf_model, True) as captured, head_calls(hf_model, True) as head:
+        ...     logits = hf_model(input_ids=ids).logits
+        >>> len(head)      # 1 (0 where the output layer is no plain nn.Linear)
+    """
     calls: list[HeadCall] = []
     module = hf.get_output_embeddings() if grads and hasattr(hf, "get_output_embeddings") else None
     if type(module) is not torch.nn.Linear:
@@ -169,12 +279,39 @@ def head_calls(hf: Any, grads: bool) -> Iterator[list[HeadCall]]:
 
 
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids."""
+    """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids.
+
+    Args:
+        logits: one document's logits ``[n, vocab]``.
+        ids: its token ids ``[n]``.
+
+    Returns:
+        A scalar fp32 tensor: the cross-entropy of each token after the first, summed.
+
+    Example::
+
+        >>> next_token_loss(alone.logits, doc)
+        tensor(50.0477)
+    """
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
 
 
 def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits."""
+    """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits.
+
+    Args:
+        logits: one row's logits ``[tokens, vocab]``.
+        ids: its token ids ``[tokens]``.
+        spans: each document's ``(start, end)`` in the row.
+
+    Returns:
+        A scalar tensor: :func:`next_token_loss` of each document, summed.
+
+    Example::
+
+        >>> documents_loss(logits[0], ids[0], [(0, 6), (6, 13)])
+        tensor(45.6660, grad_fn=<SumBackward0>)
+    """
     return torch.stack([next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
 
 
@@ -193,7 +330,19 @@ def trainable(hf: Any) -> list[tuple[str, torch.nn.Parameter]]:
     ``Conv1D``). Those are the product of each token's input and output gradient, which the proof already compares
     through the logits and the input embeddings, and computing them is a matmul per layer: most of a backward. What
     lives outside them (Doge's ``A``, a bias a mask carries, norms, sinks, biases) is where a path leaves a parameter
-    behind. Sharded ones (FSDP2's DTensors, whose gradients reach them through FSDP's own hooks) are left out."""
+    behind. Sharded ones (FSDP2's DTensors, whose gradients reach them through FSDP's own hooks) are left out.
+
+    Args:
+        hf: the transformers model.
+
+    Returns:
+        ``(name, parameter)`` pairs, in ``named_parameters`` order.
+
+    Example::
+
+        >>> [name for name, _ in trainable(hf_model)][:2]     # a Llama: its norms
+        ['model.layers.0.input_layernorm.weight', 'model.layers.0.post_attention_layernorm.weight']
+    """
     from torch.distributed.tensor import DTensor
     from transformers.pytorch_utils import Conv1D
 
@@ -218,7 +367,26 @@ def documents_grad(
     with respect to each of ``params`` (:func:`trainable`). The loss's gradient is taken on the documents' rows alone
     and, where the logits are the output of a plain linear output layer (``head``, :func:`head_calls`), carried
     through it on those rows (its weight's gradient made from the same rows): the same gradients, with no
-    ``[tokens, vocab]`` backward for the rows outside the documents."""
+    ``[tokens, vocab]`` backward for the rows outside the documents.
+
+    Args:
+        logits: the row's logits ``[1, tokens, vocab]``, with their graph.
+        ids: the row's token ids ``[tokens]``.
+        spans: each document's ``(start, end)`` in the row.
+        embeds: the input embeddings ``[1, tokens, hidden]`` (:func:`token_embeddings`), or None: not asked.
+        head: the output layer's calls of that forward (:func:`head_calls`).
+        retain_graph: keep the graph after the backward (a training backward, or a module's cached tensor, needs it).
+        params: the parameters to differentiate against, by name (:func:`trainable`).
+
+    Returns:
+        The embeddings' gradient ``[tokens, hidden]`` (None without ``embeds``) and each parameter's, by name.
+
+    Example::
+
+        >>> grad, params = documents_grad(logits, ids[0], [(0, 6), (6, 13)], captured[0], head, params=trainable(hf))
+        >>> grad.shape, sorted(params)[0]
+        (torch.Size([13, 32]), 'model.layers.0.input_layernorm.weight')
+    """
     index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
     rows = logits[0, index].detach().requires_grad_()
     local = list(itertools.pairwise(itertools.accumulate((e - s for s, e in spans), initial=0)))
@@ -252,7 +420,24 @@ def loss_grads(
     retain_graph: bool = False,
 ) -> tuple[torch.Tensor | None, ParamGrads]:
     """The gradient of ``outputs`` (a loss, or a tensor whose gradient is ``upstream``) with respect to ``embeds``
-    (None: not asked) and to each of ``params``, by name (None where it does not reach one), in one backward."""
+    (None: not asked) and to each of ``params``, by name (None where it does not reach one), in one backward.
+
+    Args:
+        outputs: a scalar loss, or a tensor whose gradient is ``upstream``.
+        embeds: the input embeddings to differentiate against, or None.
+        params: ``(name, parameter)`` pairs (:func:`trainable`).
+        upstream: the gradient of ``outputs`` (None: ``outputs`` is a scalar loss).
+        retain_graph: keep the graph after the backward.
+
+    Returns:
+        The gradient with respect to ``embeds`` (None where not asked) and each parameter's, by name.
+
+    Example::
+
+        >>> grad, params = loss_grads(loss, captured[0], trainable(hf_model), retain_graph=True)   # 2 padded rows
+        >>> grad.shape, list(params)[-1]
+        (torch.Size([2, 28, 32]), 'model.norm.weight')
+    """
     wanted = [p for _, p in params] if embeds is None else [embeds, *(p for _, p in params)]
     if not wanted:
         return None, {}
@@ -274,7 +459,23 @@ class Run:
 
 def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
     """``hf``'s own forward of ``inputs``, and with ``grads`` the gradients of the documents at ``spans``
-    (:func:`documents_grad`, every parameter that trains included)."""
+    (:func:`documents_grad`, every parameter that trains included).
+
+    Args:
+        hf: the transformers model (its own forward runs, not a wrapper's).
+        inputs: the forward's keyword arguments (``input_ids`` ``[1, tokens]`` and the rest).
+        spans: the documents whose loss is differentiated, each ``(start, end)`` in the row.
+        grads: differentiate too (where grad is enabled), or logits only.
+
+    Returns:
+        A :class:`Run`: the logits ``[tokens, vocab]`` and, with ``grads``, the gradients.
+
+    Example::
+
+        >>> alone = run(hf_model, alone_inputs(doc[None]), [(0, len(doc))], grads=True)
+        >>> alone.logits.shape, alone.grad.shape
+        (torch.Size([13, 64]), torch.Size([13, 32]))
+    """
     with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
         logits = own_forward(hf, **inputs, use_cache=False).logits
     if not (grads and logits.requires_grad):
@@ -289,7 +490,20 @@ def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], gr
 
 def token_embeddings(captured: Sequence[torch.Tensor], ids: torch.Tensor) -> torch.Tensor | None:
     """The captured input embeddings of a forward of ``ids``, one per token (None where the model embeds more: a
-    prompt CPM-Ant prepends), as a tensor that requires grad; None where there is none."""
+    prompt CPM-Ant prepends), as a tensor that requires grad; None where there is none.
+
+    Args:
+        captured: the input embeddings :func:`embeddings` captured in that forward.
+        ids: the forward's ``input_ids`` ``[rows, tokens]``.
+
+    Returns:
+        The first captured tensor ``[rows, tokens, hidden]``, or None.
+
+    Example::
+
+        >>> token_embeddings(captured, inputs["input_ids"]).shape     # a 41-token flat row
+        torch.Size([1, 41, 32])
+    """
     if not captured or not captured[0].requires_grad or captured[0].shape[:2] != ids.shape[:2]:
         return None
     return captured[0]
@@ -297,7 +511,19 @@ def token_embeddings(captured: Sequence[torch.Tensor], ids: torch.Tensor) -> tor
 
 def training_noise(hf: Any) -> str | None:
     """What makes ``hf``'s training-mode forward random, or None: a dropout module with p > 0, or a float
-    attribute of a module (functional attention dropout, router jitter) or of the config above 0."""
+    attribute of a module (functional attention dropout, router jitter) or of the config above 0.
+
+    Args:
+        hf: the transformers model.
+
+    Returns:
+        The first source of randomness found, named with where it is, or None.
+
+    Example::
+
+        >>> training_noise(hf_model)
+        'attention_dropout=0.1 in model.layers.0.self_attn'
+    """
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Dropout) and module.p > 0:
             return f"dropout p={module.p} at {name}"
@@ -318,7 +544,21 @@ _NOISY = re.compile(r"dropout|pdrop|jitter")
 def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
     """Stock against itself, no leak: the document alone (``run``) against the same document as the first row of
     a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), per token, logits
-    and gradients: the half-precision noise floor of this model on this device."""
+    and gradients: the half-precision noise floor of this model on this device.
+
+    Args:
+        hf: the transformers model, under its stock implementation.
+        alone: the document's inputs alone (:func:`alone_inputs`).
+        run: its :class:`Run` alone.
+
+    Returns:
+        The worst token's relative difference in the logits and in the gradients (0.0: gradients not compared).
+
+    Example::
+
+        >>> stock_noise(hf_model, alone, run(hf_model, alone, [(0, 13)], grads=True))     # bf16 on a CPU
+        (0.0, 0.0)
+    """
     ids = alone["input_ids"]
     n = ids.shape[1]
     pair = {
@@ -338,6 +578,20 @@ def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, flo
 
 
 def worse(worst: float, diff: float) -> float:
+    """The worse of two differences, a nan kept.
+
+    Args:
+        worst: the worst difference so far.
+        diff: the next difference.
+
+    Returns:
+        ``max(worst, diff)``, or nan where either is nan.
+
+    Example::
+
+        >>> worse(0.1, 0.2), worse(0.1, float("nan"))
+        (0.2, nan)
+    """
     return math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
 
 
@@ -354,7 +608,21 @@ class Comparison:
 def alone_inputs(ids: torch.Tensor, positions: torch.Tensor | None = None, width: int = 0) -> dict[str, Any]:
     """One document ``[1, n]`` as stock runs it alone, with the all-ones mask a padded batch would give it (some
     families are not causal without a mask: Moshi's eager attention); ``positions``: a user's own. ``width``:
-    right-padded to it, the padding masked (the packed forward's shape: in half precision kernels round by shape)."""
+    right-padded to it, the padding masked (the packed forward's shape: in half precision kernels round by shape).
+
+    Args:
+        ids: the document's token ids ``[1, n]``.
+        positions: its ``position_ids`` ``[1, n]`` (None: the model's own).
+        width: the width to right-pad to (0: none).
+
+    Returns:
+        The forward's keyword arguments: ``input_ids``, ``attention_mask`` and, with ``positions``, ``position_ids``.
+
+    Example::
+
+        >>> alone_inputs(doc[None], width=16)["attention_mask"]      # a 13-token document
+        tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    """
     pad = max(0, width - ids.shape[1])
     alone = {
         "input_ids": F.pad(ids, (0, pad)),
@@ -367,7 +635,21 @@ def alone_inputs(ids: torch.Tensor, positions: torch.Tensor | None = None, width
 
 def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run) -> Limits:
     """fp32 limits, or in half precision (half weights or autocast) the limits raised to stock's own noise on the
-    document ``alone`` (whose run is ``run_alone``)."""
+    document ``alone`` (whose run is ``run_alone``).
+
+    Args:
+        hf: the transformers model (its first parameter's dtype is read).
+        alone: the document's inputs alone (:func:`alone_inputs`).
+        run_alone: its :class:`Run` alone.
+
+    Returns:
+        :class:`Limits`: the fp32 defaults, or :meth:`Limits.half` of :func:`stock_noise`.
+
+    Example::
+
+        >>> limits_for(hf_model, alone, run_alone)     # fp32 weights, no autocast
+        Limits(fp32=True, logits=0.0001, grads=0.0001, noise=None)
+    """
     ids = alone["input_ids"]
     if not half(next(hf.parameters()).dtype, ids.device):
         return Limits()
@@ -376,7 +658,22 @@ def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run) -> Limits:
 
 def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence[Run], limits: Limits) -> Comparison:
     """Each document's slice ``spans[i]`` of the ``packed`` run against ``alone[i]``: logits and, where both
-    have them, gradients."""
+    have them, gradients.
+
+    Args:
+        packed: the packed row's :class:`Run`.
+        spans: each compared document's ``(start, end)`` in that row.
+        alone: each document's :class:`Run` alone, in the order of ``spans``.
+        limits: the tolerances (:func:`limits_for`).
+
+    Returns:
+        A :class:`Comparison`: the worst differences and the documents beyond the limits.
+
+    Example::
+
+        >>> against_alone(packed, [(0, 28), (28, 41)], alone, limits)
+        Comparison(worst=4.5e-08, worst_grad=1.9e-07, differ=())
+    """
     worst, worst_grad, differ = 0.0, None, []
     for i, ((s, e), mine) in enumerate(zip(spans, alone, strict=True)):
         diff, bad = differs(packed.logits[s:e], mine.logits, limits.fp32, limits.logits)
@@ -390,7 +687,19 @@ def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence
 
 
 def limits_note(limits: Limits) -> str:
-    """The half-precision limits and the noise they were raised to, for a failure's reason."""
+    """The half-precision limits and the noise they were raised to, for a failure's reason.
+
+    Args:
+        limits: the limits the proof ran with.
+
+    Returns:
+        The note, with a leading space; "" for fp32 limits.
+
+    Example::
+
+        >>> limits_note(Limits.half((1e-3, 8e-3)))
+        ' (half precision, worst token; limits 4.0e-03 logits, 3.2e-02 gradients; stock against itself ...)'
+    """
     if limits.fp32 or limits.noise is None:
         return ""
     return (
@@ -400,7 +709,19 @@ def limits_note(limits: Limits) -> str:
 
 
 def summed(runs: Sequence[Run]) -> ParamGrads | None:
-    """The parameter gradients of ``runs`` added up (the truth of documents run alone); None where one has none."""
+    """The parameter gradients of ``runs`` added up (the truth of documents run alone); None where one has none.
+
+    Args:
+        runs: the documents' runs alone.
+
+    Returns:
+        Each parameter's gradient summed over ``runs`` (None where none reaches it), or None.
+
+    Example::
+
+        >>> summed(runs)["model.norm.weight"].shape
+        torch.Size([32])
+    """
     if not runs or any(r.params is None for r in runs):
         return None
     total: ParamGrads = {}
@@ -415,7 +736,21 @@ def summed(runs: Sequence[Run]) -> ParamGrads | None:
 def params_differ(packed: ParamGrads, truth: ParamGrads, limits: Limits) -> tuple[float, str]:
     """Every parameter the truth gives a gradient must get one, within the limits (fp32: :data:`PARAM_RTOL` of its
     own largest, floored at :data:`PARAM_FLOOR` of the largest of any; half precision: present). The worst relative
-    difference, and what is wrong (empty when nothing is), the parameters named."""
+    difference, and what is wrong (empty when nothing is), the parameters named.
+
+    Args:
+        packed: the packed side's parameter gradients.
+        truth: the documents' gradients alone, summed (:func:`summed`).
+        limits: the proof's limits (``fp32`` is read).
+
+    Returns:
+        The worst relative difference and the failure ("" where every parameter holds).
+
+    Example::
+
+        >>> params_differ(packed.params, summed(runs), limits)
+        (3.1e-07, '')
+    """
     largest = {n: (g.float().abs().max().item() if g is not None and g.numel() else 0.0) for n, g in truth.items()}
     floor = PARAM_FLOOR * max(largest.values(), default=0.0)
     worst, missing, off = 0.0, [], []
@@ -456,9 +791,29 @@ class Influence:
 
     @property
     def leaks(self) -> bool:
+        """Whether the loss reaches the other documents at all (a nan does too).
+
+        Returns:
+            True where ``reach`` is not exactly zero.
+
+        Example::
+
+            >>> influence(packed.grad, [(13, 42)]).leaks
+            False
+        """
         return not self.reach == 0.0  # nan leaks too
 
     def describe(self) -> str:
+        """The verdict in words, for a proof's or the inspector's reason.
+
+        Returns:
+            One clause: exactly zero, or how far the loss reaches.
+
+        Example::
+
+            >>> Influence(0.0, 5.26).describe()
+            "its loss has exactly zero gradient on the other documents' embeddings"
+        """
         if not self.leaks:
             return "its loss has exactly zero gradient on the other documents' embeddings"
         share = self.reach / self.own if self.own > 0 else math.inf
@@ -470,7 +825,21 @@ class Influence:
 
 def influence(grad: torch.Tensor, own: Sequence[tuple[int, int]], row: tuple[int, int] | None = None) -> Influence:
     """:class:`Influence` of a loss whose gradient with respect to one row's embeddings is ``grad`` ``[tokens,
-    hidden]``: its own documents at ``own``, the others every other token of ``row`` (default: the whole row)."""
+    hidden]``: its own documents at ``own``, the others every other token of ``row`` (default: the whole row).
+
+    Args:
+        grad: the loss's gradient with respect to the row's input embeddings ``[tokens, hidden]``.
+        own: the ``(start, end)`` of the documents whose loss it is.
+        row: the ``(start, end)`` of the row within ``grad`` (None: all of it).
+
+    Returns:
+        An :class:`Influence`: the largest |gradient| on the other documents' tokens and on their own.
+
+    Example::
+
+        >>> influence(packed.grad, [(13, 42)])
+        Influence(reach=0.0, own=5.26)
+    """
     start, end = row or (0, grad.shape[0])
     inside = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
     for s, e in own:

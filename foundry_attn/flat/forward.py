@@ -87,7 +87,21 @@ def run_prepared(
 ) -> tuple[Any, Prepared]:
     """``forward(prepared.inputs)``; where a proof is due on the batch, the forward is its packed side
     (:class:`StepProof`) and, if the proof moves the run to rows, the batch runs again there. Returns the output
-    and the layout it ran."""
+    and the layout it ran.
+
+    Args:
+        forward: runs the model on a layout's inputs.
+        model: the model ``forward`` calls (a wrapper or not), laid out again if the batch must run again.
+        batch: the batch ``prepared`` was made from.
+        prepared: :func:`prepare_documents`' answer for ``batch``.
+
+    Returns:
+        The output and the :class:`Prepared` it ran (a new one where the batch ran again on rows).
+
+    Example::
+
+        >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
+    """
     if prepared.proof is None:
         return forward(prepared.inputs), prepared
     return _proven(forward, model, batch, prepared.proof, prepared)
@@ -113,7 +127,23 @@ def _proven(
 def finish_documents(out: Any, placed: Placed, no_targets: bool, shaped: bool = False) -> Any:
     """Record where the tokens went (for :func:`repad_logits`); ``shaped``: re-pad the logits to the batch's
     ``[rows, width, vocab]`` now (the loss stays the one computed on the flat row). A microbatch without targets
-    adds zero loss (HF's mean over no target is nan), still connected to every parameter the forward used."""
+    adds zero loss (HF's mean over no target is nan), still connected to every parameter the forward used.
+
+    Args:
+        out: the model's output on the prepared inputs.
+        placed: where the batch's tokens went (``prepared.placed``).
+        no_targets: the batch has no target (``prepared.no_targets``).
+        shaped: re-pad the logits to ``[rows, width, vocab]`` now.
+
+    Returns:
+        ``out``, changed in place.
+
+    Example::
+
+        >>> out = finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
+        >>> out.logits.shape                 # two rows of 64, a vocabulary of 64
+        torch.Size([2, 64, 64])
+    """
     out.foundry_layout = placed
     if no_targets:
         out.loss = out.logits.sum() * 0.0
@@ -127,7 +157,25 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
     """The model's inputs for ``batch`` (:class:`Prepared`). Host-side work on Python ints, so never traced: under
     ``torch.compile`` (Composer's ``compile_config`` compiles the forward around this) the model sees only tensors
     and our ``Documents``. ``in_step``: the caller runs the forward uncompiled through :func:`run_prepared`, so a
-    proof due on the batch may take that forward as its packed side."""
+    proof due on the batch may take that forward as its packed side.
+
+    Args:
+        model: a transformers causal LM, or a wrapper of one.
+        batch: ``input_ids`` with ``doc_lens`` or a 2-D ``attention_mask``; ``labels`` and ``position_ids`` optional.
+        in_step: the caller runs the forward uncompiled, through :func:`run_prepared`.
+
+    Returns:
+        The :class:`Prepared` inputs: one flat row where flat is proven, else one document per row.
+
+    Raises:
+        ValueError: the batch has no real token.
+
+    Example::
+
+        >>> prepared = prepare_documents(model, batch, in_step=True)   # doc_lens [[20, 30], [40]]
+        >>> prepared.inputs["input_ids"].shape
+        torch.Size([1, 90])
+    """
     ids = batch["input_ids"]
     layout = Layout.from_batch(batch)
     if layout.real_tokens == 0:
@@ -226,7 +274,19 @@ def _say_unproven(class_name: str) -> None:
 
 def repad_logits(out: Any) -> torch.Tensor:
     """``[rows, width, vocab]`` logits of the original batch (zeros at padding), scattered back once; a view, no
-    copy, where neither the batch nor the model's layout has padding (a packed row, full rows)."""
+    copy, where neither the batch nor the model's layout has padding (a packed row, full rows).
+
+    Args:
+        out: an output of :func:`forward_documents` (or of any forward: its logits as they are).
+
+    Returns:
+        The logits, ``[rows, width, vocab]``; also kept as ``out.logits``.
+
+    Example::
+
+        >>> repad_logits(forward_documents(model, batch)).shape   # two rows of 64, a vocabulary of 64
+        torch.Size([2, 64, 64])
+    """
     packed = getattr(out, "foundry_layout", None)
     if packed is None:
         return out.logits
@@ -236,7 +296,21 @@ def repad_logits(out: Any) -> torch.Tensor:
 
 
 def has_layout(batch: Mapping) -> bool:
-    """A batch to lay out ourselves: ours (``doc_lens``), or any with a 2-D mask (either padding side)."""
+    """A batch to lay out ourselves: ours (``doc_lens``), or any with a 2-D mask (either padding side).
+
+    Args:
+        batch: a training or evaluation batch.
+
+    Returns:
+        Whether :func:`prepare_documents` lays it out (False for ICL and generation batches, with ``mode``).
+
+    Example::
+
+        >>> has_layout({"input_ids": ids, "doc_lens": [[20, 30], [40]]})
+        True
+        >>> has_layout({"input_ids": ids, "mode": "icl_task"})     # LLM-Foundry's ICL evaluation
+        False
+    """
     if batch.get("mode") is not None:  # ICL / generation batches keep the stock path
         return False
     if "doc_lens" in batch:  # only the key: under compile, reading the list would guard on its length

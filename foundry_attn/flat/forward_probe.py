@@ -63,15 +63,42 @@ class ForwardProbe:
         return out
 
     def remove(self) -> None:
+        """Take the probe's hooks off the model; what it read (``autocast``, ``embeds``) stays.
+
+        Example::
+
+            >>> probe.remove()     # after the judgement
+        """
         for handle in self._handles:
             handle.remove()
 
     def context(self) -> contextlib.AbstractContextManager:
-        """The forward's autocast again (nothing when it ran without)."""
+        """The forward's autocast again (nothing when it ran without).
+
+        Returns:
+            A context manager: ``torch.autocast`` with the device type and dtype read, else a null context.
+
+        Example::
+
+            >>> with probe.context():     # torch.autocast("cuda", torch.bfloat16) after accelerate's bf16 forward
+            ...     alone = hf_model(input_ids=doc[None]).logits
+        """
         return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
 
 
 def looked_up(args: Any) -> bool:
     """Whether an embedding module's call looks token ids up (an integer input), not a shared embedding used as the
-    output layer (MPT's ``wte(hidden, unembed=True)``)."""
+    output layer (MPT's ``wte(hidden, unembed=True)``).
+
+    Args:
+        args: the embedding module's positional call arguments (a forward hook's ``args``).
+
+    Returns:
+        True where the first argument is an integer tensor.
+
+    Example::
+
+        >>> looked_up((input_ids,)), looked_up((hidden_states,))
+        (True, False)
+    """
     return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point()

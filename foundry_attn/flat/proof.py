@@ -80,6 +80,16 @@ class Proof:
     ran: bool = True  # both sides ran (False: the reason is that one could not)
 
     def describe(self) -> str:
+        """The proof in words, for the state's reason or a refusal.
+
+        Returns:
+            ``passed in ... ms (...)`` with the worst differences, or ``failed (...): <reason>``.
+
+        Example::
+
+            >>> proof.describe()
+            'passed in 591 ms (documents [28, 13] of a 41-token row, worst |diff| 0.0e+00, gradients 1.3e-07)'
+        """
         grads = "" if self.worst_grad is None else f", gradients {self.worst_grad:.1e}"
         docs = f"documents {list(self.lengths)} of a {self.tokens}-token row"
         if self.ok:
@@ -92,7 +102,19 @@ def pick(docs: Documents) -> tuple[int, int]:
     past a window where any document is) and the last (the most exposed to what precedes it, ending at the row's
     full length); where the last is the longest, the shortest other of two tokens or more (another place in the
     row, at the least cost). A row of one document runs it twice: always two forwards alone, so FSDP ranks
-    proving the same batch all-gather the same number of times."""
+    proving the same batch all-gather the same number of times.
+
+    Args:
+        docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
+
+    Returns:
+        The two documents' indices in the row (``(0, 0)`` for a row of one).
+
+    Example::
+
+        >>> pick(Documents((0, 13, 42, 60)))     # lengths [13, 29, 18]: the longest and the last
+        (1, 2)
+    """
     lengths = docs.lengths
     last = len(lengths) - 1
     if last == 0:
@@ -126,6 +148,24 @@ def prove_flat(
 
     Raises nothing the stock forward on one document does not raise; a failure of the flat forward (a layer
     that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a failed proof.
+
+    Args:
+        model: the transformers model, or a wrapper of one, pointed at our implementation.
+        inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
+        stock: the stock implementation that runs each document alone (``sdpa``, ``eager``, ...).
+        compare: the indices of the documents to run alone (None: :func:`pick`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too (input embeddings and every parameter that trains).
+        own_positions: give the documents alone the row's ``position_ids``.
+
+    Returns:
+        The :class:`Proof`.
+
+    Example::
+
+        >>> proof = prove_flat(hf_model, inputs, "sdpa")
+        >>> proof.ok, proof.worst, proof.compared
+        (True, 0.0, (0, 1))
     """
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None)
 
@@ -142,7 +182,25 @@ def prove_packed(
 ) -> Proof:
     """The flat row with stock's own packed mask (:func:`foundry_attn.flat.inputs.stock_packed`: no documents, no
     mask, restarting ``position_ids``, under the stock implementation ``stock``) against each document alone under
-    ``stock``: the limits of :func:`prove_flat`. For a model whose attention our documents cannot reach."""
+    ``stock``: the limits of :func:`prove_flat`. For a model whose attention our documents cannot reach.
+
+    Args:
+        model: the transformers model, or a wrapper of one.
+        inputs: the flat row's forward arguments (:func:`~foundry_attn.flat.inputs.flat_inputs`).
+        stock: the stock implementation, for the packed row and for each document alone.
+        compare: the indices of the documents to run alone (None: :func:`pick`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too.
+        own_positions: give the documents alone the row's ``position_ids``.
+
+    Returns:
+        The :class:`Proof`.
+
+    Example::
+
+        >>> prove_packed(hf_model, inputs, "sdpa").ok     # transformers 5.x: stock splits the row at its positions
+        True
+    """
     side: PackedSide = lambda hf, spans, grads: _stock_packed_run(hf, inputs, spans, grads, stock)  # noqa: E731
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, side, ours=False)
 
@@ -162,7 +220,27 @@ def prove_rows(
     """The rows path as it trains (:func:`foundry_attn.flat.inputs.one_per_row`: the documents in ``compare``, one per
     row, right-padded or with ``left`` left-padded, a 2-D mask, under ``rows_name``) against each document alone
     under ``stock``: logits and gradients (input embeddings and every parameter), the limits of :func:`prove_flat`.
-    A failure says the model's padded rows differ from its documents alone."""
+    A failure says the model's padded rows differ from its documents alone.
+
+    Args:
+        model: the transformers model, or a wrapper of one.
+        inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
+        rows_name: the stock implementation the padded rows run under (``PathState.rows_name``).
+        stock: the stock implementation that runs each document alone.
+        compare: the indices of the documents to run (None: :func:`pick`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too.
+        own_positions: give the documents the row's ``position_ids``.
+        left: left-pad the rows (default: right).
+
+    Returns:
+        The :class:`Proof` of the rows path.
+
+    Example::
+
+        >>> prove_rows(hf_model, inputs, "sdpa", "sdpa").describe()
+        'passed in 167 ms (documents [28, 13] of a 41-token row, worst |diff| 4.5e-08, gradients 1.9e-07)'
+    """
     side = _rows_side(inputs, rows_name, reference, own_positions, left)
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name, side)
 
@@ -185,7 +263,30 @@ def prove_step(
     (:func:`embeddings`) and ``head`` its output layer's calls (:func:`head_calls`). With ``grads`` the compared
     documents' loss is differentiated through the training graph (:func:`documents_grad`), which is kept for the
     training backward. Only the documents alone run here: the forward is paid once.
-    Valid where training mode computes what eval mode does (:func:`foundry_attn.flat.step_proof.step_blocker`)."""
+    Valid where training mode computes what eval mode does (:func:`foundry_attn.flat.step_proof.step_blocker`).
+
+    Args:
+        model: the model the training forward ran, or a wrapper of one.
+        inputs: the flat row that forward took, its documents under ``DOCS_KEY``.
+        out: what the forward returned (its ``logits`` are read).
+        captured: its input embeddings (:func:`~foundry_attn.flat.comparison.embeddings`).
+        stock: the stock implementation that runs each document alone.
+        compare: the indices of the documents to run alone (None: :func:`pick`).
+        head: its output layer's calls (:func:`~foundry_attn.flat.comparison.head_calls`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too.
+        own_positions: give the documents alone the row's ``position_ids``.
+
+    Returns:
+        The :class:`Proof` (``ran`` False where the forward gave no logits or no attention call saw the documents).
+
+    Example::
+
+        >>> with embeddings(hf_model, True) as captured, head_calls(hf_model, True) as head:
+        ...     out = hf_model(**inputs)
+        >>> prove_step(hf_model, inputs, out, captured, "sdpa", head=head).ok
+        True
+    """
 
     def packed(hf: Any, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
         if inputs[DOCS_KEY].calls == 0:
@@ -342,7 +443,19 @@ def _dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
 
 
 def passes_kwargs(model: Any) -> bool:
-    """Whether the base model's ``forward`` takes ``**kwargs`` (GPT-2's does not: nothing reaches attention)."""
+    """Whether the base model's ``forward`` takes ``**kwargs`` (GPT-2's does not: nothing reaches attention).
+
+    Args:
+        model: the transformers model.
+
+    Returns:
+        True where its base model's ``forward`` has a ``**kwargs`` parameter.
+
+    Example::
+
+        >>> passes_kwargs(gpt2_model), passes_kwargs(llama_model)
+        (False, True)
+    """
     base = getattr(model, "base_model", model)
     params = inspect.signature(base.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
@@ -381,7 +494,23 @@ def _flat_run(
 def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, reference: bool, left: bool = False) -> str:
     """Why one document per row (as :func:`prove_rows` lays it out) does not run a training forward here, or "" when it
     runs: for a rows proof whose own forwards could not run (Reformer refuses a backward in eval mode; a backend
-    whose kernel is missing fails anywhere). Without grad, the RNG and the mode restored after."""
+    whose kernel is missing fails anywhere). Without grad, the RNG and the mode restored after.
+
+    Args:
+        hf: the transformers model.
+        inputs: the flat row's forward arguments (its first two documents run).
+        rows_name: the stock implementation the padded rows run under.
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        left: left-pad the rows (default: right).
+
+    Returns:
+        The error, or "" where the training forward runs.
+
+    Example::
+
+        >>> rows_train_error(hf_model, inputs, "sdpa", reference=False)
+        ''
+    """
     docs: Documents = inputs[DOCS_KEY]
     device = inputs["input_ids"].device
     was_training = hf.training

@@ -56,7 +56,19 @@ PROOF_INTERVAL = 100
 
 
 def ceil2(n: int) -> int:
-    """The next power of two of ``n`` (``n`` itself when it is one)."""
+    """The next power of two of ``n`` (``n`` itself when it is one).
+
+    Args:
+        n: a length in tokens.
+
+    Returns:
+        The smallest power of two >= ``n`` (1 for ``n <= 1``).
+
+    Example::
+
+        >>> ceil2(41), ceil2(64)
+        (64, 64)
+    """
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -80,7 +92,16 @@ def _agreed(lengths: tuple[int, int], hf: Any) -> tuple[int, int]:
 
 def kernels() -> tuple:
     """The kernels the flat path calls, by identity: transformers' ``_flash_attention_forward`` and the flash
-    symbols it looks up at call time, torch's SDPA, varlen and flex functions. A patch on any of them is a change."""
+    symbols it looks up at call time, torch's SDPA, varlen and flex functions. A patch on any of them is a change.
+
+    Returns:
+        The seven functions (None for a flash symbol, the varlen kernel or flex this install lacks).
+
+    Example::
+
+        >>> kernels()[0] is torch.nn.functional.scaled_dot_product_attention
+        True
+    """
     from torch.nn.attention import flex_attention as flex
     from transformers import modeling_flash_attention_utils as fa_utils
 
@@ -219,7 +240,27 @@ class PathState:
         own_positions: bool = False,
     ) -> Proof:
         """Prove the flat path on ``inputs`` (:func:`foundry_attn.flat.inputs.flat_inputs`); a failure moves to rows
-        (or raises, binding)."""
+        (or raises, binding).
+
+        Args:
+            model: the transformers model, or a wrapper of one.
+            inputs: the flat row's inputs, the documents under ``DOCS_KEY``.
+            at: where the proof runs, for the reason (``"attach"``, ``"batch 1 (the first training batch)"``).
+            grads: compare gradients too (False: forward only, the interval's proof).
+            own_positions: the documents alone get the row's ``position_ids``.
+
+        Returns:
+            The :class:`~foundry_attn.flat.proof.Proof` that stands (stock's packed mask's where it took over).
+
+        Raises:
+            FlatPathError: the proof failed and the path is binding (``attn_path: flat``, strict).
+            NoExactPath: the proof failed and the rows path is not exact either.
+
+        Example::
+
+            >>> state.prove(hf_model, inputs, "attach").describe()
+            'passed in 41 ms (documents [28, 13] of a 41-token row, worst |diff| 0.0e+00, gradients 1.8e-07)'
+        """
         hf = unwrapped(model)
         use(hf, self.flat_name)
         prove = prove_packed if self.stock_mask else prove_flat
@@ -236,7 +277,23 @@ class PathState:
     def keep_proof(
         self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, own_positions: bool
     ) -> Proof:
-        """Keep ``proof`` of the flat path: proven lengths and code, or rows from now on (proven there too)."""
+        """Keep ``proof`` of the flat path: proven lengths and code, or rows from now on (proven there too).
+
+        Args:
+            hf: the transformers model.
+            inputs: the flat row's inputs the proof ran.
+            at: where the proof ran, for the reason.
+            proof: the flat proof's result.
+            grads: it compared gradients.
+            own_positions: the documents alone got the row's ``position_ids``.
+
+        Returns:
+            ``proof``, or the proof of stock's packed mask where that holds in its place.
+
+        Example::
+
+            >>> state.keep_proof(hf_model, inputs, "batch 1 (the first training batch)", proof, True, False)
+        """
         self.proofs.append((at, proof))
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
@@ -284,7 +341,26 @@ class PathState:
         """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.flat.proof.prove_rows`):
         right-padded rows, and where they differ from each document alone, left-padded ones (the run pads on the
         left from then on). Where neither is exact the model is refused (never trained off its documents alone):
-        :class:`~foundry_attn.selection.policy.AttentionUnavailableError` with each path's cause."""
+        :class:`~foundry_attn.selection.policy.AttentionUnavailableError` with each path's cause.
+
+        Args:
+            model: the transformers model, or a wrapper of one.
+            inputs: the flat row's inputs, whose documents are laid out one per row.
+            at: where the proof runs, for the reason.
+            grads: compare gradients too (False: forward only).
+            own_positions: the documents alone get the row's ``position_ids``.
+
+        Returns:
+            The rows proof (the left-padded one where that is the exact one).
+
+        Raises:
+            NoExactPath: neither right- nor left-padded rows train as each document alone.
+
+        Example::
+
+            >>> state.prove_rows(hf_model, inputs, "attach").ok
+            True
+        """
         hf = unwrapped(model)
 
         def proof_of(left: bool) -> Proof:
@@ -340,7 +416,17 @@ class PathState:
     def fingerprint(self) -> tuple:
         """What the flat path's exactness rests on, by identity: the dispatch entries of our name and the stock
         one, the kernels the flat path calls (:func:`kernels`), every module's ``forward`` (class and instance) and
-        HF checkpointing. Costs microseconds (measured in ``bench proof``)."""
+        HF checkpointing. Costs microseconds (measured in ``bench proof``).
+
+        Returns:
+            A tuple of the functions and flags above, compared by ``==`` per batch.
+
+        Example::
+
+            >>> before = state.fingerprint()
+            >>> before == state.fingerprint()      # False once sdpa or a module's forward is patched
+            True
+        """
         from transformers.modeling_utils import AttentionInterface
 
         table = AttentionInterface._global_mapping
@@ -357,7 +443,21 @@ class PathState:
 
     def due(self, hf: Any, tokens: int, longest: int) -> tuple[str, bool] | None:
         """Why a proof is due on a training batch of ``tokens`` real tokens whose longest document is ``longest``,
-        and whether it compares gradients."""
+        and whether it compares gradients.
+
+        Args:
+            hf: the transformers model (its parameters tell a sharded run, whose ranks agree on the lengths).
+            tokens: the batch's real tokens (the flat row's length).
+            longest: its longest document.
+
+        Returns:
+            ``(why, grads)``, or None when no proof is due.
+
+        Example::
+
+            >>> state.due(hf_model, 41, 28)
+            ('the first training batch', True)
+        """
         if not self.proven_on_batch:
             return "the first training batch", True
         if self.fingerprint() != self._fingerprint:
@@ -374,7 +474,22 @@ class PathState:
         its layout (flat while proven and in place, else rows), and for a training batch the proof due on it, if
         any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
         uncompiled, so a flat proof may take that forward as its packed side where
-        :func:`foundry_attn.flat.step_proof.step_blocker` allows."""
+        :func:`foundry_attn.flat.step_proof.step_blocker` allows.
+
+        Args:
+            hf: the transformers model.
+            tokens: the batch's real tokens.
+            longest: its longest document.
+            in_step: the caller runs the forward itself, uncompiled.
+
+        Returns:
+            The batch's :class:`Plan`.
+
+        Example::
+
+            >>> state.plan(hf_model, layout.real_tokens, layout.max_length, in_step=True)
+            Plan(path='flat', at='batch 1 (the first training batch)', grads=True, in_step=True)
+        """
         if self.path == FLAT and current(hf) != self.flat_name:
             return Plan(ROWS)  # someone set another implementation: stock runs it, one document per row
         if not (hf.training and torch.is_grad_enabled()):
@@ -390,7 +505,22 @@ class PathState:
 
     def prove_batch(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, own_positions: bool) -> str:
         """Prove ``plan``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
-        row); the path the batch runs after (a failed flat proof: rows)."""
+        row); the path the batch runs after (a failed flat proof: rows).
+
+        Args:
+            hf: the transformers model.
+            inputs: the batch's flat inputs.
+            plan: this batch's :class:`Plan`, with a proof due (``plan.at``).
+            own_positions: the documents alone get the row's ``position_ids``.
+
+        Returns:
+            ``"flat"`` or ``"rows"``.
+
+        Example::
+
+            >>> state.prove_batch(hf_model, inputs, plan, own_positions=False)
+            'flat'
+        """
         assert plan.at is not None
         if plan.path == FLAT:
             self.prove(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions)
@@ -421,7 +551,22 @@ class PathState:
 
     # ---- moving to rows ---------------------------------------------------------------------------------
     def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:
-        """Flat is refused for this model: rows from now on, one warning; binding: the error."""
+        """Flat is refused for this model: rows from now on, one warning; binding: the error.
+
+        Args:
+            hf: the transformers model.
+            reason: why, kept as ``state.reason`` and in ``state.changes``.
+            check: the failed check, named in the binding error.
+
+        Raises:
+            FlatPathError: the path is binding (``attn_path: flat``, strict).
+
+        Example::
+
+            >>> state.refuse(hf_model, "proof at attach failed (documents [28, 13] of a 41-token row): ...")
+            >>> state.path
+            'rows'
+        """
         if self.binding:
             raise FlatPathError(
                 f"attn_path: flat cannot run {type(hf).__name__} with {self.backend}: check '{check}' failed: "
@@ -434,5 +579,17 @@ class PathState:
 
 
 def path_of(model: Any) -> PathState | None:
-    """The :class:`PathState` of ``model`` (or of the HF model inside a wrapper), or None if never attached."""
+    """The :class:`PathState` of ``model`` (or of the HF model inside a wrapper), or None if never attached.
+
+    Args:
+        model: a transformers model, or a wrapper of one (DDP, FSDP, ``torch.compile``, PEFT).
+
+    Returns:
+        The state :func:`~foundry_attn.flat.attach.attach` kept on it, or None.
+
+    Example::
+
+        >>> path_of(model).path, path_of(model).reason
+        ('flat', 'proven at attach: passed in 41 ms (...)')
+    """
     return getattr(unwrapped(model), PATH_ATTR, None)

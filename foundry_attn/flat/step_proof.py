@@ -31,7 +31,20 @@ def step_blocker(model: Any) -> str | None:
     """Why a proof cannot take the training forward as its packed side (:func:`prove_step`), or None: dropout or
     router noise (training mode would differ from the eval-mode truth), checkpointing (recomputation under
     ``torch.autograd.grad``), sharded parameters (FSDP2's backward hooks would run for the proof), no embedding
-    module to differentiate against."""
+    module to differentiate against.
+
+    Args:
+        model: the model, or a wrapper of one (DDP, FSDP, ``torch.compile``).
+
+    Returns:
+        What keeps the proof from the training forward, named, or None.
+
+    Example::
+
+        >>> hf_model.gradient_checkpointing_enable()
+        >>> step_blocker(hf_model)
+        'HF gradient checkpointing'
+    """
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
     if getattr(hf, "is_gradient_checkpointing", False):
         return "HF gradient checkpointing"
@@ -70,7 +83,16 @@ class StepProof:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around the training forward: its input embeddings and output layer's calls, for the gradient part."""
+        """Around the training forward: its input embeddings and output layer's calls, for the gradient part.
+
+        Returns:
+            A context manager.
+
+        Example::
+
+            >>> with proof.capturing():     # forward_documents, around the batch's forward
+            ...     out = forward(prepared.inputs)
+        """
         with embeddings(self.hf, self.grads) as captured, head_calls(self.hf, self.grads) as head:
             self.captured, self.head = captured, head
             yield
@@ -78,7 +100,20 @@ class StepProof:
     def settle(self, out: Any, error: BaseException | None = None) -> bool:
         """Prove on the forward's ``out`` (or the ``error`` it raised); whether the batch's flat forward stands
         (False: the run is on rows now, or on the flat row with stock's packed mask, and the batch runs again
-        there)."""
+        there).
+
+        Args:
+            out: what the training forward returned (None where it raised).
+            error: the exception the forward raised, or None.
+
+        Returns:
+            True where the batch's flat forward stands; False: the batch runs again where the state is now.
+
+        Example::
+
+            >>> proof.settle(out)     # forward_documents, after the batch's forward; proof.settle(None, exc) on a raise
+            True
+        """
         state, hf = self.state, self.hf
         if error is not None:
             text = str(error).strip().splitlines()

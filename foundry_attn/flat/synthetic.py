@@ -17,7 +17,21 @@ from foundry_attn.attention.config_values import config_value
 
 
 def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-    """Seeded token ids (a local generator: the global RNG is untouched) that avoid the config's special ids."""
+    """Seeded token ids (a local generator: the global RNG is untouched) that avoid the config's special ids.
+
+    Args:
+        config: the model's config (its ``vocab_size`` and pad, bos and eos ids are read).
+        lengths: each document's number of tokens.
+        device: where the ids go.
+
+    Returns:
+        One 1-D tensor of ids per length, below ``min(vocab_size, 1000)``.
+
+    Example::
+
+        >>> [len(d) for d in synthetic_documents(hf_model.config, (28, 13), torch.device("cpu"))]
+        [28, 13]
+    """
     gen = torch.Generator().manual_seed(0)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its decoder's
     vocab = int(config_value(config, "vocab_size", 0) or config_value(text, "vocab_size", 0) or 1000)
@@ -36,7 +50,19 @@ def synthetic_documents(config: Any, lengths: Sequence[int], device: torch.devic
 
 
 def shortest_window(config: Any) -> int | None:
-    """The shortest sliding window or attention chunk the config names (per layer on a heterogeneous one)."""
+    """The shortest sliding window or attention chunk the config names (per layer on a heterogeneous one).
+
+    Args:
+        config: the model's config.
+
+    Returns:
+        The shortest positive window or chunk, or None where the config names none.
+
+    Example::
+
+        >>> shortest_window(MistralConfig()), shortest_window(LlamaConfig())
+        (4096, None)
+    """
     windows = [
         int(w)
         for n in ("sliding_window", "attention_chunk_size", "local_window", "window_size")
@@ -46,7 +72,20 @@ def shortest_window(config: Any) -> int | None:
 
 
 def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
-    """Two documents for the build-time proof, the first longer than any short window or chunk of the config."""
+    """Two documents for the build-time proof, the first longer than any short window or chunk of the config.
+
+    Args:
+        config: the model's config.
+        longest: the first document's length where the shortest window is longer than 59 tokens.
+
+    Returns:
+        The two lengths: the first 5 past the shortest window (or ``longest + 5`` without one; 9 at least), then 13.
+
+    Example::
+
+        >>> proof_lengths(LlamaConfig()), proof_lengths(MistralConfig(sliding_window=16))
+        ((28, 13), (21, 13))
+    """
     short = shortest_window(config) or longest
     first = short + 5 if short + 5 <= 64 else longest
     return max(first, 9), 13

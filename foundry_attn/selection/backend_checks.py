@@ -41,7 +41,20 @@ SmokeTest = Callable[[torch.device, torch.dtype], str | None]
 
 
 def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run one tiny FA2 call on ``device``: pre-Ampere GPUs only fail here, not at load."""
+    """Run one tiny FA2 call on ``device``: pre-Ampere GPUs only fail here, not at load.
+
+    Args:
+        device: the CUDA device to call on.
+        dtype: the compute dtype (fp16 or bf16).
+
+    Returns:
+        The failure, with the exception, or None when the call ran.
+
+    Example::
+
+        >>> fa2_smoke_test(torch.device("cuda"), torch.bfloat16)   # an A100 with a working flash-attn
+        None
+    """
     try:
         from foundry_attn.selection.flash_compat import call
 
@@ -57,7 +70,21 @@ def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
 def model_check(name: str, traits: ModelTraits, reference: bool = False) -> tuple[str, str] | None:
     """The model check ``name`` fails on any path, wherever it runs, as (check, reason), or None: its class does not
     declare the backend (stock refuses it at load), its config refuses it, the backend cannot honour what the config
-    asks, or (``reference``) the FA2 reference kernel cannot stand in for the class's own FA2 class."""
+    asks, or (``reference``) the FA2 reference kernel cannot stand in for the class's own FA2 class.
+
+    Args:
+        name: the backend.
+        traits: the model's traits.
+        reference: FA2 would run on the pure-PyTorch reference kernel.
+
+    Returns:
+        ``(check, reason)`` of the first failed model check, or None.
+
+    Example::
+
+        >>> model_check("sdpa", ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config()))
+        ('exactness', "sdpa cannot apply Gemma2ForCausalLM's attention logit softcap (50.0) per document")
+    """
     if name not in traits.supports:
         return "model class", f"{traits.class_name} has no {name} support"
     if why := dict(traits.config_refuses).get(name):
@@ -113,6 +140,24 @@ def check_fa2(
     smoke_test: SmokeTest | None,
     fa2_reference: bool = False,
 ) -> Candidate:
+    """Whether ``flash_attention_2`` can run here: the model class, the install (or transformers' hub kernel), the
+    GPU checks, a tiny kernel call and exactness; with ``fa2_reference``, the reference kernel's checks only.
+
+    Args:
+        cap: the machine.
+        dtype: the compute dtype.
+        traits: the model's traits.
+        smoke_test: the tiny kernel call (None: skipped).
+        fa2_reference: run FA2 on the pure-PyTorch reference kernel (CPU tests).
+
+    Returns:
+        The FA2 candidate, available or with its failed check, reason and fix.
+
+    Example::
+
+        >>> check_fa2(t4_capability, torch.bfloat16, traits, None).reason
+        'Tesla T4 sm75 < 8.0'
+    """
     if FA2 not in traits.supports:
         return _fail(
             FA2,
@@ -196,7 +241,20 @@ def _failed_install(cap: Capability, traits: ModelTraits, warnings: list[str]) -
 
 
 def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
-    """One tiny ``varlen_attn`` call (forward and backward) on ``device``."""
+    """One tiny ``varlen_attn`` call (forward and backward) on ``device``.
+
+    Args:
+        device: the CUDA device to call on.
+        dtype: the compute dtype (fp16 or bf16).
+
+    Returns:
+        The failure, or None when the call ran.
+
+    Example::
+
+        >>> torch_varlen_smoke_test(torch.device("cuda"), torch.bfloat16)   # torch 2.7
+        'torch 2.7.0+cu126 has no torch.nn.attention.varlen'
+    """
     kernel = torch_varlen_kernel()
     if kernel is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
@@ -214,6 +272,23 @@ def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | N
 def check_torch_varlen(
     cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None
 ) -> Candidate:
+    """Whether ``torch_varlen`` can run here: the model class, torch >= 2.10, the GPU checks, exactness and a tiny
+    kernel call.
+
+    Args:
+        cap: the machine.
+        dtype: the compute dtype.
+        traits: the model's traits.
+        smoke_test: the tiny kernel call (None: skipped).
+
+    Returns:
+        The torch_varlen candidate, available or with its failed check, reason and fix.
+
+    Example::
+
+        >>> check_torch_varlen(probe(), torch.bfloat16, traits, None).reason
+        'torch 2.7.0+cu126 has no torch.nn.attention.varlen (>= 2.10)'
+    """
     name = TORCH_VARLEN
     if name not in traits.supports:
         return _fail(
@@ -250,7 +325,24 @@ def check(
     smoke_test: SmokeTest | None = fa2_smoke_test,
     fa2_reference: bool = False,
 ) -> Candidate:
-    """Whether ``name`` can run here, with the reason either way."""
+    """Whether ``name`` can run here, with the reason either way.
+
+    Args:
+        name: the backend.
+        cap: the machine (:func:`~foundry_attn.selection.capability.probe`).
+        dtype: the compute dtype.
+        traits: the model's traits.
+        smoke_test: FA2's tiny kernel call (None: no kernel is called, torch_varlen's neither).
+        fa2_reference: FA2 on the pure-PyTorch reference kernel (CPU tests).
+
+    Returns:
+        The candidate: ``available``, ``reason``, and for a rejection the failed ``check`` and its ``fix``.
+
+    Example::
+
+        >>> check("sdpa", probe(), torch.float32, traits)     # on a CPU
+        Candidate(name='sdpa', available=True, reason='torch scaled_dot_product_attention on cpu', ...)
+    """
     config_refuses = dict(traits.config_refuses).get(name)
     if config_refuses:
         return _fail(name, "model config", config_refuses, "pick another implementation, or change the model config")

@@ -32,6 +32,21 @@ def resolve_compute_dtype(name: str, cap: Capability) -> torch.dtype:
     ``auto``: bf16 on a CUDA device that has it (else fp16), because LLM-Foundry trains on GPUs under
     Composer's ``precision: amp_bf16``/``amp_fp16`` autocast, where fp32 master weights still run
     attention in half precision; fp32 on CPU. Name the dtype when you train in fp32 on a GPU.
+
+    Args:
+        name: ``attn_compute_dtype``: ``auto``, ``bf16``, ``fp16`` or ``fp32``.
+        cap: the machine (``auto`` reads whether it has CUDA).
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: an unknown name.
+
+    Example::
+
+        >>> resolve_compute_dtype("auto", probe()), resolve_compute_dtype("fp16", probe())   # on a CPU
+        (torch.float32, torch.float16)
     """
     named = COMPUTE_DTYPES[check_choice("attn_compute_dtype", name, COMPUTE_DTYPES)]
     if named is not None:
@@ -42,7 +57,22 @@ def resolve_compute_dtype(name: str, cap: Capability) -> torch.dtype:
 
 
 def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
-    """The class ``AutoModelForCausalLM`` would build for ``config`` (for its ``_supports_*`` flags)."""
+    """The class ``AutoModelForCausalLM`` would build for ``config`` (for its ``_supports_*`` flags).
+
+    Args:
+        config: a transformers model config.
+
+    Returns:
+        The causal-LM class registered for the config's type.
+
+    Raises:
+        ValueError: no causal-LM class is registered for it (remote code: pass ``model_class`` to :func:`decide`).
+
+    Example::
+
+        >>> model_class_for(AutoConfig.from_pretrained("meta-llama/Llama-3.2-1B")).__name__
+        'LlamaForCausalLM'
+    """
     mapping = AutoModelForCausalLM._model_mapping
     if type(config) in mapping:
         return mapping[type(config)]
@@ -58,6 +88,20 @@ def transformers_load_check(
     4.51: the class-level ``_check_and_enable_*``. 4.54+/5.x: ``_check_and_adjust_attn_implementation``, an
     instance method, run on an instance that skipped ``__init__`` (no weights: only its class and the config);
     there it may also try a hub kernel for a missing flash-attn, and any failure of that is a refusal too.
+
+    Args:
+        model_class: the class that will be built.
+        config: its config (not changed: the checks run on a copy).
+        name: the implementation transformers will load (:func:`~foundry_attn.attention.backends.load_name`).
+        dtype: the compute dtype, for 4.51's FA2 check.
+
+    Returns:
+        ``transformers refused it at load: ...``, or None when transformers accepts it.
+
+    Example::
+
+        >>> transformers_load_check(LlamaForCausalLM, config, "flash_attention_2", torch.bfloat16)   # no flash-attn
+        'transformers refused it at load: FlashAttention2 has been toggled on, but it cannot be used due to ...'
     """
     try:
         if hasattr(model_class, "_check_and_adjust_attn_implementation"):
@@ -95,7 +139,33 @@ def decide(
     model_class: type[PreTrainedModel] | None = None,
 ) -> Decision:
     """Choose the attention implementation for the model at ``model_path`` (or ``config``) on this device;
-    ``model_class``: the class that will be built, where ``AutoModelForCausalLM`` cannot tell it from the config."""
+    ``model_class``: the class that will be built, where ``AutoModelForCausalLM`` cannot tell it from the config.
+
+    Args:
+        model_path: a hub name or local path, read when ``config`` is None.
+        requested: ``attn_implementation``: ``auto`` or a backend name.
+        fallback: ``attn_fallback``, fastest first.
+        strict: ``attn_strict``: an explicit request must run, or this raises.
+        compute_dtype: ``attn_compute_dtype`` (:func:`resolve_compute_dtype`).
+        cap: the machine (None: :func:`~foundry_attn.selection.capability.probe` this one).
+        fa2_reference: FA2 on the pure-PyTorch reference kernel (CPU tests).
+        trust_remote_code: passed to ``AutoConfig.from_pretrained``.
+        config_overrides: attributes set on the config read from ``model_path`` (not on a given ``config``).
+        config: the model config, instead of reading ``model_path``.
+        model_class: the class that will be built (None: ``AutoModelForCausalLM``'s for the config).
+
+    Returns:
+        The decision, after our checks and transformers' own load check of the chosen implementation.
+
+    Raises:
+        AttentionUnavailableError: a strict request cannot run, or nothing in the chain can.
+
+    Example::
+
+        >>> decision = decide("meta-llama/Llama-3.2-1B", "auto")     # on a CPU, no flash-attn
+        >>> decision.chosen, decision.reason
+        ('sdpa', 'flash_attention_2: flash-attn is not installed (pip install flash-attn --no-build-isolation)')
+    """
     from foundry_attn.selection.capability import probe
 
     cap = cap or probe()

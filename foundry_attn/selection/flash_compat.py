@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
+from foundry_attn.checks import check_choice
+
 if TYPE_CHECKING:
     from foundry_attn.selection.capability import Capability
 
@@ -198,8 +200,7 @@ def call(name: str, *args: Any, **kwargs: Any) -> Any:
 
         >>> out = call("flash_attn_func", q, k, v, causal=True, softcap=0.0)  # flash-attn 2.5.8: softcap dropped
     """
-    if name not in POSITIONAL:
-        raise ValueError(f"flash_compat.call: unknown entry point {name!r}; valid: {', '.join(POSITIONAL)}")
+    check_choice("flash_compat.call", name, POSITIONAL)
     if len(args) > POSITIONAL[name]:
         raise TypeError(
             f"{name}: pass only the first {POSITIONAL[name]} arguments positionally (the rest moved "

@@ -40,7 +40,24 @@ class AttentionUnavailableError(RuntimeError):
 def strict_error(
     name: str, check: str, reason: str, fix: str, where: str, fallback: Sequence[str] = ()
 ) -> AttentionUnavailableError:
-    """The one strict-mode message: which implementation, which check, on which device and host, how to fix it."""
+    """The one strict-mode message: which implementation, which check, on which device and host, how to fix it.
+
+    Args:
+        name: the implementation that cannot run.
+        check: the check it failed (``compute capability``, ``dtype``, ``load``, ...).
+        reason: why it failed.
+        fix: how to fix it.
+        where: ``<device> (<sm>) on <host>``.
+        fallback: the chain ``attn_strict: false`` would walk (empty: no such hint).
+
+    Returns:
+        The error, for the caller to raise.
+
+    Example::
+
+        >>> raise strict_error(FA2, "compute capability", "Tesla T4 sm75 < 8.0", "use sdpa on this GPU", d.where)
+        AttentionUnavailableError: attn_strict: flash_attention_2 cannot run on Tesla T4 (sm75) on node-3: check ...
+    """
     relax = f"; or set attn_strict: false to fall back along {list(fallback)}" if fallback else ""
     return AttentionUnavailableError(
         f"attn_strict: {name} cannot run on {where}: check '{check}' failed: {reason}. Fix: {fix}{relax}."
@@ -82,17 +99,44 @@ class Decision:
 
     @property
     def binding(self) -> bool:
-        """The strict rule: ``attn_strict`` binds an explicit request (``auto`` + strict fails only if nothing runs)."""
+        """The strict rule: ``attn_strict`` binds an explicit request (``auto`` + strict fails only if nothing runs).
+
+        Returns:
+            True when a failure of the requested implementation must raise rather than fall back.
+
+        Example::
+
+            >>> choose(FA2, strict=True).binding, choose(AUTO, strict=True).binding   # on an A100 with flash-attn
+            (True, False)
+        """
         return self.strict and self.requested != AUTO
 
     @property
     def fell_back(self) -> bool:
-        """True when the run does not use what was asked for (for ``auto``: not the chain's first)."""
+        """True when the run does not use what was asked for (for ``auto``: not the chain's first).
+
+        Returns:
+            Whether ``chosen`` differs from the first candidate.
+
+        Example::
+
+            >>> choose(AUTO, cap=t4_capability).fell_back      # FA2 needs sm80: sdpa runs
+            True
+        """
         return self.chosen != self.candidates[0].name
 
     @property
     def reason(self) -> str:
-        """Why the chosen implementation is not the first choice, or why it was chosen."""
+        """Why the chosen implementation is not the first choice, or why it was chosen.
+
+        Returns:
+            ``<first rejected>: <its reason>`` after a fallback, else the chosen candidate's reason.
+
+        Example::
+
+            >>> choose(AUTO, cap=t4_capability).reason
+            'flash_attention_2: Tesla T4 sm75 < 8.0'
+        """
         rejected = [c for c in self.candidates if not c.available]
         if self.fell_back and rejected:
             return f"{rejected[0].name}: {rejected[0].reason}"
@@ -100,10 +144,29 @@ class Decision:
 
     @property
     def warning(self) -> str:
-        """What may still go wrong with the chosen implementation (empty: nothing known)."""
+        """What may still go wrong with the chosen implementation (empty: nothing known).
+
+        Returns:
+            The chosen candidate's warning (a TransformerEngine pair outside this model), or an empty string.
+
+        Example::
+
+            >>> decision.warning
+            ''
+        """
         return next((c.warning for c in self.candidates if c.name == self.chosen), "")
 
     def as_dict(self) -> dict:
+        """The decision as plain JSON-ready values, for logs and events.
+
+        Returns:
+            Every field, the ``fell_back``/``reason``/``warning`` properties, and each candidate as a dict.
+
+        Example::
+
+            >>> choose(AUTO, cap=t4_capability).as_dict()["candidates"][0]["check"]
+            'compute capability'
+        """
         return {
             "requested": self.requested,
             "chosen": self.chosen,
@@ -119,7 +182,25 @@ class Decision:
         }
 
     def with_rejection(self, name: str, reason: str, check: str = "load", fix: str = "see the error above") -> Decision:
-        """The same decision after ``name`` failed a later check (transformers' load, the documents, the proof)."""
+        """The same decision after ``name`` failed a later check (transformers' load, the documents, the proof).
+
+        Args:
+            name: the candidate that failed.
+            reason: why it failed.
+            check: the check it failed (``load``, ``attach``, ``flat path``).
+            fix: how to fix it, for the strict message.
+
+        Returns:
+            A copy with ``name`` rejected and the next available candidate chosen.
+
+        Raises:
+            AttentionUnavailableError: the decision is binding (strict, named request), or no candidate is left.
+
+        Example::
+
+            >>> decision.with_rejection(FA2, "ImportError: flash_attn_2_cuda undefined symbol").reason
+            'flash_attention_2: ImportError: flash_attn_2_cuda undefined symbol'
+        """
         cands = tuple(Candidate(c.name, False, reason, check, fix) if c.name == name else c for c in self.candidates)
         chosen = next((c.name for c in cands if c.available), None)
         if self.binding:
@@ -130,7 +211,23 @@ class Decision:
 
 
 def validate_names(requested: str, fallback: Sequence[str]) -> tuple[str, tuple[str, ...]]:
-    """Fail before any model is built when a name is unknown; the message lists the valid names."""
+    """Fail before any model is built when a name is unknown; the message lists the valid names.
+
+    Args:
+        requested: ``attn_implementation`` (``auto`` or a backend name).
+        fallback: ``attn_fallback``, a list of backend names (a single name is taken as a list of one).
+
+    Returns:
+        ``(requested, fallback)`` with the fallback as a tuple, duplicates dropped.
+
+    Raises:
+        ValueError: an unknown name, or an empty fallback.
+
+    Example::
+
+        >>> validate_names("auto", ["sdpa", "sdpa", "eager"])
+        ('auto', ('sdpa', 'eager'))
+    """
     check_choice("attn_implementation", requested, (AUTO, *NAMES))
     if isinstance(fallback, str):
         fallback = [fallback]
@@ -142,6 +239,20 @@ def validate_names(requested: str, fallback: Sequence[str]) -> tuple[str, tuple[
 
 
 def candidate_order(requested: str, fallback: Sequence[str]) -> tuple[str, ...]:
+    """The order the candidates are checked in: the chain for ``auto``, else the request first, then the chain.
+
+    Args:
+        requested: ``auto`` or a backend name.
+        fallback: the chain, fastest first.
+
+    Returns:
+        The backend names to check, without duplicates.
+
+    Example::
+
+        >>> candidate_order("sdpa", (FA2, SDPA, EAGER)), candidate_order(AUTO, (FA2, SDPA))
+        (('sdpa', 'flash_attention_2', 'eager'), ('flash_attention_2', 'sdpa'))
+    """
     return tuple(fallback) if requested == AUTO else tuple(dict.fromkeys((requested, *fallback)))
 
 
@@ -159,6 +270,28 @@ def choose(
 
     ``dtype`` is the *compute* dtype: under Composer's ``amp_bf16`` the weights are fp32 but attention
     runs in bf16, so pass ``torch.bfloat16`` there (the model builder does this for you).
+
+    Args:
+        requested: ``auto`` or a backend name.
+        fallback: the chain, fastest first.
+        cap: the machine (None: :func:`~foundry_attn.selection.capability.probe` this one).
+        dtype: the compute dtype.
+        traits: the model's traits (None: a model that supports every backend and asks nothing).
+        strict: an explicit request must run, or this raises.
+        smoke_test: the tiny kernel call FA2 must pass on the device (None: skipped).
+        fa2_reference: FA2 on the pure-PyTorch reference kernel (CPU tests).
+
+    Returns:
+        The decision: the chosen backend and every candidate with its reason.
+
+    Raises:
+        AttentionUnavailableError: a binding request fails a check, or nothing in the chain can run.
+
+    Example::
+
+        >>> decision = choose(AUTO, cap=probe(), dtype=torch.bfloat16, traits=traits)   # on a Tesla T4
+        >>> decision.chosen, decision.reason
+        ('sdpa', 'flash_attention_2: Tesla T4 sm75 < 8.0')
     """
     from foundry_attn.selection.capability import probe
 
@@ -180,6 +313,20 @@ def choose(
 
 
 def nothing_runs(candidates: Sequence[Candidate], where: str) -> AttentionUnavailableError:
+    """The error when no candidate of the chain can run: each one's failed check, reason and fix.
+
+    Args:
+        candidates: the checked candidates, all rejected.
+        where: ``<device> (<sm>) on <host>``.
+
+    Returns:
+        The error, for the caller to raise.
+
+    Example::
+
+        >>> raise nothing_runs(decision.candidates[:1], decision.where)
+        AttentionUnavailableError: attention: no implementation in ['flash_attention_2'] can run on Tesla T4 ...
+    """
     failures = "; ".join(f"{c.name}: check '{c.check}' failed: {c.reason} (fix: {c.fix})" for c in candidates)
     return AttentionUnavailableError(
         f"attention: no implementation in {[c.name for c in candidates]} can run on {where}: {failures}. "

@@ -33,6 +33,22 @@ class ModelTraits:
 
     @classmethod
     def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
+        """The traits of ``model_class``: the backends its ``_supports_*`` flags declare (torch_varlen with FA2 or
+        sdpa), and with ``config`` its head dim, needs and refusals.
+
+        Args:
+            model_class: the causal-LM class that will be built (``LlamaForCausalLM``).
+            config: its config; None reads the class only (no head dim, needs or refusals).
+
+        Returns:
+            The model's traits.
+
+        Example::
+
+            >>> traits = ModelTraits.from_model_class(LlamaForCausalLM, LlamaConfig())
+            >>> sorted(traits.supports), traits.head_dim
+            (['eager', 'flash_attention_2', 'flex_attention', 'sdpa', 'torch_varlen'], 128)
+        """
         flags = {  # transformers 4.51 names first; later releases renamed the FA2 flag
             FA2: ("_supports_flash_attn_2", "_supports_flash_attn"),
             FLEX: ("_supports_flex_attn",),
@@ -84,7 +100,19 @@ def _fa2_calls_flash_attn(model_class: type) -> bool:
 
 
 def reference_refusal(traits: ModelTraits) -> str | None:
-    """Why the FA2 reference kernel cannot stand in for flash-attn under this class, or None."""
+    """Why the FA2 reference kernel cannot stand in for flash-attn under this class, or None.
+
+    Args:
+        traits: the model's traits (:meth:`ModelTraits.from_model_class`).
+
+    Returns:
+        The refusal, naming the class, or None where the reference kernel can stand in.
+
+    Example::
+
+        >>> reference_refusal(ModelTraits.from_model_class(GPTJForCausalLM, GPTJConfig()))   # transformers 4.51
+        'GPTJForCausalLM builds its flash-attention class at construction and that class calls flash-attn itself, ...'
+    """
     if not traits.fa2_calls_flash_attn:
         return None
     return (
@@ -94,6 +122,19 @@ def reference_refusal(traits: ModelTraits) -> str | None:
 
 
 def head_dim_of(config: object) -> int | None:
+    """The attention head dim of ``config``: its ``head_dim`` (the largest layer's), else hidden size / heads.
+
+    Args:
+        config: a transformers model config.
+
+    Returns:
+        The head dim, or None when the config gives neither.
+
+    Example::
+
+        >>> head_dim_of(LlamaConfig()), head_dim_of(GPT2Config())
+        (128, 64)
+    """
     head_dim = config_value(config, "head_dim")  # the largest layer's on a heterogeneous config
     if head_dim:
         return int(head_dim)

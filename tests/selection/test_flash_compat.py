@@ -66,7 +66,7 @@ def test_call_is_keywords_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen == [(3, {"causal": True, "window_size": (-1, -1)})]
     with pytest.raises(TypeError, match="by keyword"):
         flash_compat.call("flash_attn_func", q, q, q, 0.0)
-    with pytest.raises(ValueError, match="valid: flash_attn_func, flash_attn_varlen_func"):
+    with pytest.raises(ValueError, match="valid values: flash_attn_func, flash_attn_varlen_func"):
         flash_compat.call("flash_attn_with_kvcache", q)
 
 

@@ -172,6 +172,16 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
 
     @property
     def events(self) -> EventLog | None:
+        """This callback's event log (its core's), opened at ``FIT_START``.
+
+        Returns:
+            The :class:`~foundry_attn.observe.events.EventLog`, or None before ``FIT_START``.
+
+        Example::
+
+            >>> inspector.events.path      # after trainer.fit(), run_name 'my-run', rank 0
+            PosixPath('my-run/attn_events/events-rank0.jsonl')
+        """
         return self.core.events
 
     def _resolve(self, state: State) -> ModelInspector | None:
@@ -194,11 +204,28 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
         return self._inspector
 
     def release(self) -> None:
+        """The probe's hooks off the model (idempotent); Composer's ``FIT_END`` and ``close`` call it too.
+
+        Example::
+
+            >>> inspector.release()
+        """
         if self._inspector is not None:
             self._inspector.disarm()
 
     # -- events
     def fit_start(self, state: State, logger: Logger) -> None:
+        """At ``FIT_START``: open the event log, find the HF model and (``verdict``) warn once when the train
+        loader packs documents for a model that cannot keep them apart.
+
+        Args:
+            state: Composer's training state (its model, run name and train loader).
+            logger: Composer's logger.
+
+        Example::
+
+            >>> inspector.fit_start(state, logger)      # Composer calls it at FIT_START
+        """
         if self.core.events is None:
             self.core.events = open_event_log(state, self.events_dir)
         self._resolve(state)
@@ -206,6 +233,16 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
             self.verdicts.predict(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
+        """At ``BATCH_START``: whether this batch is inspected (and judged); any hook left over off.
+
+        Args:
+            state: Composer's training state (its batch count).
+            logger: Composer's logger.
+
+        Example::
+
+            >>> inspector.batch_start(state, logger)      # Composer calls it at BATCH_START
+        """
         self._step = int(state.timestamp.batch)
         self._sampled = self._step % self.log_interval == 0
         if self.verdict:
@@ -213,6 +250,16 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
         self.release()
 
     def before_forward(self, state: State, logger: Logger) -> None:
+        """At ``BEFORE_FORWARD`` of a sampled batch's first microbatch: the probe's hooks on, the batch read.
+
+        Args:
+            state: Composer's training state (its model and microbatch).
+            logger: Composer's logger.
+
+        Example::
+
+            >>> inspector.before_forward(state, logger)      # Composer calls it at BEFORE_FORWARD
+        """
         self.verdicts.before_forward(state)
         if not self._sampled:
             return
@@ -223,10 +270,31 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
             inspector.arm(self._batch)
 
     def after_forward(self, state: State, logger: Logger) -> None:
+        """At ``AFTER_FORWARD``: the hooks off, and a due verdict taken before the backward.
+
+        Args:
+            state: Composer's training state (its batch and outputs).
+            logger: Composer's logger.
+
+        Example::
+
+            >>> inspector.after_forward(state, logger)      # Composer calls it at AFTER_FORWARD
+        """
         self.release()
         self.verdicts.after_forward(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        """At ``BATCH_END``: the verdict's and the sampled forward's ``attn/*`` metrics logged, the ``attn_inspect``
+        event appended, and the table printed the first time (rank 0).
+
+        Args:
+            state: Composer's training state.
+            logger: Composer's logger; it gets ``attn/mask_none_modules``, ``attn/fill_ratio``, ...
+
+        Example::
+
+            >>> inspector.batch_end(state, logger)      # Composer calls it at BATCH_END
+        """
         self.release()
         verdict = self.verdicts.batch_end(state, logger, self._step)
         inspector = self._inspector

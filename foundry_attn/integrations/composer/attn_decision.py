@@ -19,7 +19,20 @@ __all__ = ["AttnDecision", "decision_hparams", "stock_hparams"]
 
 def stock_hparams(model: Any) -> dict[str, Any]:
     """``attn/chosen`` and ``attn/reason`` of a model that made no decision of ours: the implementation that runs
-    (:func:`foundry_attn.observe.discovery.attn_implementation`) and where it was read; empty without a model."""
+    (:func:`foundry_attn.observe.discovery.attn_implementation`) and where it was read; empty without a model.
+
+    Args:
+        model: what Composer trains (``state.model``), wrapped or not; None gives ``{}``.
+
+    Returns:
+        ``{"attn/chosen": ..., "attn/reason": ...}``, or ``{}`` without a model.
+
+    Example::
+
+        >>> hparams = stock_hparams(state.model)      # LLM-Foundry's mpt_causal_lm, attn_impl: torch
+        >>> hparams["attn/chosen"], hparams["attn/reason"]
+        ('torch', "set by the model, not chosen by foundry_attn (MPT's attn_config['attn_impl'])")
+    """
     found = find_hf_model(model)
     hf = found[1] if found is not None else model
     impl = attn_implementation(hf)
@@ -36,7 +49,21 @@ def stock_hparams(model: Any) -> dict[str, Any]:
 
 def decision_hparams(model: Any) -> dict[str, Any]:
     """``attn/*`` hyperparameters of a ``foundry_attn_causal_lm`` (through DDP); empty for other models. The
-    summary is the one the model gathered from every rank when it was built (no second gather)."""
+    summary is the one the model gathered from every rank when it was built (no second gather).
+
+    Args:
+        model: what Composer trains (``state.model``), or the ``foundry_attn_causal_lm`` itself.
+
+    Returns:
+        ``attn/requested``, ``attn/chosen``, ``attn/fell_back``, ``attn/reason``, ``attn/compute_dtype``,
+        ``attn/path``, ``attn/path_reason`` and ``attn/summary``; ``{}`` for other models.
+
+    Example::
+
+        >>> hparams = decision_hparams(state.model)      # attn_implementation: auto, flash-attn not installed
+        >>> hparams["attn/chosen"], hparams["attn/fell_back"], hparams["attn/path"]
+        ('sdpa', True, 'flat')
+    """
     ours = foundry_model(model)
     if ours is None:
         return {}
@@ -132,6 +159,16 @@ class AttnDecision(Callback):
         self._changes = 0
 
     def init(self, state: State, logger: Logger) -> None:
+        """At ``INIT``: log the model's decision (:func:`decision_hparams`), else :func:`stock_hparams`.
+
+        Args:
+            state: Composer's training state (its model).
+            logger: Composer's logger; the hyperparameters go to every logger of the run.
+
+        Example::
+
+            >>> callback.init(state, logger)      # Composer calls it at INIT; MLflow shows attn/chosen, ...
+        """
         hparams = decision_hparams(state.model)
         if not hparams:
             stock = stock_hparams(state.model)
@@ -143,7 +180,16 @@ class AttnDecision(Callback):
         self._changes = len(self._ours.attn_state.changes)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        """A proof on a training batch that moved the run to rows (the state's event): log the path again."""
+        """A proof on a training batch that moved the run to rows (the state's event): log the path again.
+
+        Args:
+            state: Composer's training state.
+            logger: Composer's logger; ``attn/path`` and ``attn/path_reason`` are logged again.
+
+        Example::
+
+            >>> callback.batch_end(state, logger)      # Composer calls it at BATCH_END
+        """
         if self._ours is None or len(self._ours.attn_state.changes) == self._changes:
             return
         self._changes = len(self._ours.attn_state.changes)

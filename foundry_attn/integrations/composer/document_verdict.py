@@ -58,10 +58,28 @@ class DocumentVerdicts:
         self._pending: Verdict | None = None
 
     def batch_start(self, step: int) -> None:
+        """At the inspector's ``BATCH_START``: whether batch ``step`` gets a verdict; a probe left over removed.
+
+        Args:
+            step: the batch's index (``state.timestamp.batch``); 0 and every ``interval``-th get one.
+
+        Example::
+
+            >>> inspector.verdicts.batch_start(int(state.timestamp.batch))      # from AttentionInspector.batch_start
+        """
         self._due = step % self.interval == 0
         self._drop_probe()
 
     def before_forward(self, state: State) -> None:
+        """At ``BEFORE_FORWARD`` of a due batch's first microbatch: a probe on the HF model's input embeddings.
+
+        Args:
+            state: Composer's training state (its model).
+
+        Example::
+
+            >>> inspector.verdicts.before_forward(state)      # from AttentionInspector.before_forward
+        """
         due, self._due = self._due, False  # the first microbatch only
         found = find_hf_model(state.model) if due else None
         self._drop_probe()
@@ -69,6 +87,15 @@ class DocumentVerdicts:
             self._probe = ForwardProbe(found[1])
 
     def after_forward(self, state: State) -> None:
+        """At ``AFTER_FORWARD``: the probe off and the verdict taken (before the backward), reported at ``BATCH_END``.
+
+        Args:
+            state: Composer's training state (its model, batch, outputs and precision).
+
+        Example::
+
+            >>> inspector.verdicts.after_forward(state)      # from AttentionInspector.after_forward
+        """
         probe, self._probe = self._probe, None
         if probe is not None:  # before the backward: the verdict differentiates the graph the step trains on
             probe.remove()
@@ -80,6 +107,22 @@ class DocumentVerdicts:
             self._probe = None
 
     def batch_end(self, state: State, logger: Logger, step: int) -> Verdict | None:
+        """At ``BATCH_END``: the batch's verdict reported (metrics, ``attn_verdict`` event, log line, a leak warned).
+
+        Args:
+            state: Composer's training state (its model, for the fix a leak names).
+            logger: Composer's logger; it gets ``attn/documents_isolated`` and ``attn/verdict_worst_diff``.
+            step: the batch's index, for the event and the log line.
+
+        Returns:
+            The batch's :class:`~foundry_attn.observe.verdict.Verdict`, or None when it had none.
+
+        Example::
+
+            >>> verdict = inspector.verdicts.batch_end(state, logger, 0)
+            >>> verdict.state, verdict.how
+            ('isolated', 'measured')
+        """
         verdict, self._pending = self._pending, None
         if verdict is not None:
             found = find_hf_model(state.model)
@@ -90,7 +133,21 @@ class DocumentVerdicts:
 
     def judge(self, state: State, embeds: Any = None) -> Verdict:
         """The verdict on this microbatch (:func:`foundry_attn.observe.verdict.judge`): measured where a second forward
-        is possible, else the structural reading, labelled so; never a guess shown as a measurement."""
+        is possible, else the structural reading, labelled so; never a guess shown as a measurement.
+
+        Args:
+            state: Composer's training state after the forward (its model, batch, outputs and precision).
+            embeds: the forward's input embeddings (a :class:`~foundry_attn.flat.forward_probe.ForwardProbe`'s);
+                None: the documents run a forward of their own.
+
+        Returns:
+            The :class:`~foundry_attn.observe.verdict.Verdict`: ``state`` isolated, leaks, not packed or unknown.
+
+        Example::
+
+            >>> inspector.verdicts.judge(state).line()      # a batch of unpacked rows
+            'not packed (no row holds two marked documents (doc_lens, sequence_id or restarting position_ids))'
+        """
         found = find_hf_model(state.model)
         if found is None:
             return Verdict(UNKNOWN, reason="no Hugging Face PreTrainedModel in state.model to run documents alone")
@@ -99,7 +156,15 @@ class DocumentVerdicts:
         return judge(found[1], state.batch, state.outputs, blocked, precision, embeds=embeds)
 
     def predict(self, state: State) -> None:
-        """At fit start: when the train loader packs documents and the model cannot keep them apart, say so."""
+        """At fit start: when the train loader packs documents and the model cannot keep them apart, say so.
+
+        Args:
+            state: Composer's training state (its model and ``train_dataloader``; nothing is drawn from it).
+
+        Example::
+
+            >>> inspector.verdicts.predict(state)      # from AttentionInspector.fit_start; a WARNING when it leaks
+        """
         features = _packing_features(getattr(state, "train_dataloader", None))
         found = find_hf_model(state.model)
         if features is None or found is None:

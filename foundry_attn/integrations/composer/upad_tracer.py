@@ -132,18 +132,59 @@ class UpadTracer(ReleasingCallback):
 
     @property
     def events(self) -> EventLog | None:
+        """This callback's event log (its core's), opened at ``FIT_START``.
+
+        Returns:
+            The :class:`~foundry_attn.observe.events.EventLog`, or None before ``FIT_START``.
+
+        Example::
+
+            >>> tracer.events.path      # after trainer.fit(), run_name 'my-run', rank 0
+            PosixPath('my-run/attn_events/events-rank0.jsonl')
+        """
         return self.core.events
 
     @property
     def implementation(self) -> str | None:
+        """The attention implementation the model runs, read at ``FIT_START`` (HF's, or MPT's ``attn_impl``).
+
+        Returns:
+            Its name; None before ``FIT_START`` or without a Hugging Face model.
+
+        Example::
+
+            >>> tracer.implementation      # LLM-Foundry's MPT with attn_impl: flash
+            'flash'
+        """
         return self.core.implementation
 
     @property
     def last_summary(self) -> dict[str, Any]:
+        """The last traced batch's trace, as in its ``upad_trace`` event.
+
+        Returns:
+            ``counts``, ``entry``, ``max_seqlen``, ``cu_seqlens``, ``first`` (each helper's first call) and
+            ``symbols``; ``{}`` before a traced batch.
+
+        Example::
+
+            >>> tracer.last_summary["first"]["varlen"]["cu_seqlens_q"]
+            [0, 12, 21, 28, 40]
+        """
         return self.core.last_summary
 
     @property
     def last_metrics(self) -> dict[str, float]:
+        """The metrics the last traced batch logged.
+
+        Returns:
+            ``attn/<role>_calls_per_step`` and ``attn/max_seqlen``; ``{}`` before a traced batch.
+
+        Example::
+
+            >>> tracer.last_metrics["attn/varlen_calls_per_step"]      # a 2-layer MPT, attn_impl: flash
+            2.0
+        """
         return self.core.last_metrics
 
     def _resolve(self, state: State) -> None:
@@ -162,6 +203,12 @@ class UpadTracer(ReleasingCallback):
         self.core.detach()
 
     def release(self) -> None:
+        """The forward hooks off the model and every wrapper undone (idempotent); ``FIT_END`` and ``close`` call it.
+
+        Example::
+
+            >>> tracer.release()
+        """
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -169,11 +216,31 @@ class UpadTracer(ReleasingCallback):
 
     # -- events
     def fit_start(self, state: State, logger: Logger) -> None:
+        """At ``FIT_START``: open the event log and find what there is to trace (said once when nothing).
+
+        Args:
+            state: Composer's training state (its model and run name).
+            logger: Composer's logger.
+
+        Example::
+
+            >>> tracer.fit_start(state, logger)      # Composer calls it at FIT_START
+        """
         if self.core.events is None:
             self.core.events = open_event_log(state, self.events_dir)
         self._resolve(state)
 
     def batch_start(self, state: State, logger: Logger) -> None:
+        """At ``BATCH_START`` of a sampled batch: counts from zero, and the hooks that wrap the model's forward.
+
+        Args:
+            state: Composer's training state (its model and batch count).
+            logger: Composer's logger.
+
+        Example::
+
+            >>> tracer.batch_start(state, logger)      # Composer calls it at BATCH_START
+        """
         self.release()
         self._step = int(state.timestamp.batch)
         if self._step % self.log_interval:
@@ -187,6 +254,17 @@ class UpadTracer(ReleasingCallback):
         ]
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        """At ``BATCH_END`` of a traced batch: its ``attn/*`` metrics logged, its ``upad_trace`` event appended and
+        one console line of counts (rank 0).
+
+        Args:
+            state: Composer's training state.
+            logger: Composer's logger; it gets ``attn/varlen_calls_per_step``, ``attn/max_seqlen``, ...
+
+        Example::
+
+            >>> tracer.batch_end(state, logger)      # Composer calls it at BATCH_END
+        """
         traced = bool(self._handles)
         self.release()
         if traced and self.core.tracer is not None:

@@ -95,7 +95,17 @@ class AttentionInspector(InspectorResults, SampledCallback):
         self._probe: ForwardProbe | None = None
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
-        """The probe on the HF model (none under ``torch.compile``: said once, the inspector steps aside)."""
+        """The probe on the HF model (none under ``torch.compile``: said once, the inspector steps aside).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            model: what the Trainer calls (a wrapper, compiled or not).
+            hf: the HF model inside it.
+
+        Example::
+
+            >>> inspector.begin(trainer.args, trainer.model, hf_model)   # from on_train_begin
+        """
         self._model, self._hf = model, hf
         self.core.events = self.events
         if compiled(model) or compiled(hf):
@@ -104,7 +114,18 @@ class AttentionInspector(InspectorResults, SampledCallback):
         self.inspector = self.core.probe(hf)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Arm the hooks for the first forward of a sampled step (Trainer event)."""
+        """Arm the hooks for the first forward of a sampled step (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> inspector.on_step_begin(args, state, control)   # the Trainer calls it before each optimizer step
+        """
         step = state.global_step
         inspect, judged = step % self.log_interval == 0, self.verdict and step % self.verdict_interval == 0
         if self.inspector is None or not (inspect or judged) or self._model is None:
@@ -134,7 +155,18 @@ class AttentionInspector(InspectorResults, SampledCallback):
         return judge(self._hf, batch, output, blocked, probe.context(), embeds=probe.embeds)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Report the sampled step's records and verdict (Trainer event)."""
+        """Report the sampled step's records and verdict (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> inspector.on_step_end(args, state, control)   # then the next logs carry attn/documents_isolated 1.0
+        """
         self.release()
         pending, self._pending = self._pending, None
         if pending is None:

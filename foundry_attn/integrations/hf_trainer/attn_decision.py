@@ -54,7 +54,17 @@ class AttnDecision(SampledCallback):
         self._changes = 0
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
-        """Say this rank's decision and gather every rank's (a collective: every rank's train begin runs it)."""
+        """Say this rank's decision and gather every rank's (a collective: every rank's train begin runs it).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            model: what the Trainer calls (a wrapper, compiled or not).
+            hf: the HF model inside it.
+
+        Example::
+
+            >>> callback.begin(trainer.args, trainer.model, hf_model)   # from on_train_begin: attn/path_flat, next logs
+        """
         assert self.events is not None
         announce(decision_of(hf), self.events, args.process_index, log)
         self._hf, self._state = hf, path_of(hf)
@@ -63,7 +73,18 @@ class AttnDecision(SampledCallback):
             self.session.log({"attn/path_flat": float(self._state.path == FLAT)})
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """A proof of this step that moved the run to rows (the state's event): an event and the metric."""
+        """A proof of this step that moved the run to rows (the state's event): an event and the metric.
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> callback.on_step_end(args, state, control)   # the Trainer calls it after each optimizer step
+        """
         if self._state is None or len(self._state.changes) == self._changes:
             return
         self._changes = len(self._state.changes)

@@ -121,7 +121,19 @@ class Merger(TrainerCallback):
         self.session = session
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        """Merge the waiting metrics into ``logs`` (Trainer event)."""
+        """Merge the waiting metrics into ``logs`` (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            logs: the logs the Trainer is about to report (changed in place).
+            **kwargs: the Trainer's other event keywords (model, optimizer, ...), unused.
+
+        Example::
+
+            >>> merger.on_log(args, state, control, logs={"loss": 2.31})   # the Trainer calls it at each log
+        """
         self.session.merge(logs, state)
 
 
@@ -176,7 +188,19 @@ class SampledCallback(TrainerCallback):
         return self.session.events
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        """Open the event log, go first among the reporters, and :meth:`begin` (Trainer event)."""
+        """Open the event log, go first among the reporters, and :meth:`begin` (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            model: what the Trainer calls (a wrapper, compiled or not).
+            **kwargs: the Trainer's other event keywords (optimizer, train_dataloader, ...), unused.
+
+        Example::
+
+            >>> callback.on_train_begin(args, state, control, model=model)   # the Trainer calls it in train()
+        """
         self.session.open(args)
         trainer = self.session.trainer
         self.session.place(trainer.callback_handler if trainer is not None else calling_handler())
@@ -197,7 +221,19 @@ class SampledCallback(TrainerCallback):
         """
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        """Merge the waiting metrics where no handler was found to go first in (Trainer event)."""
+        """Merge the waiting metrics where no handler was found to go first in (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            logs: the logs the Trainer is about to report (changed in place).
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> callback.on_log(args, state, control, logs={"loss": 2.31})   # the Trainer calls it at each log
+        """
         if not self.session.placed:  # the reporters after us still get them
             self.session.merge(logs, state)
 
@@ -246,5 +282,16 @@ class SampledCallback(TrainerCallback):
         self._drop_hooks()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Release everything (Trainer event)."""
+        """Release everything (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> callback.on_train_end(args, state, control)   # the Trainer calls it at the end of train()
+        """
         self.release()

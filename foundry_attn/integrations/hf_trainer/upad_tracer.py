@@ -69,20 +69,52 @@ class UpadTracer(SampledCallback):
         return self.core.last_metrics
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
-        """Whether there is anything to trace (:meth:`~foundry_attn.observe.tracer.TracerCore.resolve`)."""
+        """Whether there is anything to trace (:meth:`~foundry_attn.observe.tracer.TracerCore.resolve`).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            model: what the Trainer calls (a wrapper, compiled or not).
+            hf: the HF model inside it.
+
+        Example::
+
+            >>> tracer.begin(trainer.args, trainer.model, hf_model)   # from on_train_begin
+        """
         self._model = model
         self.core.events = self.events
         self.core.resolve(model, hf)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Patch for the first forward of a sampled step (Trainer event)."""
+        """Patch for the first forward of a sampled step (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> tracer.on_step_begin(args, state, control)   # the Trainer calls it before each optimizer step
+        """
         if state.global_step % self.log_interval or not self.core.start():
             return
         self._traced = True
         self.one_forward(self._model, lambda _: self.core.attach(), lambda _, __: self.core.detach())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Report the traced step (Trainer event)."""
+        """Report the traced step (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> tracer.on_step_end(args, state, control)   # then the next logs carry attn/varlen_calls_per_step
+        """
         self.release()
         traced, self._traced = self._traced, False
         if traced:  # global_step counts the step done

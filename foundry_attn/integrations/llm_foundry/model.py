@@ -141,7 +141,16 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
 
     @property
     def attn_decision(self) -> Decision:
-        """What attach decided for this rank, with the path and proof as they are now (the state's)."""
+        """What attach decided for this rank, with the path and proof as they are now (the state's).
+
+        Returns:
+            The :class:`~foundry_attn.selection.policy.Decision`: ``requested``, ``chosen``, ``reason``, ``path``, ...
+
+        Example::
+
+            >>> model.attn_decision.chosen, model.attn_decision.path
+            ('sdpa', 'flat')
+        """
         decision = self.attn_state.decision_now()
         assert decision is not None  # attach_decision always records one
         return decision
@@ -156,7 +165,16 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
     # ---- forward ------------------------------------------------------------------------------------
     @property
     def attn_implementation(self) -> str:
-        """The backend attention runs (``sdpa``, not our registered ``foundry_sdpa``)."""
+        """The backend attention runs (``sdpa``, not our registered ``foundry_sdpa``).
+
+        Returns:
+            The backend's name, as the config's ``attn_implementation`` names it.
+
+        Example::
+
+            >>> model.attn_implementation, model.model.config._attn_implementation
+            ('sdpa', 'foundry_sdpa')
+        """
         return backend_of(self.model.config._attn_implementation)
 
     def _check_fa2_dtype(self, device: torch.device) -> None:
@@ -175,6 +193,21 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 
     def forward(self, batch: Mapping) -> Any:
+        """Run ``batch`` on the proven path, flat or rows, where it has our layout (``doc_lens`` or a 2-D mask); any
+        other batch (ICL, generation) runs ``hf_causal_lm``'s own forward.
+
+        Args:
+            batch: the Composer batch: ``input_ids`` with ``doc_lens`` or ``attention_mask``, ``labels`` optional.
+
+        Returns:
+            The HF model's output, its logits ``[rows, width, vocab]`` (zeros at padding) as stock's are.
+
+        Example::
+
+            >>> out = model(batch)           # Composer's training loop calls it
+            >>> out.logits.shape             # 8 rows of 2048, a vocabulary of 32000
+            torch.Size([8, 2048, 32000])
+        """
         routed = self._route(batch)
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
