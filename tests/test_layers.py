@@ -161,41 +161,31 @@ def test_no_module_imports_a_private_name_of_another() -> None:
 RUNTIME = ("attention", "selection", "flat", "observe", "integrations")
 
 
-def _runtime_sources() -> list[tuple[str, str]]:
+def _lines_outside(owner: str, pattern: str, allowed: str = "") -> list[str]:
+    """The code lines (comments left out) of the runtime folders, but ``owner``, that match ``pattern``."""
+    import re
+
+    found = re.compile(pattern)
     return [
-        (str(p.relative_to(PACKAGE)), p.read_text())
+        f"{p.relative_to(PACKAGE)}: {line.strip()}"
         for folder in RUNTIME
         for p in sorted((PACKAGE / folder).rglob("*.py"))
+        if str(p.relative_to(PACKAGE)) != owner
+        for line in p.read_text().splitlines()
+        if found.search(line.split("#")[0]) and not (allowed and allowed in line)
     ]
 
 
 def test_one_module_sets_which_implementation_a_model_runs() -> None:
     """``config._attn_implementation`` of a model is written only by ``flat/implementation.py`` (the backend table
     probes what a config accepts on a deep copy of it: ``config_refusals``)."""
-    import re
-
-    writes = re.compile(r"\._attn_implementation\s*=[^=]")
-    found = [
-        f"{name}: {line.strip()}"
-        for name, text in _runtime_sources()
-        if name != "flat/implementation.py"
-        for line in text.splitlines()
-        if writes.search(line.split("#")[0]) and "probe._attn_implementation" not in line
-    ]
+    found = _lines_outside("flat/implementation.py", r"\._attn_implementation\s*=[^=]", "probe._attn_implementation")
     assert not found, found
 
 
 def test_one_module_sets_and_takes_off_a_models_forward() -> None:
     """The forward attach installs and the model's own forward a check runs live in ``flat/model_forward.py``: no other
     runtime module assigns or pops an instance's ``forward``."""
-    import re
-
-    touches = re.compile(r"\.forward\s*=[^=]|vars\([^)]*\)\.pop\(\"forward\"|vars\([^)]*\)\[\"forward\"\]\s*=")
-    found = [
-        f"{name}: {line.strip()}"
-        for name, text in _runtime_sources()
-        if name != "flat/model_forward.py"
-        for line in text.splitlines()
-        if touches.search(line)
-    ]
+    pattern = r"\.forward\s*=[^=]|vars\([^)]*\)\.pop\(\"forward\"|vars\([^)]*\)\[\"forward\"\]\s*="
+    found = _lines_outside("flat/model_forward.py", pattern)
     assert not found, found
