@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -47,9 +48,14 @@ def main(out: Path, attached: bool) -> None:
     if args.process_index == 0:
         wrapped = type(trainer.model_wrapped).__name__
         (out / "result.json").write_text(json.dumps({"world": args.world_size, "wrapped": wrapped}))
-    if torch.distributed.is_initialized():  # gloo's threads left to the interpreter's exit can abort it
+    if torch.distributed.is_initialized():
+        # every rank is done (its events are on disk: os.write per event); then leave without the interpreter's
+        # teardown, where gloo's threads, joined in no set order, abort a rank now and then ("terminate called
+        # without an active exception", with destroy_process_group too)
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
