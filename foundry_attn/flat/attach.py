@@ -222,10 +222,9 @@ def attach_decision(
         if state.path == ROWS and backend_of(state.rows_name) != chosen:
             decision = decision.with_rejection(chosen, state.reason, check="flat path")
             continue
-        proof = state.proofs[-1][1].describe() if state.proofs else "first batch" if prove_now else "off"
-        decision = dataclasses.replace(decision, proof=proof, path=state.path, path_reason=state.reason)
-        state.decision = decision
-        return decision, state
+        # the path, its reason and the last proof are the state's (PathState.decision_now); "off": none was asked
+        state.decision = dataclasses.replace(decision, proof="first batch" if prove_now else "off")
+        return state.decision, state
 
 
 def _attach_backend(
@@ -258,8 +257,8 @@ def _attach_backend(
         interval=interval,
     )
     dtype = str(next(hf.parameters()).dtype).removeprefix("torch.")
-    given = Decision.given(backend, f"attach(model, {backend!r})", strict=state.binding, compute_dtype=dtype)
-    state.decision = dataclasses.replace(given, proof="first batch")  # attach_decision puts the chain's in its place
+    named = f"attach(model, {backend!r})"  # attach_decision puts the chain's decision in its place
+    state.decision = Decision.given(backend, named, strict=state.binding, compute_dtype=dtype, proof="first batch")
     setattr(hf, PATH_ATTR, state)
     bypassed = _bypassed(backend)
     if bypassed:

@@ -77,7 +77,9 @@ class Decision:
     path_reason: str = ""
 
     @classmethod
-    def given(cls, name: str, reason: str, *, strict: bool = False, compute_dtype: str = "float32") -> Decision:
+    def given(
+        cls, name: str, reason: str, *, strict: bool = False, compute_dtype: str = "float32", proof: str = ""
+    ) -> Decision:
         """A decision no chain made: the implementation a user named (``attach(model, "sdpa")``) or the one a model
         runs that we never attached, with why.
 
@@ -86,6 +88,7 @@ class Decision:
             reason: why it runs (``attach(model, 'sdpa')``, ``set by the model, ...``).
             strict: ``attn_path: flat`` with ``strict``: a failed proof raises.
             compute_dtype: the weights' dtype (``float32``, ``bfloat16``).
+            proof: what is proven so far (``first batch``: the first training batch proves; empty: nothing will).
 
         Returns:
             A decision with one candidate, ``name``, available.
@@ -95,7 +98,7 @@ class Decision:
             >>> Decision.given("sdpa", "attach(model, 'sdpa')").as_dict()["fell_back"]
             False
         """
-        return cls(name, name, (Candidate(name, True, reason),), strict, compute_dtype)
+        return cls(name, name, (Candidate(name, True, reason),), strict, compute_dtype, proof)
 
     @property
     def binding(self) -> bool:

@@ -50,6 +50,7 @@ class AttnDecision(SampledCallback):
 
     def __init__(self, session: Session | None = None, log_interval: int = 50) -> None:
         super().__init__(session, log_interval)
+        self._hf: Any = None
         self._state: PathState | None = None
         self._changes = 0
 
