@@ -5,6 +5,7 @@ foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash
 foundry-attn assets build/tiny
 foundry-attn bench padding|callbacks|compile|proof|events|train|trainer|guard --json [--device cuda] [--quick]
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
+foundry-attn bench layouts --json [--quick] [--device cuda]
 foundry-attn conformance [--markdown] [--family mistral] [--zoo | --padding-free]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
 foundry-attn report runs/ -o report/

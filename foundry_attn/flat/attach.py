@@ -30,11 +30,13 @@ import torch
 
 from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, FLEX, NAMES, SDPA, backend_of, rows_name
 from foundry_attn.checks import check_choice, check_interval
+from foundry_attn.flat.comparison import alone_inputs, evaluating, loss_shifts, run
 from foundry_attn.flat.forward import packed_backbone, packed_model
-from foundry_attn.flat.implementation import current, point, use
+from foundry_attn.flat.implementation import current, point, running, use
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.model_forward import replace_forwards
+from foundry_attn.flat.proving import hidden
 from foundry_attn.flat.state import (
     AUTO_PATH,
     FLAT,
@@ -45,7 +47,7 @@ from foundry_attn.flat.state import (
     PathState,
     check_path,
 )
-from foundry_attn.flat.synthetic import proof_lengths, synthetic_documents
+from foundry_attn.flat.synthetic import proof_lengths, synthetic_documents, unexercised
 from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.selection import policy
 from foundry_attn.selection.backend_checks import model_check
@@ -269,10 +271,12 @@ def _attach_backend(
         use(hf, rows)
     if prove_now:
         device = next(hf.parameters()).device
-        docs = synthetic_documents(hf.config, proof_lengths(hf.config), device)
+        docs = _exercised(hf, state, synthetic_documents(hf.config, proof_lengths(hf.config), device))
         layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
         ids = torch.cat(docs)[None]
         inputs, _ = flat_inputs(hf, ids, layout.position_ids(device), None, layout)
+        with running(hf, rows):
+            state.first_targets = not loss_shifts(hf, docs[0])
         try:
             if path == ROWS:
                 state.prove_rows(hf, inputs, "attach")
@@ -289,6 +293,31 @@ def _attach_backend(
     elif path != ROWS:
         state.reason = "flat, proven on the first training batch"
     return state
+
+
+def _exercised(hf: Any, state: PathState, docs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The synthetic documents attach proves on, less a 1-token one stock cannot compute alone (then no proof could
+    judge); what they leave out (that document, a window no document passes) is said in the notes: the first
+    training batch that holds it is proven there."""
+    left_out = []
+    single = [d for d in docs if d.numel() == 1]
+    if single:
+        try:
+            with hidden(), evaluating(hf), running(hf, state.rows_name):
+                logits = run(hf, alone_inputs(single[0][None]), [(0, 1)], grads=False).logits
+            if not bool(torch.isfinite(logits).all()):
+                raise ValueError("non-finite logits")
+        except Exception as exc:
+            docs = [d for d in docs if d.numel() > 1]
+            left_out.append(f"a 1-token document (stock cannot compute one alone here: {type(exc).__name__})")
+    window = unexercised(hf.config, [d.numel() for d in docs])
+    if window:
+        left_out.append(window)
+    if left_out:
+        note = f"attach did not exercise {' or '.join(left_out)}: the first training batch that holds it is proven"
+        state.notes.append(note)
+        log.info("foundry_attn: %s %s", type(hf).__name__, note)
+    return docs
 
 
 def _refuse_unsupported(hf: Any, backend: str, reference: bool = False) -> None:

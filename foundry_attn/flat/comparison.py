@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 from foundry_attn.attention.config_values import config_value
 from foundry_attn.flat.forward_probe import looked_up
+from foundry_attn.flat.implementation import running
 from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.flat.proving import hidden
 
 #: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
 ATOL_FP32 = 1e-4
@@ -296,6 +298,40 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
 
 
+def loss_shifts(hf: Any, doc: torch.Tensor) -> bool:
+    """Whether the model's own loss is the next-token loss of its logits (transformers shifts the labels), read from
+    one stock forward of ``doc`` with ``labels=doc``; False for a model whose loss reads each token's own label
+    (CPM-Ant), so each document's first token is a target there too. True where it cannot be told.
+
+    Args:
+        hf: the transformers model, under its stock implementation.
+        doc: one document's ids ``[n]``, two tokens or more.
+
+    Returns:
+        False only where the model's loss matches the unshifted cross-entropy and not the shifted one.
+
+    Example::
+
+        >>> loss_shifts(llama, doc), loss_shifts(cpmant, doc)
+        (True, False)
+    """
+    try:
+        with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]):
+            out = own_forward(hf, input_ids=doc[None], labels=doc[None], use_cache=False)
+    except Exception:  # a model that cannot run a document alone is judged by the proof, which says why
+        return True
+    loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
+    if not isinstance(loss, torch.Tensor) or not isinstance(logits, torch.Tensor) or logits.shape[1] != doc.numel():
+        return True
+    shifted = next_token_loss(logits[0], doc) / max(1, doc.numel() - 1)
+    unshifted = F.cross_entropy(logits[0].float(), doc)
+
+    def near(value: torch.Tensor) -> bool:
+        return bool(torch.isclose(loss.detach().float(), value, rtol=1e-3, atol=1e-4))
+
+    return not (near(unshifted) and not near(shifted))
+
+
 def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits.
 
@@ -541,24 +577,70 @@ def training_noise(hf: Any) -> str | None:
 _NOISY = re.compile(r"dropout|pdrop|jitter")
 
 
-def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
+def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run, stock: str | None = None) -> tuple[float, float]:
     """Stock against itself, no leak: the document alone (``run``) against the same document as the first row of
-    a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), per token, logits
-    and gradients: the half-precision noise floor of this model on this device.
+    a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), and with ``stock``
+    against the same document alone under another stock kernel of the same function (:func:`kernel_spread`: a
+    flash kernel and stock sdpa round differently), per token, logits and gradients: the half-precision noise
+    floor of this model on this device, at the comparison's own precision.
 
     Args:
         hf: the transformers model, under its stock implementation.
         alone: the document's inputs alone (:func:`alone_inputs`).
         run: its :class:`Run` alone.
+        stock: the stock implementation ``run`` ran under (None: the shape's noise only).
 
     Returns:
         The worst token's relative difference in the logits and in the gradients (0.0: gradients not compared).
 
     Example::
 
-        >>> stock_noise(hf_model, alone, run(hf_model, alone, [(0, 13)], grads=True))     # bf16 on a CPU
+        >>> stock_noise(hf_model, alone, run(hf_model, alone, [(0, 13)], grads=True), "sdpa")   # bf16 on a CPU
         (0.0, 0.0)
     """
+    shape = _shape_noise(hf, alone, run)
+    kernel = (0.0, 0.0) if stock is None else kernel_spread(hf, alone, run, stock)
+    return max(shape[0], kernel[0]), max(shape[1], kernel[1])
+
+
+def kernel_spread(hf: Any, alone: Mapping[str, Any], run_: Run, stock: str) -> tuple[float, float]:
+    """The document alone under a second stock kernel (eager against sdpa or a flash kernel, sdpa against eager)
+    against ``run_``, its run under ``stock``: how far two stock kernels of one function round apart here, per
+    token. 0.0 where the class has no second kernel, where it raises, or where it is not finite (no spread is
+    measured from a kernel that fails).
+
+    Args:
+        hf: the transformers model.
+        alone: the document's inputs alone (:func:`alone_inputs`).
+        run_: its :class:`Run` under ``stock``.
+        stock: the stock implementation ``run_`` ran under.
+
+    Returns:
+        The worst token's relative difference in the logits and in the gradients.
+
+    Example::
+
+        >>> kernel_spread(hf_model, alone, run_alone, "sdpa")     # bf16 weights on a GPU: eager against sdpa
+        (0.0087, 0.011)
+    """
+    other = "sdpa" if stock == "eager" else "eager"
+    if other == "sdpa" and not getattr(type(hf), "_supports_sdpa", False):
+        return 0.0, 0.0
+    n = alone["input_ids"].shape[1]
+    try:
+        with running(hf, other):
+            second = run(hf, alone, [(0, n)], run_.grad is not None)
+    except Exception:
+        return 0.0, 0.0
+    logits = per_token(second.logits, run_.logits).max().item() if second.logits.shape == run_.logits.shape else 0.0
+    grads = 0.0
+    if second.grad is not None and run_.grad is not None and second.grad.shape == run_.grad.shape:
+        grads = per_token(second.grad, run_.grad, floor=1.0).max().item()
+    return (logits if math.isfinite(logits) else 0.0), (grads if math.isfinite(grads) else 0.0)
+
+
+def _shape_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
+    """The document alone against itself as the first row of a right-padded two-row batch, per token."""
     ids = alone["input_ids"]
     n = ids.shape[1]
     pair = {
@@ -633,14 +715,15 @@ def alone_inputs(ids: torch.Tensor, positions: torch.Tensor | None = None, width
     return alone
 
 
-def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run) -> Limits:
+def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run, stock: str | None = None) -> Limits:
     """fp32 limits, or in half precision (half weights or autocast) the limits raised to stock's own noise on the
-    document ``alone`` (whose run is ``run_alone``).
+    document ``alone`` (whose run is ``run_alone``), at its shape and, with ``stock``, across stock's kernels.
 
     Args:
         hf: the transformers model (its first parameter's dtype is read).
         alone: the document's inputs alone (:func:`alone_inputs`).
         run_alone: its :class:`Run` alone.
+        stock: the stock implementation it ran under (:func:`stock_noise`).
 
     Returns:
         :class:`Limits`: the fp32 defaults, or :meth:`Limits.half` of :func:`stock_noise`.
@@ -653,7 +736,7 @@ def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run) -> Limits:
     ids = alone["input_ids"]
     if not half(next(hf.parameters()).dtype, ids.device):
         return Limits()
-    return Limits.half(stock_noise(hf, alone, run_alone))
+    return Limits.half(stock_noise(hf, alone, run_alone, stock))
 
 
 def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence[Run], limits: Limits) -> Comparison:

@@ -39,7 +39,7 @@ from foundry_attn.flat.inputs import (
     stock_packed,
 )
 from foundry_attn.flat.layout import Layout
-from foundry_attn.flat.state import FLAT, path_of
+from foundry_attn.flat.state import FLAT, ROWS, Plan, path_of
 from foundry_attn.flat.step_proof import StepProof
 from foundry_attn.flat.unwrap import compiled, unwrapped
 
@@ -189,7 +189,11 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
     if state is None:
         _say_unproven(type(hf).__name__)
     else:
-        plan = state.plan(hf, layout.real_tokens, layout.max_length, in_step=in_step)
+        plan = state.plan(hf, layout.real_tokens, layout.max_length, in_step=in_step, lengths=layout.lengths)
+        if plan.path == ROWS and plan.at is not None and state.path == FLAT:  # rows beside the flat row, proven now
+            flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
+            if state.prove_batch(hf, flat, plan, not layout.marked) == FLAT:
+                plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
         if plan.path == FLAT:
             inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
@@ -197,13 +201,15 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
                 return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, plan, not layout.marked))
             if plan.at is None or state.prove_batch(hf, inputs, plan, not layout.marked) == FLAT:
                 return Prepared(stock_packed(inputs) if state.stock_mask else inputs, placed, no_targets)
-        elif plan.at is not None:  # rows, proven as flat is: the first batch, changes, longer batches, the interval
+        elif (
+            plan.at is not None and state.path == ROWS
+        ):  # rows, proven as flat is: first batch, changes, longer, interval
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
             state.prove_batch(hf, flat, plan, not layout.marked)
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on
-    left = state is not None and state.rows_left
-    inputs, placed = one_per_row(hf, ids, None if layout.marked else layout.positions, labels, layout, left)
+    left, first = (state.rows_left, state.first_targets) if state is not None else (False, False)
+    inputs, placed = one_per_row(hf, ids, None if layout.marked else layout.positions, labels, layout, left, first)
     return Prepared(inputs, placed, no_targets)
 
 

@@ -257,10 +257,14 @@ def one_per_row(
     labels: torch.Tensor | None,
     layout: Layout,
     left: bool = False,
+    first_targets: bool = False,
+    width: int = 0,
 ) -> tuple[dict[str, Any], Placed]:
     """One document per row with a 2-D mask, right-padded (exact under any stock backend for a model that handles
     right padding) or, with ``left``, left-padded, with each document's positions counted from its first token where
-    the model takes ``position_ids`` (a model that assumes left padding: CPM-Ant).
+    the model takes ``position_ids`` (a model that assumes left padding: CPM-Ant). Each document's first label is
+    ignored (no document predicts its first token), except with ``first_targets``: a model whose loss does not shift
+    its labels reads it as a target of its own (CPM-Ant; :func:`foundry_attn.flat.comparison.loss_shifts`).
 
     Args:
         hf: the HF model (not a wrapper), read for its pad token and ``forward``'s parameters.
@@ -269,6 +273,9 @@ def one_per_row(
         labels: its ``[rows, width]`` labels, or None.
         layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
         left: left-pad the rows instead of right-padding them.
+        first_targets: keep each document's first label (a model whose loss does not shift its labels).
+        width: the rows' width, at least the longest document's (0: the longest document's): a proof lays out a few
+            documents as wide as the batch's rows.
 
     Returns:
         The model's keywords (``[documents, longest]`` rows with a 2-D ``attention_mask``) and :class:`Placed`.
@@ -281,7 +288,7 @@ def one_per_row(
     """
     flat = layout.real_indices(ids.device)
     lengths = layout.lengths
-    width = max(lengths)
+    width = max(width, *lengths)
     starts = [d * width + (width - n if left else 0) for d, n in enumerate(lengths)]
     dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]).to(ids.device)
     rows = len(lengths)
@@ -292,7 +299,7 @@ def one_per_row(
         return out.view(rows, width)
 
     row_labels = scatter(labels, IGNORE_INDEX) if labels is not None else None
-    if row_labels is not None:
+    if row_labels is not None and not first_targets:
         row_labels.view(-1)[torch.tensor(starts, device=ids.device)] = IGNORE_INDEX  # no document predicts its first
     inputs: dict[str, torch.Tensor | None] = {
         "input_ids": scatter(ids, pad_id(hf)),

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import math
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -78,6 +79,7 @@ class Proof:
     tokens: int = 0  # the flat row's length
     worst_grad: float | None = None  # gradients (None: forward only)
     ran: bool = True  # both sides ran (False: the reason is that one could not)
+    judged: bool = True  # stock computed each document alone (False: nothing was judged, the reason says why)
 
     def describe(self) -> str:
         """The proof in words, for the state's reason or a refusal.
@@ -124,6 +126,28 @@ def pick(docs: Documents) -> tuple[int, int]:
         return longest, last
     others = [i for i in range(last) if lengths[i] > 1] or list(range(last))
     return min(others, key=lambda i: lengths[i]), last
+
+
+def pick_rows(docs: Documents) -> tuple[int, int]:
+    """The two documents a rows proof lays out one per row: the longest (no padding) and the shortest (the most
+    padding, where a model that is not padding-invariant shows it); rows do not see each other, so the place in
+    the row does not matter. A row of one document runs it twice, as :func:`pick`.
+
+    Args:
+        docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
+
+    Returns:
+        The two documents' indices in the row.
+
+    Example::
+
+        >>> pick_rows(Documents((0, 13, 42, 60)))     # lengths [13, 29, 18]: the longest and the shortest
+        (1, 0)
+    """
+    lengths = docs.lengths
+    longest = max(range(len(lengths)), key=lambda i: (lengths[i], i))
+    shortest = min(range(len(lengths)), key=lambda i: (lengths[i], -i))
+    return (longest, shortest) if shortest != longest else pick(docs)
 
 
 #: the packed side of a proof: (model, the compared documents' spans, grads) -> its run, or None and why not
@@ -322,7 +346,7 @@ def _prove(
     start = time.perf_counter()
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     docs: Documents = inputs[DOCS_KEY]
-    compare = pick(docs) if compare is None else tuple(compare)
+    compare = (pick(docs) if rows_name is None else pick_rows(docs)) if compare is None else tuple(compare)
     if packed is None:
         packed = _flat_side(inputs) if rows_name is None else _rows_side(inputs, rows_name, reference, own_positions)
     with hidden(), _state_kept(hf):
@@ -331,8 +355,8 @@ def _prove(
         )
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
-    ran = not isinstance(reason, _NotRun)
-    return Proof(not reason, worst, str(reason), ms, lengths, compare, docs.bounds[-1], worst_grad, ran)
+    ran, judged = not isinstance(reason, _NotRun), not isinstance(reason, _StockFailed)
+    return Proof(not reason, worst, str(reason), ms, lengths, compare, docs.bounds[-1], worst_grad, ran, judged)
 
 
 @contextlib.contextmanager
@@ -354,6 +378,39 @@ def _state_kept(hf: Any) -> Iterator[None]:
 
 class _NotRun(str):
     """A proof's reason that says one side could not run at all (``Proof.ran`` is False)."""
+
+
+class _StockFailed(_NotRun):
+    """A proof's reason that says stock could not compute a document alone: nothing was judged
+    (``Proof.judged`` is False), so the run keeps the decision of the last proof that could judge."""
+
+
+def undefined_values(runs: Sequence[Run], spans: Sequence[tuple[int, int]], packed: bool = False) -> str:
+    """Where runs are not finite (a fully masked score row, a softmax over nothing), in words; "" where they are.
+
+    Args:
+        runs: one run per span, or with ``packed`` one run of the whole row.
+        spans: the documents' ``(start, end)`` in the row.
+        packed: read the one run at each span (else each run whole).
+
+    Returns:
+        Each document with non-finite logits or gradients, and at how many tokens; "" where every value is finite.
+
+    Example::
+
+        >>> undefined_values([Run(logits)], [(0, 3), (3, 5)], packed=True)     # a nan at token 3
+        'document of 2 tokens: nan or inf logits at 1 of its 2 tokens'
+    """
+    bad = []
+    for i, (s, e) in enumerate(spans):
+        mine = runs[0] if packed else runs[i]
+        logits = mine.logits[s:e] if packed else mine.logits
+        tokens = int((~torch.isfinite(logits.float())).any(-1).sum())
+        grads = mine.grad is not None and not bool(torch.isfinite(mine.grad[s:e] if packed else mine.grad).all())
+        if tokens or grads:
+            what = f"nan or inf logits at {tokens} of its {e - s} tokens" if tokens else "nan or inf gradients"
+            bad.append(f"document of {e - s} tokens: {what}")
+    return "; ".join(bad)
 
 
 def _compare(
@@ -383,12 +440,19 @@ def _compare(
         with running(hf, stock), kernel_context(stock, ids.device, reference):
             try:
                 runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads) for span in spans]
-                limits = limits_for(hf, alone(spans[-1]), runs[-1])
             except Exception as exc:
-                return 0.0, None, _NotRun(f"stock {stock} cannot run one document alone here: {_short(exc)}")
+                return 0.0, None, _StockFailed(f"stock {stock} cannot run one document alone here: {_short(exc)}")
+            undefined = undefined_values(runs, spans)
+            if undefined:  # a nan is the comparison breaking, never "the model differs"
+                return 0.0, None, _StockFailed(f"stock {stock} cannot compute one document alone here: {undefined}")
+            limits = limits_for(hf, alone(spans[-1]), runs[-1], stock)
         packed, why = side(hf, spans, grads)
     if packed is None:
         return 0.0, None, _NotRun(why)
+    undefined = undefined_values([packed], [(s, e) for s, e in spans], packed=True)
+    if undefined:
+        side_name = "the flat path" if rows_name is None else f"one document per row ({rows_name})"
+        return math.nan, None, f"{side_name} computes {undefined}, where stock {stock} on each alone is finite"
     result = against_alone(packed, spans, runs, limits)
     worst, worst_grad = result.worst, result.worst_grad
     if result.differ:
@@ -525,7 +589,10 @@ def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, referen
             run_, why = _rows_run(hf, inputs, docs.spans[:2], False, rows_name, reference, False, left)
     finally:
         hf.train(was_training)
-    return "" if run_ is not None else why
+    if run_ is None:
+        return why
+    undefined = undefined_values([run_], docs.spans[:2], packed=True)
+    return f"one document per row ({rows_name}) computes {undefined}" if undefined else ""
 
 
 def _stock_packed_run(
@@ -560,13 +627,14 @@ def _rows_run(
     left: bool = False,
 ) -> tuple[Run | None, str]:
     """The rows path's run of the documents at ``spans`` (one per row, as :func:`one_per_row` lays out a training
-    batch, ``left``-padded or right), placed back at their positions of the flat row; or None and why it cannot
-    run."""
+    batch: as wide as the batch's longest document, ``left``-padded or right), placed back at their positions of
+    the flat row; or None and why it cannot run."""
     ids = inputs["input_ids"]
     index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
     lengths = tuple(e - s for s, e in spans)
     positions = inputs["position_ids"][:, index] if own_positions and "position_ids" in inputs else None
-    rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)), left)
+    width = inputs[DOCS_KEY].max_length  # the batch's rows are as wide as its longest document: so are these
+    rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)), left, width=width)
     dst = where.src  # each document's tokens in the padded rows
     rows = {k: v for k, v in rows.items() if v is not None}
     try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
 from foundry_attn.flat.implementation import current, use
 from foundry_attn.flat.inputs import stock_splits_packed_rows
+from foundry_attn.flat.layout_cost import ModelShape, cheapest, free_memory
 from foundry_attn.flat.proof import (
     Proof,
     prove_flat,
@@ -174,6 +175,7 @@ class PathState:
     rows_name: str  # stock, in config._attn_implementation while rows
     reference: bool = False  # FA2 on the pure-PyTorch reference kernel
     rows_left: bool = False  # the rows path pads on the left (a model that assumes it: CPM-Ant)
+    first_targets: bool = False  # the model's loss does not shift its labels: each first token is a target (CPM-Ant)
     stock_mask: bool = False  # the flat row runs stock's own packed mask (rows_name), not our documents
     binding: bool = False  # attn_path: flat + strict: a failed proof raises
     interval: int = PROOF_INTERVAL
@@ -184,6 +186,12 @@ class PathState:
     notes: list[str] = dataclasses.field(default_factory=list)
     decision: Decision | None = None  # what attach ran: the chain and why not each (auto, the builder), or the name
     changes: list[PathChange] = dataclasses.field(default_factory=list)  # every move to rows, in order: the glues read
+    rows_proven: bool = False  # one document per row is proven too, a candidate while the flat row is stock's mask
+    rows_covered: tuple[int, int] = (0, 0)  # as ``covered``, for one document per row as a candidate
+    rows_on_batch: bool = False  # one document per row has been proven on a training batch
+    layout: str = ""  # what the last batch ran, "flat" or "rows" (:mod:`foundry_attn.flat.layout_cost` chose it)
+    layout_reason: str = ""
+    _shape: ModelShape | None = None
     _fingerprint: tuple = ()
     _modules: tuple = ()
 
@@ -195,6 +203,7 @@ class PathState:
             notes=list(self.notes),
             changes=list(self.changes),
             proven_on_batch=False,
+            rows_on_batch=False,
             _modules=(),
         )
 
@@ -227,7 +236,14 @@ class PathState:
         if self.decision is None:
             return None
         proof = self.proofs[-1][1].describe() if self.proofs else self.decision.proof
-        return dataclasses.replace(self.decision, proof=proof, path=self.path, path_reason=self.reason)
+        return dataclasses.replace(
+            self.decision,
+            proof=proof,
+            path=self.path,
+            path_reason=self.reason,
+            layout=self.layout or self.path,
+            layout_reason=self.layout_reason,
+        )
 
     # ---- the proof --------------------------------------------------------------------------------------
     def prove(
@@ -297,6 +313,8 @@ class PathState:
         self.proofs.append((at, proof))
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
+        if self._unjudged(hf, at, proof):
+            return proof
         if not proof.ok and (packed := self._stock_mask_holds(hf, inputs, at, proof, grads, own_positions)):
             return packed
         if not proof.ok:
@@ -317,7 +335,13 @@ class PathState:
         the flat row with stock's own packed mask (transformers 5.x splits a packed row at restarting
         ``position_ids``), proven the same way; the run stays flat on it (no padding), or None. Where ours ran and
         computed something else, the run goes to rows as before."""
-        if failed.ran or self.stock_mask or self.backend not in (SDPA, EAGER) or not stock_splits_packed_rows():
+        if (
+            failed.ran
+            or not failed.judged
+            or self.stock_mask
+            or self.backend not in (SDPA, EAGER)
+            or not stock_splits_packed_rows()
+        ):
             return None  # ours ran and computed otherwise (a leak, a window only the mask knows): rows
         proof = prove_packed(
             hf, inputs, self.rows_name, reference=self.reference, grads=grads, own_positions=own_positions
@@ -333,7 +357,20 @@ class PathState:
             f"stock's packed mask ({self.rows_name}) proven at {at}: {proof.describe()} (ours: {failed.reason})"
         )
         log.info("foundry_attn: %s runs its flat rows on %s", type(hf).__name__, self.reason)
+        self._rows_candidate(hf, inputs, at, grads, own_positions)
         return proof
+
+    def _rows_candidate(self, hf: Any, inputs: Mapping[str, Any], at: str, grads: bool, own_positions: bool) -> bool:
+        """Prove one document per row as a second exact layout beside the flat row on stock's packed mask (whose
+        attention scores the whole row): the cheaper of the two runs each batch. A failure leaves the flat row."""
+        try:
+            proof = self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
+        except NoExactPath as exc:
+            proof = Proof(False, reason=str(exc))
+        self.rows_proven = proof.ok
+        if not proof.ok:
+            self._note(hf, f"rows at {at} not a candidate beside the flat row: {proof.describe()}")
+        return proof.ok
 
     def prove_rows(
         self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
@@ -377,6 +414,8 @@ class PathState:
 
         proof = proof_of(self.rows_left)
         self.proofs.append((f"rows at {at}", proof))
+        if self._unjudged(hf, f"rows at {at}", proof):
+            return proof
         if not proof.ok and not self.rows_left and proof.ran:  # the rows ran and differ: the other side may not
             left = proof_of(True)
             self.proofs.append((f"rows left-padded at {at}", left))
@@ -387,7 +426,7 @@ class PathState:
                 proof = left
         docs: Documents = inputs[DOCS_KEY]
         if proof.ok:
-            self._cover(docs)
+            self._cover(docs, rows=self.path == FLAT)
             self.reason = self.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
             return proof
         if not proof.ran and not rows_train_error(hf, inputs, self.rows_name, self.reference, self.rows_left):
@@ -403,15 +442,37 @@ class PathState:
             "backend that runs here), another backend, or train without packing"
         )
 
+    def _unjudged(self, hf: Any, at: str, proof: Proof) -> bool:
+        """A proof that judged nothing (stock could not compute a document alone: a nan, an error) after one of the
+        same path that did: the run keeps the decision of the last proof that judged, and says so. At attach, or
+        with no such proof, False: nothing stands, so the proof's failure is the reason."""
+        if proof.ok or proof.judged:
+            return False
+        rows = at.startswith("rows")
+        earlier = [p for a, p in self.proofs[:-1] if p.ok and p.judged and a.startswith("rows") == rows]
+        if not earlier:
+            return False
+        label = at if rows else f"proof at {at}"
+        note = f"{label} judged nothing: {proof.reason}; the decision of the last proof that judged stands"
+        self.notes.append(note)
+        log.warning("foundry_attn: %s %s", type(hf).__name__, note)
+        return True
+
     def _note(self, hf: Any, note: str) -> None:
         """What the rows path does that the reason does not say, kept in the notes; the first said as a warning."""
         said = any(n.startswith("rows at ") for n in self.notes)
         self.notes.append(note)
         (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)
 
-    def _cover(self, docs: Documents) -> None:
-        """Lengths up to the next power of two of this row's and its longest document's are proven."""
-        self.covered = max(self.covered[0], ceil2(docs.bounds[-1])), max(self.covered[1], ceil2(docs.max_length))
+    def _cover(self, docs: Documents, rows: bool = False) -> None:
+        """Lengths up to the next power of two of this row's and its longest document's are proven (``rows``: for one
+        document per row as a candidate beside the flat row)."""
+        before = self.rows_covered if rows else self.covered
+        after = max(before[0], ceil2(docs.bounds[-1])), max(before[1], ceil2(docs.max_length))
+        if rows:
+            self.rows_covered = after
+        else:
+            self.covered = after
 
     def fingerprint(self) -> tuple:
         """What the flat path's exactness rests on, by identity: the dispatch entries of our name and the stock
@@ -441,14 +502,15 @@ class PathState:
             ),
         )
 
-    def due(self, hf: Any, tokens: int, longest: int) -> tuple[str, bool] | None:
+    def due(self, hf: Any, tokens: int, longest: int, rows: bool = False) -> tuple[str, bool] | None:
         """Why a proof is due on a training batch of ``tokens`` real tokens whose longest document is ``longest``,
-        and whether it compares gradients.
+        and whether it compares gradients (``rows``: of one document per row as a candidate beside the flat row).
 
         Args:
             hf: the transformers model (its parameters tell a sharded run, whose ranks agree on the lengths).
             tokens: the batch's real tokens (the flat row's length).
             longest: its longest document.
+            rows: the batch runs one document per row while the run is flat.
 
         Returns:
             ``(why, grads)``, or None when no proof is due.
@@ -458,18 +520,48 @@ class PathState:
             >>> state.due(hf_model, 41, 28)
             ('the first training batch', True)
         """
-        if not self.proven_on_batch:
-            return "the first training batch", True
+        if not (self.rows_on_batch if rows else self.proven_on_batch):
+            return "the first training batch" + (" on one document per row" if rows else ""), True
         if self.fingerprint() != self._fingerprint:
             return "a change of the attention code", True
         tokens, longest = _agreed((tokens, longest), hf)
-        if tokens > self.covered[0] or longest > self.covered[1]:
-            return f"a longer batch: {tokens} tokens, documents up to {longest}; proven up to {self.covered}", True
+        covered = self.rows_covered if rows else self.covered
+        if tokens > covered[0] or longest > covered[1]:
+            return f"a longer batch: {tokens} tokens, documents up to {longest}; proven up to {covered}", True
         if self.interval and self.batches % self.interval == 0:
             return f"the {self.interval}-batch interval", False
         return None
 
-    def plan(self, hf: Any, tokens: int, longest: int, in_step: bool = False) -> Plan:
+    def choose_layout(self, hf: Any, lengths: Sequence[int]) -> str:
+        """The layout a batch of documents of ``lengths`` runs: the run's path, or, where one document per row is
+        proven beside the flat row on stock's packed mask, the cheaper of the two within the free memory
+        (:func:`foundry_attn.flat.layout_cost.cheapest`), kept with its reason as ``layout``/``layout_reason``.
+
+        Args:
+            hf: the transformers model.
+            lengths: every document's length in the batch.
+
+        Returns:
+            ``"flat"`` or ``"rows"``.
+
+        Example::
+
+            >>> state.choose_layout(gptj, [256] * 16)     # flat on stock's packed mask, rows proven too
+            'rows'
+        """
+        if not (self.path == FLAT and self.stock_mask and self.rows_proven and lengths):
+            self.layout, self.layout_reason = self.path, ""
+            return self.path
+        if self._shape is None:
+            self._shape = ModelShape.of(hf)
+        free = free_memory(next(hf.parameters()).device)
+        choice = cheapest(self._shape, lengths, (FLAT, ROWS), stock_mask=True, free=free)
+        if choice.layout != self.layout:
+            log.info("foundry_attn: %s runs %s", type(hf).__name__, choice.reason)
+        self.layout, self.layout_reason = choice.layout, choice.reason
+        return choice.layout
+
+    def plan(self, hf: Any, tokens: int, longest: int, in_step: bool = False, lengths: Sequence[int] = ()) -> Plan:
         """The one per-batch plan, for a batch of ``tokens`` real tokens whose longest document is ``longest``:
         its layout (flat while proven and in place, else rows), and for a training batch the proof due on it, if
         any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
@@ -481,6 +573,7 @@ class PathState:
             tokens: the batch's real tokens.
             longest: its longest document.
             in_step: the caller runs the forward itself, uncompiled.
+            lengths: every document's length, for the choice of layout (:meth:`choose_layout`; empty: the path).
 
         Returns:
             The batch's :class:`Plan`.
@@ -492,16 +585,21 @@ class PathState:
         """
         if self.path == FLAT and current(hf) != self.flat_name:
             return Plan(ROWS)  # someone set another implementation: stock runs it, one document per row
+        layout = self.choose_layout(hf, lengths)
         if not (hf.training and torch.is_grad_enabled()):
-            return Plan(self.path)
+            return Plan(layout)
         self.batches += 1
-        due = self.due(hf, tokens, longest)
+        candidate = layout == ROWS and self.path == FLAT
+        due = self.due(hf, tokens, longest, rows=candidate)
         if due is None:
-            return Plan(self.path)
-        self.proven_on_batch = True
+            return Plan(layout)
+        if candidate:
+            self.rows_on_batch = True
+        else:
+            self.proven_on_batch = True
         at = f"batch {self.batches} ({due[0]})"
-        in_step = in_step and self.path == FLAT and not self.stock_mask and step_blocker(hf) is None
-        return Plan(self.path, at, due[1], in_step)
+        in_step = in_step and layout == FLAT and not self.stock_mask and step_blocker(hf) is None
+        return Plan(layout, at, due[1], in_step)
 
     def prove_batch(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, own_positions: bool) -> str:
         """Prove ``plan``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
@@ -526,6 +624,12 @@ class PathState:
             self.prove(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions)
             return self.path
         self._modules = tuple(hf.modules())
+        if self.path == FLAT:  # one document per row as the cheaper candidate: a failure leaves the flat row
+            runs = self._rows_candidate(hf, inputs, plan.at, plan.grads, own_positions)
+            self._fingerprint = self.fingerprint()
+            if not runs:
+                self.layout, self.layout_reason = FLAT, f"one document per row failed its proof at {plan.at}"
+            return ROWS if runs else FLAT
         self.prove_rows(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions)
         self._fingerprint = self.fingerprint()
         return ROWS

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,9 +22,6 @@ from foundry_attn.attention.documents import DOCS_KEY
 from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls, training_noise
 from foundry_attn.flat.proof import Proof, passes_kwargs, prove_step
 from foundry_attn.flat.unwrap import unwrapped
-
-if TYPE_CHECKING:
-    from foundry_attn.flat.state import PathState
 
 
 def step_blocker(model: Any) -> str | None:
@@ -63,6 +60,73 @@ def step_blocker(model: Any) -> str | None:
     return training_noise(hf)
 
 
+class Keeper(Protocol):
+    """What a step proof reads and calls on the path's state (:class:`foundry_attn.flat.state.PathState`, which makes
+    the proof and imports this module: the state is handed in, never imported)."""
+
+    backend: str
+    reference: bool
+    stock_mask: bool
+
+    @property
+    def is_flat(self) -> bool:
+        """Whether the run is on the flat path now.
+
+        Returns:
+            ``path == "flat"``.
+
+        Example::
+
+            >>> state.is_flat
+            True
+        """
+        ...
+
+    def keep_proof(
+        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, own_positions: bool
+    ) -> Proof:
+        """Keep ``proof`` of the flat path (:meth:`foundry_attn.flat.state.PathState.keep_proof`).
+
+        Args:
+            hf: the transformers model.
+            inputs: the flat row's inputs the proof ran.
+            at: where the proof ran, for the reason.
+            proof: the proof's result.
+            grads: it compared gradients.
+            own_positions: the documents alone got the row's ``position_ids``.
+
+        Returns:
+            The proof that stands.
+
+        Example::
+
+            >>> state.keep_proof(hf_model, inputs, "batch 1 (the first training batch)", proof, True, False)
+        """
+        ...
+
+    def prove(
+        self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
+    ) -> Proof:
+        """Prove the flat path on ``inputs`` (:meth:`foundry_attn.flat.state.PathState.prove`).
+
+        Args:
+            model: the transformers model, or a wrapper of one.
+            inputs: the flat row's inputs.
+            at: where the proof runs, for the reason.
+            grads: compare gradients too.
+            own_positions: the documents alone get the row's ``position_ids``.
+
+        Returns:
+            The proof that stands.
+
+        Example::
+
+            >>> state.prove(hf_model, inputs, "batch 1 (the first training batch)").ok
+            True
+        """
+        ...
+
+
 @dataclasses.dataclass
 class StepProof:
     """A proof due on a training batch that takes the batch's own forward as its packed side, so the flat row runs
@@ -72,7 +136,7 @@ class StepProof:
     row (a model's own loss reading the mask, a layer refusing an argument) moves the run to rows, where the batch
     runs again: never worse than stock."""
 
-    state: PathState
+    state: Keeper
     hf: Any
     inputs: Mapping[str, Any]
     at: str

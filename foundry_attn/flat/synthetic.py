@@ -71,21 +71,44 @@ def shortest_window(config: Any) -> int | None:
     return min(windows, default=None)
 
 
-def proof_lengths(config: Any, longest: int = 23) -> tuple[int, int]:
-    """Two documents for the build-time proof, the first longer than any short window or chunk of the config.
+def proof_lengths(config: Any, longest: int = 23) -> tuple[int, ...]:
+    """The documents of the proof at attach, as batches hold them: the first longer than any short window or chunk of
+    the config, then 13 tokens, then a 1-token document (three documents: a middle one that sees neither edge).
 
     Args:
         config: the model's config.
         longest: the first document's length where the shortest window is longer than 59 tokens.
 
     Returns:
-        The two lengths: the first 5 past the shortest window (or ``longest + 5`` without one; 9 at least), then 13.
+        The lengths: the first 5 past the shortest window (or ``longest + 5`` without one; 9 at least), 13, then 1.
 
     Example::
 
         >>> proof_lengths(LlamaConfig()), proof_lengths(MistralConfig(sliding_window=16))
-        ((28, 13), (21, 13))
+        ((28, 13, 1), (21, 13, 1))
     """
     short = shortest_window(config) or longest
     first = short + 5 if short + 5 <= 64 else longest
-    return max(first, 9), 13
+    return max(first, 9), 13, 1
+
+
+def unexercised(config: Any, lengths: Sequence[int]) -> str:
+    """What documents of ``lengths`` leave out of the config's windows: the shortest window or chunk no document
+    passes, in words, or "".
+
+    Args:
+        config: the model's config.
+        lengths: the proof's document lengths.
+
+    Returns:
+        ``"a window of N tokens (documents up to M)"``, or "" where a document passes every window (or none is set).
+
+    Example::
+
+        >>> unexercised(MistralConfig(), (28, 13, 1))
+        'a window of 4096 tokens (documents up to 28)'
+    """
+    short = shortest_window(config)
+    if short is None or max(lengths) > short:
+        return ""
+    return f"a window of {short} tokens (documents up to {max(lengths)})"

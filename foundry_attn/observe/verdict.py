@@ -36,9 +36,12 @@ from foundry_attn.flat.comparison import (
     embeddings,
     half,
     influence,
+    limits_for,
     next_token_loss,
+    run,
     training_noise,
 )
+from foundry_attn.flat.implementation import current
 from foundry_attn.flat.inputs import base_parameters, stock_splits_packed_rows
 from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
 from foundry_attn.flat.model_forward import own_forward
@@ -269,9 +272,8 @@ def measure(
         # no other document's content reaches it; does its place in the row change it? (DeepSeek-V3.2's indexer)
         diff, off, skipped = math.nan, False, ""
         if not reach.leaks:
-            span = (row, start + last[0], start + last[1])
             try:
-                diff, off = _against_alone(hf, batch, span, values, context)
+                diff, off = _against_alone(hf, batch, (row, start, n), last, values, context, rerun)
             except Exception as exc:  # a cross-check that cannot run leaves the influence measured, and says so
                 skipped = f" (not compared with it alone: {type(exc).__name__}: {str(exc)[:120]})"
     ms = (time.perf_counter() - began) * 1e3
@@ -288,25 +290,39 @@ def measure(
 def _against_alone(
     hf: Any,
     batch: Mapping,
-    span: tuple[int, int, int],
+    first: tuple[int, int, int],
+    last: tuple[int, int],
     packed: torch.Tensor,
     context: contextlib.AbstractContextManager | None,
+    rerun: bool,
 ) -> tuple[float, bool]:
-    """The document at ``span`` (row, start, end) alone, no grad, in the model's own mode, against its ``packed``
-    logits: the difference, and whether it is beyond :func:`foundry_attn.flat.comparison.differs`' limit. fp32: the
-    batch's own keys for its tokens (its positions, MPT's ``sequence_id``); half precision: right-padded to the
-    batch's width, so both sides round as one shape does."""
-    row, start, end = span
-    ids = batch["input_ids"][row, start:end]
+    """The last of the row's first documents (``first``: row, start, tokens; ``last``: its span among them) alone,
+    no grad, in the model's own mode, against its ``packed`` logits: the difference, and whether it is beyond
+    :func:`foundry_attn.flat.comparison.differs`' limit. Judged where rounding cannot pass for a difference: fp32 as
+    the run is; under autocast with fp32 weights, both sides again with autocast off (``rerun``: stock's own forward
+    of the row); else (half weights, or a model on our path) per token against limits measured at the comparison's
+    own shape and precision (:func:`foundry_attn.flat.comparison.limits_for`, as the proof's). The document alone
+    gets the batch's own keys for its tokens (its positions, MPT's ``sequence_id``), or in half precision is
+    right-padded to the batch's width, so both sides round as one shape does."""
+    row, start, n = first
+    ids = batch["input_ids"][row, start + last[0] : start + last[1]]
+    alone_call = _row_call(hf, batch, row, start + last[0], start + last[1])
     with _untouched(hf), torch.no_grad(), context or contextlib.nullcontext():
-        fp32 = not half(next(hf.parameters()).dtype, ids.device)
-        call = (
-            _row_call(hf, batch, row, start, end)
-            if fp32
-            else alone_inputs(ids[None], width=batch["input_ids"].shape[1])
-        )
-        alone = own_forward(hf, **call, use_cache=False).logits[0, : ids.shape[0]]
-    return differs(packed, alone, fp32)
+        weights = next(hf.parameters()).dtype
+        if not half(weights, ids.device):
+            return differs(packed, own_forward(hf, **alone_call, use_cache=False).logits[0], True)
+        if rerun and weights == torch.float32:
+            with torch.autocast(ids.device.type, enabled=False):
+                row_call = _row_call(hf, batch, row, start, start + n)
+                if "use_cache" in batch:
+                    row_call["use_cache"] = batch["use_cache"]
+                mine = own_forward(hf, **row_call).logits[0, last[0] : last[1]]
+                return differs(mine, own_forward(hf, **alone_call, use_cache=False).logits[0], True)
+        width = batch["input_ids"].shape[1]
+        alone = own_forward(hf, **alone_inputs(ids[None], width=width), use_cache=False).logits[0, : ids.shape[0]]
+        own = alone_inputs(ids[None])
+        limits = limits_for(hf, own, run(hf, own, [(0, ids.shape[0])], False), current(hf) if rerun else None)
+    return differs(packed, alone, False, limits.logits)
 
 
 def _row_call(hf: Any, batch: Mapping, row: int, start: int, end: int) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class Decision:
     where: str = ""  # "<device> (<sm>) on <host>", for error messages
     path: str = ""  # "flat" | "rows" (foundry_attn.flat.attach), empty before the model is attached
     path_reason: str = ""
+    layout: str = ""  # what the last batch ran: "flat" | "rows" (the cheaper proven layout, per batch)
+    layout_reason: str = ""
 
     @classmethod
     def given(
@@ -180,6 +182,8 @@ class Decision:
             "proof": self.proof,
             "path": self.path,
             "path_reason": self.path_reason,
+            "layout": self.layout,
+            "layout_reason": self.layout_reason,
             "warning": self.warning,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }

@@ -56,7 +56,8 @@ def decision_hparams(model: Any) -> dict[str, Any]:
 
     Returns:
         ``attn/requested``, ``attn/chosen``, ``attn/fell_back``, ``attn/reason``, ``attn/compute_dtype``,
-        ``attn/path``, ``attn/path_reason`` and ``attn/summary``; ``{}`` for other models.
+        ``attn/path``, ``attn/path_reason``, ``attn/layout``, ``attn/layout_reason`` and ``attn/summary``; ``{}`` for
+        other models.
 
     Example::
 
@@ -76,6 +77,8 @@ def decision_hparams(model: Any) -> dict[str, Any]:
         "attn/compute_dtype": decision.compute_dtype,
         "attn/path": decision.path,
         "attn/path_reason": decision.path_reason,
+        "attn/layout": decision.layout,
+        "attn/layout_reason": decision.layout_reason,
         "attn/summary": ours.attn_summary,
     }
 
@@ -145,6 +148,13 @@ class AttnDecision(Callback):
         * - ``attn/path_reason``
           - Why: the proof that holds (where, on which documents, the worst difference), or the one that failed.
           - With ``attn/path``.
+        * - ``attn/layout``
+          - What the last batch ran, ``flat`` or ``rows``: where both are proven (the flat row on stock's packed
+            mask), the cheaper for the batch (``foundry_attn.flat.layout_cost``), this rank.
+          - ``INIT``, and again at ``BATCH_END`` when it changes.
+        * - ``attn/layout_reason``
+          - Why: each candidate's work and memory for the batch.
+          - With ``attn/layout``.
         * - ``attn/summary``
           - One line over all ranks, e.g. ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back
             (rank 3, rank 7: ...)`` (the same on every rank).
@@ -157,6 +167,7 @@ class AttnDecision(Callback):
     def __init__(self) -> None:
         self._ours: Any = None
         self._changes = 0
+        self._layout = ""
 
     def init(self, state: State, logger: Logger) -> None:
         """At ``INIT``: log the model's decision (:func:`decision_hparams`), else :func:`stock_hparams`.
@@ -178,20 +189,27 @@ class AttnDecision(Callback):
         logger.log_hyperparameters(hparams)
         self._ours = foundry_model(state.model)
         self._changes = len(self._ours.attn_state.changes)
+        self._layout = self._ours.attn_state.layout
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        """A proof on a training batch that moved the run to rows (the state's event): log the path again.
+        """A proof on a training batch that moved the run to rows (the state's event), or another layout than the last
+        batch's: log the path, or the layout, again.
 
         Args:
             state: Composer's training state.
-            logger: Composer's logger; ``attn/path`` and ``attn/path_reason`` are logged again.
+            logger: Composer's logger; ``attn/path*`` or ``attn/layout*`` are logged again.
 
         Example::
 
             >>> callback.batch_end(state, logger)      # Composer calls it at BATCH_END
         """
-        if self._ours is None or len(self._ours.attn_state.changes) == self._changes:
+        if self._ours is None:
             return
-        self._changes = len(self._ours.attn_state.changes)
+        state_ = self._ours.attn_state
+        moved, layout = len(state_.changes) != self._changes, state_.layout != self._layout
+        if not (moved or layout):
+            return
+        self._changes, self._layout = len(state_.changes), state_.layout
         hparams = decision_hparams(self._ours)
-        logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith("attn/path")})
+        keys = ("attn/path",) * moved + ("attn/layout",) * layout
+        logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith(keys)})

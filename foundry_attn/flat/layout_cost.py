@@ -1,0 +1,212 @@
+"""Which proven layout a batch runs: the cheapest, within the memory the device has free. The one owner of that
+choice; :class:`foundry_attn.flat.state.PathState` asks it once per batch, among the layouts proven exact.
+
+    shape = ModelShape.of(hf_model)
+    choice = cheapest(shape, lengths=[256] * 16, layouts=("flat", "rows"), stock_mask=True)
+    choice.layout, choice.reason        # 'rows', "one document per row: 2.1 GFLOP, ... against the flat row ..."
+
+The cost of a layout is the work of one training step (forward and backward, 3x the forward): the linear layers
+grow with the positions a forward computes (real tokens and padding), attention with its score pairs. Our flat row
+scores each document against itself (the sum of squared lengths); the flat row on stock's packed mask scores the
+whole row (its length squared, the mask hides the rest but the kernel computes it); one document per row pads every
+document to the longest (documents x longest, and documents x longest squared pairs). Memory: the activations a
+backward keeps, and the attention weights a masked kernel stores (pairs x heads x layers). ``foundry-attn bench
+layouts`` times the candidates side by side against this choice. Core module: torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from foundry_attn.attention.config_values import config_value
+
+FLAT, ROWS = "flat", "rows"
+#: activations a backward keeps per position, per layer, in units of the hidden size (attention and MLP inputs,
+#: norms, the MLP's wider hidden: an order of magnitude, not a count)
+ACTIVATIONS_PER_POSITION = 16
+#: the share of free memory a layout may plan to take
+MEMORY_SHARE = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What a layout's cost reads of a model: layers, heads, head size, hidden size, parameters, element size."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    hidden: int
+    params: int
+    element: int  # bytes per activation
+
+    @classmethod
+    def of(cls, hf: Any) -> ModelShape:
+        """The shape of ``hf`` from its config and parameters.
+
+        Args:
+            hf: a transformers model.
+
+        Returns:
+            Its :class:`ModelShape`.
+
+        Example::
+
+            >>> ModelShape.of(hf_model)
+            ModelShape(layers=2, heads=4, head_dim=8, hidden=32, params=70144, element=4)
+        """
+        config = hf.config
+        layers = int(config_value(config, "num_hidden_layers", 0) or config_value(config, "n_layer", 1) or 1)
+        heads = int(config_value(config, "num_attention_heads", 0) or config_value(config, "n_head", 1) or 1)
+        hidden = int(config_value(config, "hidden_size", 0) or config_value(config, "n_embd", 1) or 1)
+        head_dim = int(config_value(config, "head_dim", 0) or 0) or max(1, hidden // heads)
+        first = next(hf.parameters())
+        params = sum(p.numel() for p in hf.parameters())
+        half = first.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(first.device.type)
+        return cls(layers, heads, head_dim, hidden, params, 2 if half else first.element_size())
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One layout's work (a training step's FLOPs) and the peak memory it plans, in bytes."""
+
+    flops: float
+    memory: float
+    positions: int
+    pairs: int
+
+
+def cost(shape: ModelShape, positions: int, pairs: int) -> Cost:
+    """The cost of a step that computes ``positions`` positions and ``pairs`` attention score pairs per head.
+
+    Args:
+        shape: the model's :class:`ModelShape`.
+        positions: the positions the forward computes (real and padding).
+        pairs: the score pairs its attention computes per head and layer.
+
+    Returns:
+        The :class:`Cost`: 3x the forward's FLOPs, and the activations and attention weights a backward keeps.
+
+    Example::
+
+        >>> cost(shape, positions=4096, pairs=4096 * 4096).flops
+        1.1e+12
+    """
+    forward = 2.0 * shape.params * positions + 4.0 * pairs * shape.heads * shape.head_dim * shape.layers
+    kept = positions * shape.hidden * shape.layers * ACTIVATIONS_PER_POSITION + pairs * shape.heads * shape.layers
+    return Cost(3.0 * forward, float(kept * shape.element), positions, pairs)
+
+
+def layout_costs(shape: ModelShape, lengths: Sequence[int], layouts: Sequence[str], stock_mask: bool) -> dict:
+    """The cost of each of ``layouts`` for a batch of documents of ``lengths``.
+
+    Args:
+        shape: the model's :class:`ModelShape`.
+        lengths: every document's length in the batch.
+        layouts: ``"flat"`` and/or ``"rows"``.
+        stock_mask: the flat row runs stock's packed mask (the whole row scored), not our documents.
+
+    Returns:
+        ``{layout: Cost}``.
+
+    Example::
+
+        >>> layout_costs(shape, [256] * 16, ("flat", "rows"), stock_mask=True)["rows"].pairs
+        1048576
+    """
+    tokens, longest, n = sum(lengths), max(lengths), len(lengths)
+    table = {
+        FLAT: (tokens, tokens * tokens if stock_mask else sum(k * k for k in lengths)),
+        ROWS: (n * longest, n * longest * longest),
+    }
+    return {name: cost(shape, *table[name]) for name in layouts}
+
+
+def free_memory(device: torch.device) -> float:
+    """What the device has free, in bytes: CUDA's free memory, or the host's available memory.
+
+    Args:
+        device: where the model's parameters are.
+
+    Returns:
+        The free bytes (inf where it cannot be read).
+
+    Example::
+
+        >>> free_memory(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The layout a batch runs and why, with every candidate's cost."""
+
+    layout: str
+    reason: str
+    costs: dict
+
+
+NAMES = {FLAT: "the flat row", ROWS: "one document per row"}
+
+
+def cheapest(
+    shape: ModelShape,
+    lengths: Sequence[int],
+    layouts: Sequence[str],
+    stock_mask: bool,
+    free: float = float("inf"),
+) -> Choice:
+    """The cheapest of ``layouts`` (each proven exact) for a batch of documents of ``lengths`` whose planned memory
+    fits ``free`` (x :data:`MEMORY_SHARE`); where none fits, the one that needs least, and the reason says so.
+
+    Args:
+        shape: the model's :class:`ModelShape`.
+        lengths: every document's length in the batch.
+        layouts: the candidates, in order of preference on a tie.
+        stock_mask: the flat row runs stock's packed mask.
+        free: the device's free memory in bytes (:func:`free_memory`).
+
+    Returns:
+        The :class:`Choice`.
+
+    Example::
+
+        >>> cheapest(shape, [256] * 16, ("flat", "rows"), stock_mask=True).reason
+        "one document per row: 1.3 GFLOP, 41 MB against the flat row (stock's packed mask): 2.2 GFLOP, ..."
+    """
+    costs = layout_costs(shape, lengths, layouts, stock_mask)
+    fits = [name for name in layouts if costs[name].memory <= MEMORY_SHARE * free]
+    if fits:
+        chosen = min(fits, key=lambda name: costs[name].flops)
+        note = ""
+    else:
+        chosen = min(layouts, key=lambda name: costs[name].memory)
+        note = f"; none fits in {free / 2**20:.0f} MB free: the smallest runs"
+
+    def said(name: str) -> str:
+        mask = " (stock's packed mask)" if name == FLAT and stock_mask else ""
+        c = costs[name]
+        return f"{NAMES[name]}{mask}: {c.flops / 1e9:.3g} GFLOP, {c.memory / 2**20:.0f} MB"
+
+    others = ", ".join(said(name) for name in layouts if name != chosen)
+    batch = f"{len(lengths)} documents, longest {max(lengths)}, {sum(lengths)} tokens"
+    reason = said(chosen) + (f" against {others}" if others else "") + f" ({batch}){note}"
+    return Choice(chosen, reason, costs)
