@@ -104,6 +104,7 @@ bench: $(STAMP) $(LATEST)/.installed
 	$(BIN)/foundry-attn bench train --json
 	$(LATEST)/bin/foundry-attn bench trainer --json
 	$(LATEST)/bin/foundry-attn bench rows --json
+	$(LATEST)/bin/foundry-attn bench layouts --json
 
 ## remove the tiny assets, the demo runs and pytest's cache
 clean:
