@@ -2,23 +2,34 @@
 
     out, _ = document_attention(q, k, v, host_bounds, "sdpa", window=0, scale=0.125, softcap=0.0)  # [B, H, T, D]
 
-Eagerly, the sdpa and eager functions of :mod:`foundry_attn.attention.functions` loop over the documents in Python,
-which Dynamo would unroll and specialise on every new layout (a recompile per batch). Under compile they call this
-op instead: ``foundry_attn::document_attention`` (``torch.library.custom_op``) takes the document bounds as a
-CPU int32 tensor, loops inside (no device sync: the bounds never leave the host), and is a single node in
-the graph whatever the layout. Its backward, ``foundry_attn::document_attention_backward``, runs per document
-too: sdpa on the CPU calls torch's own flash-attention kernels forward and backward (the forward saves their
-logsumexp); elsewhere it recomputes each document's probabilities and applies the softmax-attention gradient
-in fp32 (as flash-attn's backward does). Inputs have GQA
-heads already expanded; no dropout (callers refuse it under compile). Core module: torch only.
+Eagerly, the sdpa and eager functions of :mod:`foundry_attn.attention.functions` group the documents by length on
+the host (:mod:`foundry_attn.attention.length_groups`), which Dynamo would trace and specialise on every new layout
+(a recompile per batch). Under compile they call this op instead: ``foundry_attn::document_attention``
+(``torch.library.custom_op``) takes the document bounds as a CPU int32 tensor, groups the documents inside (no
+device sync: the bounds never leave the host) into at most 8 right-padded batches, and is a single node in the
+graph whatever the layout. Its backward, ``foundry_attn::document_attention_backward``, runs on the same batches:
+sdpa on the CPU calls torch's own flash-attention kernels forward and backward (the forward saves their
+logsumexp); elsewhere it recomputes the probabilities and applies the softmax-attention gradient in fp32 (as
+flash-attn's backward does). Inputs have GQA heads already expanded; no dropout (callers refuse it under compile).
+Core module: torch only.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from foundry_attn.attention.length_groups import LengthGroups, groups_for
+
+#: the most attention scores one call of the eager math makes on the CPU (a batch of documents is split beyond it,
+#: never a document): bigger buffers cost more there than the calls they save (glibc hands them back to the OS
+#: between calls and faults them in again; 4 documents of 512 tokens at once: up to 1.24x the time of one at a time)
+CPU_SCORES = 1 << 20
 
 
 def allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -146,7 +157,9 @@ def eager_document(
     dropout: float = 0.0,
     training: bool = False,
 ) -> torch.Tensor:
-    """:func:`eager_math` over one document, causal (and windowed) within it.
+    """:func:`eager_math` over one document, causal (and windowed) within it; over a batch of right-padded documents
+    (:func:`~foundry_attn.attention.functions.by_length`), each alone. On the CPU in calls of at most
+    :data:`CPU_SCORES` scores (:func:`per_call`).
 
     Args:
         q: the document's queries ``[B, H, n, D]``, GQA heads already expanded.
@@ -166,31 +179,58 @@ def eager_document(
         >>> eager_document(q, k, v, window=4096, scale=0.125, softcap=50.0).shape  # Gemma-2 style; q: [1, 8, 17, 64]
         torch.Size([1, 8, 17, 64])
     """
-    return eager_math(q, k, v, scale, softcap, additive_mask(q.shape[2], window, q), dropout, training)
+    mask = additive_mask(q.shape[2], window, q)
+    return _in_calls(lambda q, k, v: eager_math(q, k, v, scale, softcap, mask, dropout, training), q, k, v)
 
 
-def _loop(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    host_bounds: torch.Tensor,
-    kind: str,
-    window: int,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    pieces = []
-    for s, e in pairwise(host_bounds.tolist()):
-        qd, kd, vd = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]
-        if kind == "sdpa":
-            pieces.append(sdpa_document(qd, kd, vd, window, scale))
-        else:
-            pieces.append(eager_document(qd, kd, vd, window, scale, softcap))
-    return torch.cat(pieces, dim=2)
+def per_call(q: torch.Tensor) -> int:
+    """How many documents of a padded batch one call of the eager math takes: all of them on an accelerator; on the
+    CPU as many as keep the call's ``[n, H, L, L]`` scores within :data:`CPU_SCORES`, and at least one.
+
+    Args:
+        q: the batch's queries ``[n, H, L, D]``.
+
+    Returns:
+        The documents per call.
+
+    Example::
+
+        >>> per_call(torch.zeros(256, 4, 8, 64)), per_call(torch.zeros(4, 4, 512, 64))   # on the CPU
+        (256, 1)
+    """
+    if q.device.type != "cpu":
+        return q.shape[0]
+    return max(1, CPU_SCORES // (q.shape[1] * q.shape[2] ** 2))
+
+
+def _in_calls(fn: Callable[..., Any], *batch: torch.Tensor) -> Any:
+    """``fn(*batch)`` in calls of :func:`per_call` documents (split along dim 0), its outputs concatenated."""
+    n = per_call(batch[0])
+    if n >= batch[0].shape[0]:
+        return fn(*batch)
+    outs = [fn(*chunk) for chunk in zip(*(t.split(n) for t in batch), strict=True)]
+    return (
+        torch.cat(outs) if isinstance(outs[0], torch.Tensor) else tuple(torch.cat(o) for o in zip(*outs, strict=True))
+    )
+
+
+def _groups(host_bounds: torch.Tensor, device: torch.device) -> LengthGroups:
+    """The documents at ``host_bounds`` grouped by length for ``device`` (cached per layout: one host read a call)."""
+    return groups_for(tuple(e - s for s, e in pairwise(host_bounds.tolist())), device)
+
+
+def _padded(groups: LengthGroups, t: torch.Tensor, zero_pads: bool = False) -> list[torch.Tensor]:
+    """``[B, H, T, ...]`` -> one ``[B * n, H, L, ...]`` batch per group (:meth:`LengthGroups.pad`)."""
+    return groups.pad(t, zero_pads=zero_pads)
+
+
+def _unpadded(groups: LengthGroups, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`_padded` undone: ``[B, H, T, ...]``, contiguous."""
+    return groups.unpad(pieces).transpose(1, 2).contiguous()
 
 
 def _flash(kind: str, query: torch.Tensor) -> bool:
-    """sdpa on the CPU: torch's own flash kernel per document, whose backward takes the saved logsumexp."""
+    """sdpa on the CPU: torch's own flash kernel per batch, whose backward takes the saved logsumexp."""
     return kind == "sdpa" and query.device.type == "cpu"
 
 
@@ -231,20 +271,26 @@ def document_attention(
         >>> out, lse = document_attention(q, k, v, bounds, "sdpa", 0, 0.125, 0.0)
         >>> out.shape, lse.shape  # (torch.Size([1, 8, 40, 64]), torch.Size([1, 8, 40]))
     """
+    groups = _groups(host_bounds, query.device)
+    padded = zip(*(_padded(groups, t) for t in (query, key, value)), strict=True)
     if not _flash(kind, query):
         with torch.no_grad():
-            return _loop(query, key, value, host_bounds, kind, window, scale, softcap), query.new_empty(
-                0, dtype=torch.float
-            )
+            outs = [
+                sdpa_document(q, k, v, window, scale)
+                if kind == "sdpa"
+                else eager_document(q, k, v, window, scale, softcap)
+                for q, k, v in padded
+            ]
+        return _unpadded(groups, outs), query.new_empty(0, dtype=torch.float)
     outs, lses = [], []
-    for s, e in pairwise(host_bounds.tolist()):
-        bias = _window_bias(e - s, window, query)
+    for q, k, v in padded:
+        bias = _window_bias(q.shape[2], window, query)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale
+            q, k, v, 0.0, bias is None, attn_mask=bias, scale=scale
         )
         outs.append(out)
         lses.append(lse.float())
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    return _unpadded(groups, outs), _unpadded(groups, lses)
 
 
 @document_attention.register_fake
@@ -256,7 +302,8 @@ def _(query, key, value, host_bounds, kind, window, scale, softcap):  # the op's
 def _document_grads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, window: int, scale: float, softcap: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention core's gradients for one document, in fp32: P = softmax(cap(scale q k^T) + mask), O = P v."""
+    """The attention core's gradients for a batch of right-padded documents, in fp32: P = softmax(cap(scale q k^T) +
+    mask), O = P v (a pad row's ``dout`` is zero, so it adds nothing)."""
     q, k, v, dout = (t.float() for t in (q, k, v, dout))
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     capped = torch.tanh(scores / softcap) if softcap else None
@@ -310,18 +357,28 @@ def document_attention_backward(
         >>> dq, dk, dv = document_attention_backward(g, q, k, v, out, lse, bounds, "eager", 0, 0.125, 0.0)
         >>> dq.shape == q.shape  # True; autograd calls it for you: out.sum().backward()
     """
-    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-    for s, e in pairwise(host_bounds.tolist()):
-        q, k, v, g = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], grad[:, :, s:e]
-        if lse.numel():
-            bias = _window_bias(e - s, window, query)
-            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                g, q, k, v, out[:, :, s:e], lse[:, :, s:e], 0.0, bias is None, attn_mask=bias, scale=scale
+    groups = _groups(host_bounds, query.device)
+    grads = _padded(groups, grad, zero_pads=True)  # a pad row's output is no output: its gradient is zero
+    qs, ks, vs = (_padded(groups, t) for t in (query, key, value))
+    flash = lse.numel() > 0
+    outs, lses = (_padded(groups, out), _padded(groups, lse)) if flash else ([], [])
+    pieces = []
+    recompute = functools.partial(_document_grads, window=window, scale=scale, softcap=softcap)
+    for i, (q, k, v, gradient) in enumerate(zip(qs, ks, vs, grads, strict=True)):
+        if flash:
+            bias = _window_bias(q.shape[2], window, query)
+            pieces.append(
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    gradient, q, k, v, outs[i], lses[i], 0.0, bias is None, attn_mask=bias, scale=scale
+                )
             )
         else:
-            grads = _document_grads(q, k, v, g, window, scale, softcap)
-        for full, piece in zip((dq, dk, dv), grads, strict=True):
-            full[:, :, s:e] = piece
+            pieces.append(_in_calls(recompute, q, k, v, gradient))
+    # the fake's strides: each gradient like its input
+    dq, dk, dv = (
+        torch.empty_like(like).copy_(_unpadded(groups, [p[i] for p in pieces]))
+        for i, like in enumerate((query, key, value))
+    )
     return dq, dk, dv
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from foundry_attn.attention.length_groups import LengthGroups, groups_for
+
 DOCS_KEY = "foundry_documents"
 
 
@@ -35,6 +37,7 @@ class Documents:
     ) -> None:
         self.bounds, self.device_bounds, self.host_bounds = tuple(bounds), device_bounds, host_bounds
         self.calls = 0  # attention calls that received these documents (uncompiled; the proof reads it)
+        self._groups: dict[str, LengthGroups] = {}  # per kind of device (length_groups.groups_for)
 
     def __repr__(self) -> str:
         return f"Documents(bounds={self.bounds})"
@@ -100,6 +103,26 @@ class Documents:
             23
         """
         return max(self.lengths, default=0)
+
+    def groups(self, device: torch.device) -> LengthGroups:
+        """The documents grouped by length for sdpa and eager on ``device``
+        (:func:`~foundry_attn.attention.length_groups.groups_for`): made once per layout, with its gather and scatter
+        indices, and read by every layer.
+
+        Args:
+            device: where the attention runs (``query.device``).
+
+        Returns:
+            The :class:`~foundry_attn.attention.length_groups.LengthGroups` of these documents.
+
+        Example::
+
+            >>> Documents.of([0, 17, 40, 57]).groups(torch.device("cpu"))        # lengths 17, 23, 17
+            LengthGroups(shapes=((2, 17), (1, 23)))
+        """
+        if device.type not in self._groups:
+            self._groups[device.type] = groups_for(tuple(self.lengths), device)
+        return self._groups[device.type]
 
     def bounds_on(self, device: torch.device | str) -> torch.Tensor:
         """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there).

@@ -18,6 +18,9 @@ flat row would drop, and refuse a ``softcap`` or ``dropout`` that the backend ta
 model is refused before it is built rather than at its first call. Each function honours ``sliding_window``
 (per layer), ``scaling`` and grouped KV heads. Windows follow each backend's stock convention in transformers
 4.51: sdpa, eager and flex let a query see ``sliding_window`` keys (itself included), FA2 ``sliding_window + 1``.
+sdpa and eager run each document alone in at most 8 calls per layer, whatever the document count: the documents
+grouped by length into right-padded batches (:mod:`foundry_attn.attention.length_groups`, :func:`by_length`; on the
+CPU a document of 64 tokens or more is a call of its own, as cheap there as its share of a batch).
 Core module: torch and transformers only.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -214,28 +218,45 @@ def _compiled(
     )[0]
 
 
-# ---- sdpa and eager: one call per document ----------------------------------------------------------------
+# ---- sdpa and eager: one call per group of documents of about one length -----------------------------------
 
 
-def per_document(docs: Documents, *tensors: torch.Tensor) -> zip:
-    """Each document's ``[B, H, n, D]`` piece of every tensor, as ``(q, k, v)`` per document. ``torch.split``, not
-    a slice per document: its backward writes each gradient once into one tensor, where a slice's backward fills
-    a zero tensor of the whole row per document (no measurable step time on the blog row: bench proof's notes).
+def by_length(
+    docs: Documents,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Every document alone, in one call of ``attend`` per group of documents of about one length
+    (:meth:`Documents.groups`, at most :data:`~foundry_attn.attention.length_groups.MAX_GROUPS`): each group
+    right-padded into one batch, causal within each document, its real tokens put back in row order. Documents of one
+    length are a reshape (one document: the row as it is); on the CPU a long document runs alone, a view of the row
+    (:data:`~foundry_attn.attention.length_groups.CPU_ALONE`); grouped KV heads are repeated in the gather.
 
     Args:
         docs: the documents of the row.
-        *tensors: ``[B, H, S, D]`` tensors (query, key, value), split along the sequence.
+        query: ``[B, H, S, D]``.
+        key: ``[B, H_kv, S, D]``.
+        value: ``[B, H_kv, S, Dv]``.
+        attend: causal attention over right-padded documents, ``(q, k, v)`` -> ``[n, H, L, Dv]``
+            (:func:`~foundry_attn.attention.compiled_op.sdpa_document`: a real query sees only real keys).
 
     Returns:
-        One tuple per document, holding each tensor's piece.
+        The output ``[B, S, H, Dv]``, contiguous.
 
     Example::
 
-        >>> pieces = list(per_document(Documents.of([0, 17, 40]), q, k, v))   # q, k, v: [1, 4, 40, 16]
-        >>> len(pieces), pieces[0][0].shape
-        (2, torch.Size([1, 4, 17, 16]))
+        >>> docs = Documents.of([0, 17, 40, 57])   # lengths 17, 23, 17: two calls, [2, H, 17, D] and [1, H, 23, D]
+        >>> by_length(docs, q, k, v, lambda q, k, v: sdpa_document(q, k, v, None, None)).shape   # q: [1, 4, 57, 16]
+        torch.Size([1, 57, 4, 16])
     """
-    return zip(*(t.split(docs.lengths, dim=2) for t in tensors), strict=True)
+    groups = docs.groups(query.device)
+    if not groups.shapes:  # a row of no tokens
+        return query.new_empty((*query.shape[:1], 0, query.shape[1], value.shape[-1]))
+    repeat = query.shape[1] // key.shape[1]
+    batches = zip(groups.pad(query), groups.pad(key, repeat), groups.pad(value, repeat), strict=True)
+    return groups.unpad([attend(q, k, v) for q, k, v in batches])
 
 
 def sdpa_documents(
@@ -250,7 +271,9 @@ def sdpa_documents(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """One causal SDPA call per document (a window adds a small per-document mask); no L x L mask.
+    """Causal SDPA per document, one call per group of documents of about one length (:func:`by_length`: at most
+    8 calls, right-padded batches, and on the CPU one per long document; one document or documents of one length: one
+    plain causal call). A window adds a small mask of the group's padded length; no L x L mask.
 
     Args:
         module: the attention layer that calls (its ``is_causal``, ``training``).
@@ -285,18 +308,13 @@ def sdpa_documents(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    key, value = _expand_kv(query, key, value)
     if torch.compiler.is_compiling():
+        key, value = _expand_kv(query, key, value)
         out = _compiled(SDPA, query, key, value, docs, sliding_window, scaling, None, dropout)
-    else:
-        out = torch.cat(
-            [
-                sdpa_document(q, k, v, sliding_window, scaling, dropout)
-                for q, k, v in per_document(docs, query, key, value)
-            ],
-            dim=2,
-        )
-    return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous(), None
+    return by_length(
+        docs, query, key, value, lambda q, k, v: sdpa_document(q, k, v, sliding_window, scaling, dropout)
+    ), None
 
 
 def _eager(
@@ -336,7 +354,9 @@ def eager_documents(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' eager math, one document at a time (causal and window per document).
+    """transformers' eager math per document (causal and window per document), one call per group of documents of
+    about one length (:func:`by_length`: at most 8 calls, right-padded batches; on the CPU one per long document,
+    and a batch split past :data:`~foundry_attn.attention.compiled_op.CPU_SCORES` scores).
 
     Args:
         module: the attention layer that calls (its ``is_causal``, ``training``).
@@ -368,21 +388,20 @@ def eager_documents(
     if docs is None:
         out = _eager(module, query, key, value, attention_mask, dropout, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
-    key, value = _expand_kv(query, key, value)
     if torch.compiler.is_compiling():
+        key, value = _expand_kv(query, key, value)
         out = _compiled(
             EAGER, query, key, value, docs, sliding_window, scaling, softcap, dropout if module.training else 0.0
         )
-    else:
-        scale = _scale(query, scaling)
-        out = torch.cat(
-            [
-                eager_document(q, k, v, sliding_window, scale, softcap, dropout, module.training)
-                for q, k, v in per_document(docs, query, key, value)
-            ],
-            dim=2,
-        )
-    return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous(), None
+    scale = _scale(query, scaling)
+    return by_length(
+        docs,
+        query,
+        key,
+        value,
+        lambda q, k, v: eager_document(q, k, v, sliding_window, scale, softcap, dropout, module.training),
+    ), None
 
 
 # ---- flex: one call over the flat row with a document BlockMask -------------------------------------------

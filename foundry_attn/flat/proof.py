@@ -101,10 +101,10 @@ class Proof:
 
 def pick(docs: Documents) -> tuple[int, int]:
     """The two documents of a flat row to run alone: the longest (the length a kernel picks its code path by,
-    past a window where any document is) and the last (the most exposed to what precedes it, ending at the row's
-    full length); where the last is the longest, the shortest other of two tokens or more (another place in the
-    row, at the least cost). A row of one document runs it twice: always two forwards alone, so FSDP ranks
-    proving the same batch all-gather the same number of times.
+    past a window where any document is) and the last of two tokens or more (the most exposed to what precedes it,
+    with targets: a 1-token document has no next-token loss); where that is the longest, the shortest other of two
+    tokens or more (another place in the row, at the least cost). A row of one document runs it twice: always two
+    forwards alone, so FSDP ranks proving the same batch all-gather the same number of times.
 
     Args:
         docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
@@ -118,13 +118,14 @@ def pick(docs: Documents) -> tuple[int, int]:
         (1, 2)
     """
     lengths = docs.lengths
-    last = len(lengths) - 1
-    if last == 0:
+    if len(lengths) == 1:
         return 0, 0
-    longest = max(range(last + 1), key=lambda i: (lengths[i], i))
+    last = max((i for i, n in enumerate(lengths) if n > 1), default=len(lengths) - 1)
+    longest = max(range(len(lengths)), key=lambda i: (lengths[i], i))
     if longest != last:
         return longest, last
-    others = [i for i in range(last) if lengths[i] > 1] or list(range(last))
+    rest = [i for i in range(len(lengths)) if i != last]
+    others = [i for i in rest if lengths[i] > 1] or rest
     return min(others, key=lambda i: lengths[i]), last
 
 

@@ -73,7 +73,8 @@ def shortest_window(config: Any) -> int | None:
 
 def proof_lengths(config: Any, longest: int = 23) -> tuple[int, ...]:
     """The documents of the proof at attach, as batches hold them: the first longer than any short window or chunk of
-    the config, then 13 tokens, then a 1-token document (three documents: a middle one that sees neither edge).
+    the config, then 13 tokens, then a 1-token document (the flat proof compares the first and the 13 tokens, the
+    last with targets; one document per row the first and the 1-token one, the most padded).
 
     Args:
         config: the model's config.

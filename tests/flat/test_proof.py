@@ -27,7 +27,7 @@ from foundry_attn.selection.policy import AttentionUnavailableError
 from foundry_attn.verify import conformance
 from tests.conftest import leaky_attention, registered_attention
 
-LONG = 45  # "only on long rows": longer than attach's synthetic proof row (28 + 13 + 1 tokens), shorter than a batch row
+LONG = 45  # "only on long rows": longer than the synthetic proof row at attach (42 tokens), shorter than a batch row
 LENGTHS = ([13, 29, 18], [7, 22, 9, 20])  # two packed rows of 60 and 58 tokens
 
 

@@ -1,0 +1,273 @@
+"""sdpa and eager on the flat path: the documents grouped by length into a few right-padded batches
+(:mod:`foundry_attn.attention.length_groups`). At most 8 attention calls per layer, forward and backward, whatever the
+document count, and each document exactly as alone: outputs and gradients against per-document SDPA (and per-document
+eager math with a softcap), with windows, GQA, a one-token document and lengths that must be padded."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from foundry_attn.attention.compiled_op import document_attention, eager_document
+from foundry_attn.attention.documents import Documents
+from foundry_attn.attention.functions import FUNCTIONS
+from foundry_attn.attention.length_groups import CPU_ALONE, MAX_GROUPS, MAX_PADDING, group_by_length, groups_for
+
+#: 15 documents of 12 distinct lengths (more than MAX_GROUPS: some are padded), a one-token document among them
+MIXED = [5, 1, 8, 2, 13, 3, 21, 7, 1, 11, 4, 17, 6, 9, 8]
+#: the kernels each backend runs once per call of its attention math, forward and backward (CPU)
+KERNELS = {
+    "sdpa": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "eager": ("aten::_softmax", "aten::_softmax_backward_data"),
+}
+
+
+def _bounds(lengths: list[int]) -> list[int]:
+    return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+
+
+def _qkv(tokens: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((1, heads, tokens, dim), (1, kv_heads, tokens, dim), (1, kv_heads, tokens, dim))
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).float().requires_grad_() for s in shapes]
+
+
+def _allowed(n: int, window: int | None) -> torch.Tensor:
+    i = torch.arange(n)
+    return (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
+
+
+def sdpa_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, softcap: None) -> torch.Tensor:
+    """One document by itself: plain SDPA with an explicit causal (+ window) mask, GQA repeated. -> [B, n, H, D]."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_allowed(q.shape[2], window)).transpose(1, 2)
+
+
+def eager_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, softcap: float) -> torch.Tensor:
+    """One document by itself through transformers' eager math (softcap, fp32 softmax). -> [B, n, H, D]."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return eager_document(q, k, v, window, q.shape[-1] ** -0.5, softcap).transpose(1, 2)
+
+
+def _each_alone(
+    alone: Callable[..., torch.Tensor], lengths: list[int], qkv: list[torch.Tensor], window: int | None, softcap: float
+) -> torch.Tensor:
+    """Every document through ``alone``, by itself, concatenated: the truth. -> [B, T, H, D]."""
+    spans = itertools.pairwise(_bounds(lengths))
+    return torch.cat([alone(*(t[:, :, s:e] for t in qkv), window, softcap) for s, e in spans], dim=1)
+
+
+def _grads(out: torch.Tensor, qkv: list[torch.Tensor], weight: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad((out * weight).sum(), qkv))
+
+
+@pytest.mark.parametrize(("backend", "alone", "softcap"), [("sdpa", sdpa_alone, 0.0), ("eager", eager_alone, 5.0)])
+@pytest.mark.parametrize("window", [None, 3, 6])
+@pytest.mark.parametrize("lengths", [MIXED, [4, 6, 1, 9], [7], [8] * 4], ids=["mixed", "few", "one", "equal"])
+def test_each_document_as_alone_forward_and_backward(
+    backend: str, alone: Callable[..., torch.Tensor], softcap: float, window: int | None, lengths: list[int]
+) -> None:
+    """fp32, GQA (4 query heads on 2 KV heads), windows shorter and longer than documents; gradients of q, k, v."""
+    qkv = _qkv(sum(lengths))
+    docs = Documents.of(_bounds(lengths))
+    module = torch.nn.Module()
+    out, _ = FUNCTIONS[backend](
+        module, *qkv, None, sliding_window=window, softcap=softcap or None, foundry_documents=docs
+    )
+    want = _each_alone(alone, lengths, qkv, window, softcap)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    for got, truth in zip(_grads(out, qkv, weight), _grads(want, qkv, weight), strict=True):
+        torch.testing.assert_close(got, truth, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "eager"])
+@pytest.mark.parametrize("window", [0, 3])
+def test_compiled_op_groups_documents_and_stays_exact(kind: str, window: int) -> None:
+    """The op ``torch.compile`` sees, called directly: the same batches, its own backward (sdpa on the CPU: torch's
+    flash kernels with the saved logsumexp; eager: the fp32 recompute), against each document alone."""
+    q, k, v = (t.detach().repeat_interleave(2, dim=1) if i else t.detach() for i, t in enumerate(_qkv(sum(MIXED))))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    softcap = 5.0 if kind == "eager" else 0.0
+    bounds = Documents.of(_bounds(MIXED)).bounds_on("cpu")
+    out = document_attention(q, k, v, bounds, kind, window, q.shape[-1] ** -0.5, softcap)[0].transpose(1, 2)
+    alone = sdpa_alone if kind == "sdpa" else eager_alone
+    want = _each_alone(alone, MIXED, [q, k, v], window or None, softcap)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    for got, truth in zip(_grads(out, [q, k, v], weight), _grads(want, [q, k, v], weight), strict=True):
+        torch.testing.assert_close(got, truth, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_no_document_reaches_another_not_even_through_a_pad(backend: str) -> None:
+    """A document's output has exactly zero gradient on every other document's queries, keys and values (a pad
+    repeats its own document's last token; pads' gradients are exact zeros), with dropout on too."""
+    q, k, v = _qkv(sum(MIXED))
+    docs = Documents.of(_bounds(MIXED))
+    module = torch.nn.Module().train()
+    for dropout in (0.0, 0.3):
+        out, _ = FUNCTIONS[backend](module, q, k, v, None, dropout=dropout, sliding_window=4, foundry_documents=docs)
+        for s, e in docs.spans:
+            for grad in torch.autograd.grad(out[:, s:e].sum(), (q, k, v), retain_graph=True):
+                outside = torch.cat([grad[:, :, :s], grad[:, :, e:]], dim=2)
+                assert torch.count_nonzero(outside) == 0, (backend, s, e, dropout)
+
+
+def _calls_per_layer(backend: str, lengths: list[int], window: int | None = None) -> tuple[int, int]:
+    """How often one attention call (one layer) runs the backend's attention kernel, forward and backward."""
+    q, k, v = _qkv(sum(lengths), dim=4)
+    docs = Documents.of(_bounds(lengths))
+    forward, backward = KERNELS[backend]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out, _ = FUNCTIONS[backend](torch.nn.Module(), q, k, v, None, sliding_window=window, foundry_documents=docs)
+        out.sum().backward()
+    names = collections.Counter(event.name for event in prof.events())
+    return names[forward], names[backward]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("count", [1, 4, 16, 64, 256])
+def test_equal_documents_take_one_call_per_layer(backend: str, count: int) -> None:
+    assert _calls_per_layer(backend, [8] * count) == (1, 1)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_mixed_lengths_take_at_most_eight_calls_per_layer(backend: str, window: int | None) -> None:
+    rng = random.Random(0)
+    many = [rng.randint(1, 40) for _ in range(150)]  # ~40 distinct lengths
+    for lengths in (MIXED, many):
+        calls = _calls_per_layer(backend, lengths, window)
+        assert calls[0] == len(group_by_length(tuple(lengths)).shapes) <= MAX_GROUPS, calls
+        assert calls[1] == calls[0], calls
+
+
+def test_grouping_pads_little_and_equal_documents_not_at_all() -> None:
+    """Few lengths: one group each, nothing padded; equal documents: one batch, a reshape; many lengths: at most 8
+    groups, each padding at most MAX_PADDING times its tokens; pads read their own document's last token."""
+    assert group_by_length((8,) * 256).reshape_only and group_by_length((8,) * 256).shapes == ((256, 8),)
+    few = group_by_length((5, 1, 8, 2, 7, 1))
+    assert few.padded == few.tokens and few.members == ((1, 5), (3,), (0,), (4,), (2,))
+    rng = random.Random(1)
+    mixes = {
+        "blog": [rng.randint(220, 350) for _ in range(48)],
+        "lognormal": [max(1, min(2048, int(rng.lognormvariate(5, 1.2)))) for _ in range(300)],
+        "ones and a long one": [1] * 200 + [2048],
+        "every length to 1000": list(range(1, 1001)),
+    }
+    for name, lengths in mixes.items():
+        groups = group_by_length(tuple(lengths))
+        assert len(groups.members) <= MAX_GROUPS, name
+        assert sorted(d for m in groups.members for d in m) == list(range(len(lengths))), name
+        for members, (n, width) in zip(groups.members, groups.shapes, strict=True):
+            assert n * width <= MAX_PADDING * sum(lengths[d] for d in members), (name, n, width)
+        take, slot, real = groups.indices("cpu")
+        starts = _bounds(lengths)
+        owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        slots = torch.cat(
+            [torch.tensor(m).repeat_interleave(w) for m, (_, w) in zip(groups.members, groups.shapes, strict=True)]
+        )
+        assert torch.equal(owner[take], slots), name  # every position, pads included, reads its own document
+        assert torch.equal(slot.sort().values, torch.arange(groups.padded)), name  # a permutation
+        assert torch.equal(slot[real], take[real]) and torch.equal(slot[real].sort().values, torch.arange(starts[-1]))
+    assert group_by_length((256,) * 3 + (1,) * 100).padded == 868  # two lengths: no padding, two calls
+
+
+def test_pad_and_unpad_are_inverse_and_so_are_their_gradients() -> None:
+    """pad (grouped KV heads repeated in the gather) then unpad gives the row back, token-major; gradients as
+    through ``repeat_kv`` and a transpose; ``zero_pads`` zeroes exactly the pads."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    heads = torch.randn(2, 3, sum(MIXED), 5, requires_grad=True)  # [B, H, T, D]
+    for lengths in (MIXED, [4] * 6, [9]):
+        row = heads[:, :, : sum(lengths)]
+        groups = group_by_length(tuple(lengths), alone=9)  # the 13-, 21-, 11-, 17- and 9-token documents alone
+        assert torch.equal(groups.unpad(groups.pad(row)), row.transpose(1, 2))
+        zeroed = groups.pad(row.detach(), zero_pads=True)
+        assert sum(int((p == 0).all(dim=1).all(dim=-1).sum()) for p in zeroed) == 2 * (groups.padded - groups.tokens)
+        weight = torch.randn(2, sum(lengths), 6, 5)
+        got = torch.autograd.grad((groups.unpad(groups.pad(row, repeat=2)) * weight).sum(), heads)[0]
+        want = torch.autograd.grad((repeat_kv(row, 2).transpose(1, 2) * weight).sum(), heads)[0]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("lengths", [[2] * 64, [3] * 256, MIXED], ids=["64 equal", "256 equal", "mixed"])
+def test_a_model_runs_at_most_eight_calls_per_layer(backend: str, lengths: list[int]) -> None:
+    """A tiny Llama pointed at our function, given the flat row as the flat path builds it: per layer one call per
+    group (one for equal documents), forward and backward; the loss as each document's alone."""
+    from foundry_attn.flat.implementation import point
+    from tests.conftest import make_llama
+
+    model = make_llama("sdpa", num_hidden_layers=2)
+    alone = {n: model(input_ids=torch.arange(n)[None] % 60).logits for n in set(lengths)}  # stock sdpa
+    point(model, backend)
+    bounds = _bounds(lengths)
+    ids = torch.cat([torch.arange(n) % 60 for n in lengths])[None]
+    inputs = dict(
+        input_ids=ids,
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        attention_mask=torch.zeros(1, 1, 1, 1),
+        foundry_documents=Documents.of(bounds),
+    )
+    forward, backward = KERNELS[backend]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = model(**inputs).logits
+        logits.sum().backward()
+    names = collections.Counter(event.name for event in prof.events())
+    groups = len(group_by_length(tuple(lengths)).shapes)
+    assert (names[forward], names[backward]) == (2 * groups, 2 * groups) and groups <= MAX_GROUPS
+    torch.testing.assert_close(logits, torch.cat([alone[n] for n in lengths], dim=1), atol=1e-5, rtol=1e-5)
+
+
+def test_eager_on_the_cpu_splits_a_batch_past_its_score_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's eager math takes at most CPU_SCORES scores a call (bigger buffers cost more there than the calls they
+    save): a batch of equal documents runs in calls of as many as fit, never a document split; still each alone."""
+    from foundry_attn.attention import compiled_op
+
+    lengths = [8] * 9
+    monkeypatch.setattr(compiled_op, "CPU_SCORES", 2 * 4 * 8 * 8)  # two documents of 4 heads x 8 x 8 scores a call
+    assert compiled_op.per_call(torch.zeros(9, 4, 8, 2)) == 2 and compiled_op.per_call(torch.zeros(1, 4, 64, 2)) == 1
+    assert _calls_per_layer("eager", lengths) == (5, 5)
+    qkv = _qkv(sum(lengths))
+    out, _ = FUNCTIONS["eager"](torch.nn.Module(), *qkv, None, foundry_documents=Documents.of(_bounds(lengths)))
+    torch.testing.assert_close(out, _each_alone(eager_alone, lengths, qkv, None, 0.0), atol=1e-5, rtol=1e-5)
+    q, k, v = (t.detach().repeat_interleave(2, dim=1) if i else t.detach() for i, t in enumerate(qkv))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = document_attention(q, k, v, Documents.of(_bounds(lengths)).bounds_on("cpu"), "eager", 0, 8**-0.5, 0.0)[0]
+    want = _each_alone(eager_alone, lengths, [q, k, v], None, 0.0)
+    torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+    weight = want.detach()
+    for got, truth in zip(_grads(out.transpose(1, 2), [q, k, v], weight), _grads(want, [q, k, v], weight), strict=True):
+        torch.testing.assert_close(got, truth, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_on_the_cpu_long_documents_run_alone(backend: str) -> None:
+    """On the CPU a document of CPU_ALONE tokens or more is its own call, a view of the row (there its padding and
+    copies would cost more than the call); the short ones are grouped. Exact either way; on an accelerator the same
+    row is at most 8 groups."""
+    lengths = [CPU_ALONE + 40, 5, 1, CPU_ALONE, 7, 5, 3, CPU_ALONE + 90]
+    cpu = groups_for(tuple(lengths), torch.device("cpu"))
+    assert cpu.alone == (0, 3, 7) and cpu.shapes[:4] == ((1, 1), (1, 3), (2, 5), (1, 7))
+    assert groups_for(tuple(lengths), torch.device("cuda")).alone == ()  # seven lengths, seven groups
+    assert groups_for((CPU_ALONE,) * 4, torch.device("cpu")).reshape_only  # one length: one batch, a reshape
+    assert _calls_per_layer(backend, lengths) == (7, 7)
+    qkv = _qkv(sum(lengths))
+    out, _ = FUNCTIONS[backend](
+        torch.nn.Module(), *qkv, None, sliding_window=50, foundry_documents=Documents.of(_bounds(lengths))
+    )
+    alone = sdpa_alone if backend == "sdpa" else eager_alone
+    want = _each_alone(alone, lengths, qkv, 50, 0.0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    for got, truth in zip(_grads(out, qkv, weight), _grads(want, qkv, weight), strict=True):
+        torch.testing.assert_close(got, truth, atol=1e-5, rtol=1e-5)
