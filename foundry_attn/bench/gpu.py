@@ -37,7 +37,9 @@ Tiers, each in its own copy of the model (identical weights), timed round-robin 
 4. ``ours_flash_attn``: the same on flash-attn (``attach(model, "flash_attention_2")``), when it imports.
 5. ``flex_document_mask``: ``attach(model, "flex_attention")``: one compiled flex call per layer with a
    document ``BlockMask``.
-6. ``sdpa_per_document``: ``attach(model, "sdpa")``: one causal SDPA call per document per layer.
+6. ``sdpa_per_document``: ``attach(model, "sdpa")``: each document causal alone, in at most 8 SDPA calls per layer
+   (documents grouped by length, :mod:`foundry_attn.attention.length_groups`; the name is the tier's since the
+   first GPU numbers).
 
 On ``c_mix`` a row holds several documents: the stock tiers (1, 2) attend across documents in a row (what
 a 2-D padding mask can express) with positions counted per row; ours restart both per document. Their loss
