@@ -76,8 +76,9 @@ def test_a_mask_that_carries_a_learnable_bias_is_never_dropped() -> None:
     state = attach(model, "sdpa")
     assert "attention_mask that carries a learnable bias" in state.reason, state.reason
     assert state.proofs[-1][1].ok, state.proofs[-1][1].describe()
-    if state.path == "flat":
-        assert state.stock_mask and state.proofs[-1][0] == "stock's packed mask at attach", state.proofs
+    if state.path == "flat":  # one document per row is proven after it, a candidate for batches where it is cheaper
+        proven = {at for at, proof in state.proofs if proof.ok}
+        assert state.stock_mask and "stock's packed mask at attach" in proven, state.proofs
     else:
         assert state.proofs[-1][0] == "rows at attach", state.proofs
 
