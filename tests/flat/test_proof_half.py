@@ -56,8 +56,10 @@ def test_bf16_first_batch_proof_reaches_the_fp32_verdict(model_type: str) -> Non
     assert path == fp32_path, (reason, fp32_reason)
     if model_type in HYBRIDS:
         assert path == "rows", reason
-        # measured per token in bf16 (4.51's Jamba takes no **kwargs: refused before any comparison)
-        assert "half precision, worst token" in reason or "takes no **kwargs" in reason, reason
+        # measured per token in bf16, or where the limits hold stock's own kernel spread, by the influence, exactly
+        # (4.51's Jamba takes no **kwargs: refused before any comparison)
+        said = ("half precision, worst token", "its loss reaches the other documents' embeddings", "takes no **kwargs")
+        assert any(s in reason for s in said), reason
 
 
 def _boundary_leak(genuine):
