@@ -201,9 +201,8 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
                 return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, plan, not layout.marked))
             if plan.at is None or state.prove_batch(hf, inputs, plan, not layout.marked) == FLAT:
                 return Prepared(stock_packed(inputs) if state.stock_mask else inputs, placed, no_targets)
-        elif (
-            plan.at is not None and state.path == ROWS
-        ):  # rows, proven as flat is: first batch, changes, longer, interval
+        # rows, proven as flat is: the first batch, changes, longer batches, the interval
+        elif plan.at is not None and state.path == ROWS:
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
             state.prove_batch(hf, flat, plan, not layout.marked)
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets

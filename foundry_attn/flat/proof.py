@@ -450,7 +450,7 @@ def _compare(
         packed, why = side(hf, spans, grads)
     if packed is None:
         return 0.0, None, _NotRun(why)
-    undefined = undefined_values([packed], [(s, e) for s, e in spans], packed=True)
+    undefined = undefined_values([packed], spans, packed=True)
     if undefined:
         side_name = "the flat path" if rows_name is None else f"one document per row ({rows_name})"
         return math.nan, None, f"{side_name} computes {undefined}, where stock {stock} on each alone is finite"

@@ -209,9 +209,7 @@ def _row_forward(
     """The first documents of ``row`` (tokens ``start:start+n``) as the training forward was given them (its
     per-token keys sliced, its ``use_cache``), in the model's own mode and precision, with their input embeddings
     as tensors to differentiate against: ``([1, n, vocab]`` logits, ``[1, n, hidden]`` embeddings)."""
-    call = _row_call(hf, batch, row, start, start + n)
-    if "use_cache" in batch:
-        call["use_cache"] = batch["use_cache"]
+    call = _row_call(hf, batch, row, start, start + n, training=True)
     with _untouched(hf), embeddings(hf, True) as captured, torch.enable_grad(), context or contextlib.nullcontext():
         logits = own_forward(hf, **call).logits
     if not captured:
@@ -313,9 +311,7 @@ def _against_alone(
             return differs(packed, own_forward(hf, **alone_call, use_cache=False).logits[0], True)
         if rerun and weights == torch.float32:
             with torch.autocast(ids.device.type, enabled=False):
-                row_call = _row_call(hf, batch, row, start, start + n)
-                if "use_cache" in batch:
-                    row_call["use_cache"] = batch["use_cache"]
+                row_call = _row_call(hf, batch, row, start, start + n, training=True)
                 mine = own_forward(hf, **row_call).logits[0, last[0] : last[1]]
                 return differs(mine, own_forward(hf, **alone_call, use_cache=False).logits[0], True)
         width = batch["input_ids"].shape[1]
@@ -325,16 +321,20 @@ def _against_alone(
     return differs(packed, alone, False, limits.logits)
 
 
-def _row_call(hf: Any, batch: Mapping, row: int, start: int, end: int) -> dict[str, Any]:
+def _row_call(hf: Any, batch: Mapping, row: int, start: int, end: int, training: bool = False) -> dict[str, Any]:
     """The batch's per-token keys the model takes (:data:`ROW_KEYS`, and any its ``forward`` names: MPT's
-    ``sequence_id``), sliced to tokens ``start:end`` of ``row``; the labels stay out."""
+    ``sequence_id``), sliced to tokens ``start:end`` of ``row``; the labels stay out. ``training``: the training
+    forward's ``use_cache`` too, where the batch gave one."""
     named = base_parameters(type(hf))  # type: ignore[arg-type]  # (a class is hashable: see flat.inputs)
     shape = batch["input_ids"].shape
-    return {
+    call = {
         k: v[row : row + 1, start:end]
         for k, v in batch.items()
         if (k in ROW_KEYS or k in named) and k != "labels" and isinstance(v, torch.Tensor) and v.shape == shape
     }
+    if training and "use_cache" in batch:
+        call["use_cache"] = batch["use_cache"]
+    return call
 
 
 @contextlib.contextmanager
