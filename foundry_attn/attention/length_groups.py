@@ -1,7 +1,7 @@
 """The documents of one flat row grouped by length, so sdpa and eager run a few padded batches, not one call each.
 
     groups = groups_for(lengths, query.device)   # Documents.groups(device): made once per layout and device
-    pieces = groups.pad(query)                   # [B, H, T, D] -> one [B * n, H, L, D] batch per group
+    pieces = groups.pad(query)                   # [B, H, T, D] -> one [B * n, H, L, D] batch per group (or view)
     out = groups.unpad([attend(p) for p in pieces])   # -> [B, T, H, D], row order
 
 Each group is a batch of documents of about one length, right-padded to its longest: causal attention within a
@@ -11,9 +11,10 @@ finite and are dropped by :meth:`LengthGroups.unpad`. A pad position repeats its
 pad's (zero) gradient stays inside its own document. The grouping (:func:`group_by_length`) pads the least attention
 area (documents times padded length squared) in at most :data:`MAX_GROUPS` groups, each padded to at most
 :data:`MAX_PADDING` times its real tokens where such a grouping exists; documents of one length are one group with no
-padding and no gather at all (a reshape). On the CPU (:func:`groups_for`) a document of :data:`CPU_ALONE` tokens or
-more runs alone, a view of the row as before: there a call costs less than the padding and the copies would. Core
-module: torch only.
+padding and no gather at all (a reshape). A group of one document runs alone on every device, a view of the row with
+no padding and no copy (one call either way: a gather and a scatter would buy it nothing; six documents of six lengths
+are six views, as before grouping). On the CPU (:func:`groups_for`) a document of :data:`CPU_ALONE` tokens or more
+runs alone too: there a call costs less than the padding and the copies would. Core module: torch only.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ CPU_ALONE = 64
 class LengthGroups:
     """The documents of one row in padded batches of about one length, and the indices that move tokens there.
 
-    ``members[g]``: the documents (their indices, in row order) of padded group ``g``; ``alone``: the documents that
-    run by themselves, views of the row. ``shapes``: each batch's ``(documents, padded length)``, the groups shortest
-    first, then the documents alone in row order; one attention call each. ``reshape_only``: one group of equal
-    documents that fill the row in order, so padding is a reshape (no gather, no copy). The index tensors are made
-    once per device (:meth:`indices`).
+    ``members[g]``: the documents (their indices, in row order) of padded group ``g``, two or more; ``alone``: the
+    documents that run by themselves, views of the row, in row order (a group's only document; on the CPU the long
+    ones too). ``shapes``: each batch's ``(documents, padded length)``, the groups shortest first, then the documents
+    alone in row order; one attention call each. ``reshape_only``: one group of equal documents that fill the row in
+    order, so padding is a reshape (no gather, no copy). The index tensors are made once per device (:meth:`indices`).
     """
 
     def __init__(
@@ -72,8 +73,10 @@ class LengthGroups:
 
         Example::
 
-            >>> group_by_length((3, 4, 8)).padded      # three lengths, three groups, no padding
+            >>> group_by_length((3, 4, 8)).padded      # three lengths: three documents alone, no padding
             15
+            >>> group_by_length((3, 4, 3), groups=1).padded   # one batch of three padded to 4: two pads
+            12
         """
         return sum(n * length for n, length in self.shapes)
 
@@ -128,8 +131,10 @@ class LengthGroups:
 
         Example::
 
-            >>> [p.shape for p in group_by_length((2, 1, 5)).pad(torch.randn(1, 4, 8, 16))]
-            [torch.Size([1, 4, 1, 16]), torch.Size([1, 4, 2, 16]), torch.Size([1, 4, 5, 16])]
+            >>> [p.shape for p in group_by_length((2, 1, 5)).pad(torch.randn(1, 4, 8, 16))]   # each one alone
+            [torch.Size([1, 4, 2, 16]), torch.Size([1, 4, 1, 16]), torch.Size([1, 4, 5, 16])]
+            >>> [p.shape for p in group_by_length((2, 1, 2)).pad(torch.randn(1, 4, 5, 16))]   # a group, then a view
+            [torch.Size([2, 4, 2, 16]), torch.Size([1, 4, 1, 16])]
         """
         if not self.reshape_only:
             return list(_Pad.apply(heads, self, repeat, zero_pads))
@@ -312,13 +317,15 @@ def group_by_length(lengths: tuple[int, ...], groups: int = MAX_GROUPS, alone: i
     """The documents grouped by length into at most ``groups`` padded batches: each distinct length its own group
     where there are few enough, else the grouping of the sorted lengths with the least attention area (documents
     times padded length squared), each group padding at most :data:`MAX_PADDING` times its tokens where possible
-    (over :data:`BINNED` distinct lengths, cut only between bins of 16 per octave). Cached per layout, so a layout's
-    indices are made once.
+    (over :data:`BINNED` distinct lengths, cut only between bins of 16 per octave). A group of one document runs
+    alone instead, a view of the row (one call either way), unless every document has one length (one group, a
+    reshape). Cached per layout, so a layout's indices are made once.
 
     Args:
         lengths: each document's length, in row order (documents of no tokens belong to no group).
         groups: the most groups.
-        alone: documents this long or longer run alone, unpadded (None: none), unless every document has one length.
+        alone: documents this long or longer run alone, unpadded (None: only a group's only document), unless every
+            document has one length.
 
     Returns:
         The :class:`LengthGroups`.
@@ -327,17 +334,19 @@ def group_by_length(lengths: tuple[int, ...], groups: int = MAX_GROUPS, alone: i
 
         >>> group_by_length((8,) * 256).shapes                  # equal documents: one batch, a reshape
         ((256, 8),)
-        >>> group_by_length((5, 1, 8, 2, 7)).shapes              # five lengths, five groups: nothing padded
-        ((1, 1), (1, 2), (1, 5), (1, 7), (1, 8))
+        >>> group_by_length((5, 1, 8, 2, 7)).shapes              # five lengths: five views, in row order
+        ((1, 5), (1, 1), (1, 8), (1, 2), (1, 7))
+        >>> group_by_length((5, 1, 5, 2, 1)).shapes              # repeated lengths grouped, the one 2 alone
+        ((2, 1), (2, 5), (1, 2))
         >>> group_by_length(tuple(range(1, 101))).shapes[-1]     # 100 lengths in 8 groups
         (9, 100)
-        >>> group_by_length((5, 300, 1, 200), alone=64).shapes   # the long ones alone
-        ((1, 1), (1, 5), (1, 300), (1, 200))
+        >>> group_by_length((5, 300, 1, 5, 300), alone=64).shapes   # the long ones alone, and the one 1
+        ((2, 5), (1, 300), (1, 1), (1, 300))
     """
     if alone is not None and len(set(lengths)) > 1:
-        solo = tuple(d for d, n in enumerate(lengths) if n >= alone)
+        long = {d for d, n in enumerate(lengths) if n >= alone}
         rest = group_by_length(tuple(0 if n >= alone else n for n in lengths), groups)
-        return LengthGroups(lengths, rest.members, solo)
+        return LengthGroups(tuple(lengths), rest.members, tuple(sorted(long.union(rest.alone))))
     counted = collections.Counter(n for n in lengths if n > 0)
     if len(counted) <= groups:
         bins = {n: n for n in counted}
@@ -358,12 +367,18 @@ def group_by_length(lengths: tuple[int, ...], groups: int = MAX_GROUPS, alone: i
     for d, n in enumerate(lengths):
         if n > 0:
             members[group_of[bins[n]]].append(d)
-    return LengthGroups(tuple(lengths), tuple(tuple(m) for m in members))
+    if len(set(lengths)) == 1:  # one length: one group, a reshape (one document: the row as it is)
+        return LengthGroups(tuple(lengths), tuple(tuple(m) for m in members))
+    # a group of one document gains nothing from a gather and a scatter: it runs alone, a view of the row (one call
+    # either way, so still at most ``groups`` calls)
+    solo = tuple(sorted(m[0] for m in members if len(m) == 1))
+    return LengthGroups(tuple(lengths), tuple(tuple(m) for m in members if len(m) > 1), solo)
 
 
 def groups_for(lengths: tuple[int, ...], device: torch.device) -> LengthGroups:
     """:func:`group_by_length` as ``device`` wants it: on an accelerator every document in at most
-    :data:`MAX_GROUPS` batches; on the CPU the documents of :data:`CPU_ALONE` tokens or more alone.
+    :data:`MAX_GROUPS` batches; on the CPU the documents of :data:`CPU_ALONE` tokens or more alone. On either, a
+    group of one document runs alone, a view of the row.
 
     Args:
         lengths: each document's length, in row order.
@@ -374,9 +389,11 @@ def groups_for(lengths: tuple[int, ...], device: torch.device) -> LengthGroups:
 
     Example::
 
-        >>> groups_for((5, 300, 1, 200), torch.device("cpu")).shapes    # the long ones alone, in row order
-        ((1, 1), (1, 5), (1, 300), (1, 200))
-        >>> groups_for((5, 300, 1, 200), torch.device("cuda")).shapes   # every one in a group
-        ((1, 1), (1, 5), (1, 200), (1, 300))
+        >>> groups_for((5, 300, 1, 5, 300), torch.device("cpu")).shapes    # the long ones alone, in row order
+        ((2, 5), (1, 300), (1, 1), (1, 300))
+        >>> groups_for((5, 300, 1, 5, 300), torch.device("cuda")).shapes   # the 300s grouped; the 1 alone
+        ((2, 5), (2, 300), (1, 1))
+        >>> groups_for((130, 350, 220, 217, 295, 183), torch.device("cuda")).alone   # six lengths: six views
+        (0, 1, 2, 3, 4, 5)
     """
     return group_by_length(lengths, MAX_GROUPS, CPU_ALONE if device.type == "cpu" else None)

@@ -7,7 +7,8 @@
 Families whose attention our documents cannot reach (GPT-J and GPT-Neo under eager, StableLM under sdpa and eager,
 transformers 5.x): the flat row on stock's packed mask (``flat``), one document per row (``rows``), and the run as
 attached (``chosen``: :func:`foundry_attn.flat.layout_cost.cheapest` per batch) at 8 x 128, 16 x 256 and 64 x 32
-tokens and one 2048-token document with 64 of 32. Llama under sdpa and eager, 2048 real tokens in 1, 4, 16, 64 and
+tokens and one 2048-token document with 64 of 32 (where the rows run in two forwards by width:
+:func:`foundry_attn.flat.layout_cost.row_groups`). Llama under sdpa and eager, 2048 real tokens in 1, 4, 16, 64 and
 256 equal documents: our flat row (``chosen``), ``rows``, and stock padding-free (``stock_padding_free``: the packed
 row with restarting ``position_ids``, transformers 5.x), with the attention calls per layer of our flat forward.
 
@@ -31,7 +32,7 @@ from foundry_attn.bench.timing import PeakMemory, median, round_robin
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import stock_splits_packed_rows
-from foundry_attn.flat.layout_cost import MEMORY_SHARE, ModelShape, free_memory, layout_costs
+from foundry_attn.flat.layout_cost import MEMORY_SHARE, MOST_FORWARDS, ModelShape, free_memory, layout_costs
 from foundry_attn.flat.state import path_of
 
 COMMAND = "foundry-attn bench layouts --json"
@@ -159,7 +160,8 @@ def _cell(model_type: str, impl: str, lengths: Sequence[int], quick: bool, devic
     state.rows_proven = False  # the flat row alone (stock's packed mask where ours cannot run)
     rows = copy.deepcopy(base)
     attach(rows, impl, path="rows")
-    plans = layout_costs(ModelShape.of(base), list(lengths), ("flat", "rows"), stock_mask=state.stock_mask)
+    shape = ModelShape.of(base)
+    plans = layout_costs(shape, list(lengths), ("flat", "rows"), state.stock_mask, MOST_FORWARDS)
     free = free_memory(device)
     for name, model, layout in (("chosen", chosen, None), ("flat", flat, "flat"), ("rows", rows, "rows")):
         need = plans[layout].memory if layout else min(c.memory for c in plans.values())

@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from foundry_attn.flat.inputs import (
     Placed,
+    RowForward,
     base_parameters,
     flat_inputs,
     flat_positions,
@@ -36,6 +37,7 @@ from foundry_attn.flat.inputs import (
     one_per_row,
     placed_back,
     real_tokens,
+    row_forwards,
     stock_packed,
 )
 from foundry_attn.flat.layout import Layout
@@ -49,13 +51,14 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class Prepared:
     """A batch laid out for the model: its ``inputs``, where its tokens went (``placed``, for :func:`repad_logits`),
-    whether it has no target, and the proof due on it that its forward serves (``proof``: run the forward with
-    :func:`run_prepared`)."""
+    whether it has no target, the proof due on it that its forward serves (``proof``), and, where its rows run in
+    several forwards by width, each one (``forwards``; ``inputs`` is the first's). Run it with :func:`run_prepared`."""
 
     inputs: dict[str, Any]
     placed: Placed
     no_targets: bool
     proof: StepProof | None = None
+    forwards: tuple[RowForward, ...] = ()
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
@@ -83,17 +86,18 @@ def forward_documents(model: Any, batch: Mapping) -> Any:
 
 
 def run_prepared(
-    forward: Callable[[dict[str, Any]], Any], model: Any, batch: Mapping, prepared: Prepared
+    forward: Callable[[dict[str, Any]], Any], model: Any, batch: Mapping, prepared: Prepared, summed: bool = False
 ) -> tuple[Any, Prepared]:
-    """``forward(prepared.inputs)``; where a proof is due on the batch, the forward is its packed side
-    (:class:`StepProof`) and, if the proof moves the run to rows, the batch runs again there. Returns the output
-    and the layout it ran.
+    """``forward(prepared.inputs)``, or one forward per group of rows joined (:func:`joined`); where a proof is
+    due on the batch, the forward is its packed side (:class:`StepProof`) and, if the proof moves the run to rows,
+    the batch runs again there. Returns the output and the layout it ran.
 
     Args:
         forward: runs the model on a layout's inputs.
         model: the model ``forward`` calls (a wrapper or not), laid out again if the batch must run again.
         batch: the batch ``prepared`` was made from.
         prepared: :func:`prepare_documents`' answer for ``batch``.
+        summed: the model's loss is a sum over the batch's targets (``num_items_in_batch`` given), not a mean.
 
     Returns:
         The output and the :class:`Prepared` it ran (a new one where the batch ran again on rows).
@@ -102,9 +106,44 @@ def run_prepared(
 
         >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
     """
+    if prepared.forwards:
+        return joined([forward(f.inputs) for f in prepared.forwards], prepared.forwards, summed), prepared
     if prepared.proof is None:
         return forward(prepared.inputs), prepared
     return _proven(forward, model, batch, prepared.proof, prepared)
+
+
+def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = False) -> Any:
+    """The outputs of a batch's rows run in several forwards by width as one: the logits of every real token in
+    batch order (``[1, tokens, vocab]``), the loss the batch's targets give in one forward (each forward's mean
+    weighted by its targets; ``summed``: added up). Per-row fields (hidden states, router logits) are not joined:
+    :meth:`PathState.forwards` runs such a model in one forward.
+
+    Args:
+        outs: each forward's output, in the order of ``forwards``.
+        forwards: the :class:`RowForward` each ran (:func:`foundry_attn.flat.inputs.row_forwards`).
+        summed: each forward's loss is already a share of the batch's sum (``num_items_in_batch``).
+
+    Returns:
+        The output of the first forward with targets, its ``logits`` and ``loss`` those of the batch.
+
+    Example::
+
+        >>> out = joined([model(**f.inputs) for f in prepared.forwards], prepared.forwards)
+        >>> out.logits.shape                     # 47 real tokens, a vocabulary of 64
+        torch.Size([1, 47, 64])
+    """
+    total = sum(f.targets for f in forwards)
+    out = next((o for o, f in zip(outs, forwards, strict=True) if f.targets), outs[0])
+    first = outs[0].logits
+    logits = first.new_empty(sum(f.order.numel() for f in forwards), first.shape[-1])
+    for o, f in zip(outs, forwards, strict=True):
+        logits.index_copy_(0, f.order, o.logits.reshape(-1, o.logits.shape[-1])[f.src])
+    out.logits = logits[None]
+    losses = [o.loss * (1.0 if summed else f.targets / total) for o, f in zip(outs, forwards, strict=True) if f.targets]
+    if losses:
+        out.loss = torch.stack(losses).sum()
+    return out
 
 
 @torch.compiler.disable  # a step proof is made only for uncompiled forwards; this keeps a compiled caller's graph
@@ -153,16 +192,18 @@ def finish_documents(out: Any, placed: Placed, no_targets: bool, shaped: bool = 
 
 
 @torch.compiler.disable
-def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prepared:
+def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped: bool | None = None) -> Prepared:
     """The model's inputs for ``batch`` (:class:`Prepared`). Host-side work on Python ints, so never traced: under
     ``torch.compile`` (Composer's ``compile_config`` compiles the forward around this) the model sees only tensors
     and our ``Documents``. ``in_step``: the caller runs the forward uncompiled through :func:`run_prepared`, so a
-    proof due on the batch may take that forward as its packed side.
+    proof due on the batch may take that forward as its packed side, and rows may run in several forwards by width.
 
     Args:
         model: a transformers causal LM, or a wrapper of one.
         batch: ``input_ids`` with ``doc_lens`` or a 2-D ``attention_mask``; ``labels`` and ``position_ids`` optional.
         in_step: the caller runs the forward uncompiled, through :func:`run_prepared`.
+        grouped: rows may run in several forwards by width (None: as ``in_step``; False where the caller reads
+            per-row outputs, hidden states, that :func:`joined` does not join).
 
     Returns:
         The :class:`Prepared` inputs: one flat row where flat is proven, else one document per row.
@@ -186,14 +227,17 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
         labels = None
     hf = unwrapped(model)
     state = path_of(hf)
+    groups: tuple[tuple[int, ...], ...] = ()
     if state is None:
         _say_unproven(type(hf).__name__)
     else:
-        plan = state.plan(hf, layout.real_tokens, layout.max_length, in_step=in_step, lengths=layout.lengths)
+        grouped = in_step if grouped is None else grouped
+        plan = state.plan(hf, layout.real_tokens, layout.max_length, in_step, layout.lengths, grouped)
         if plan.path == ROWS and plan.at is not None and state.path == FLAT:  # rows beside the flat row, proven now
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
             if state.prove_batch(hf, flat, plan, not layout.marked) == FLAT:
                 plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
+        groups = plan.groups
         if plan.path == FLAT:
             inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
@@ -208,7 +252,11 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False) -> Prep
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on
     left, first = (state.rows_left, state.first_targets) if state is not None else (False, False)
-    inputs, placed = one_per_row(hf, ids, None if layout.marked else layout.positions, labels, layout, left, first)
+    positions = None if layout.marked else layout.positions
+    if groups:  # several forwards by width
+        forwards, placed = row_forwards(hf, ids, positions, labels, layout, groups, left, first)
+        return Prepared(forwards[0].inputs, placed, no_targets, forwards=forwards)
+    inputs, placed = one_per_row(hf, ids, positions, labels, layout, left, first)
     return Prepared(inputs, placed, no_targets)
 
 
@@ -229,9 +277,12 @@ def packed_model(model: Any, forward: Callable[..., Any], batch: dict[str, Any],
 
         >>> out = model(input_ids=row, position_ids=restarting, labels=row)   # an attached model routes it here
     """
-    prepared = prepare_documents(model, batch, in_step=not torch.compiler.is_compiling())
+    in_step = not torch.compiler.is_compiling()
+    per_row = any(extra.get(k) for k in ("output_hidden_states", "output_attentions", "output_router_logits"))
+    prepared = prepare_documents(model, batch, in_step=in_step, grouped=in_step and not per_row)
+    summed = extra.get("num_items_in_batch") is not None
     out, prepared = run_prepared(
-        lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, batch, prepared
+        lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, batch, prepared, summed
     )
     return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
 

@@ -11,9 +11,11 @@ itself, not a wrapper: callers unwrap once): no state, no decision (which layout
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -259,6 +261,7 @@ def one_per_row(
     left: bool = False,
     first_targets: bool = False,
     width: int = 0,
+    documents: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], Placed]:
     """One document per row with a 2-D mask, right-padded (exact under any stock backend for a model that handles
     right padding) or, with ``left``, left-padded, with each document's positions counted from its first token where
@@ -276,6 +279,7 @@ def one_per_row(
         first_targets: keep each document's first label (a model whose loss does not shift its labels).
         width: the rows' width, at least the longest document's (0: the longest document's): a proof lays out a few
             documents as wide as the batch's rows.
+        documents: only these documents (indices in batch order), for one of several forwards by width (None: all).
 
     Returns:
         The model's keywords (``[documents, longest]`` rows with a 2-D ``attention_mask``) and :class:`Placed`.
@@ -288,6 +292,10 @@ def one_per_row(
     """
     flat = layout.real_indices(ids.device)
     lengths = layout.lengths
+    if documents is not None:
+        bounds = list(itertools.accumulate(lengths, initial=0))
+        flat = torch.cat([flat[bounds[d] : bounds[d + 1]] for d in documents])
+        lengths = [lengths[d] for d in documents]
     width = max(width, *lengths)
     starts = [d * width + (width - n if left else 0) for d, n in enumerate(lengths)]
     dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]).to(ids.device)
@@ -313,6 +321,66 @@ def one_per_row(
         inputs["position_ids"] = counted.view(rows, width)
     inputs["labels"] = row_labels
     return inputs, Placed(dst, flat, layout.rows, layout.width)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowForward:
+    """One of the forwards a batch's rows run in by width: its ``inputs`` (:func:`one_per_row` of some documents),
+    where their real tokens are in its rows (``src``) and in the batch's real tokens (``order``), and how many
+    targets its labels hold (``targets``; its ``labels`` are None where it holds none)."""
+
+    inputs: dict[str, Any]
+    src: torch.Tensor
+    order: torch.Tensor
+    targets: int
+
+
+def row_forwards(
+    hf: Any,
+    ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    layout: Layout,
+    groups: Sequence[Sequence[int]],
+    left: bool = False,
+    first_targets: bool = False,
+) -> tuple[tuple[RowForward, ...], Placed]:
+    """One document per row in one forward per group of documents (:func:`one_per_row` of each, as wide as its
+    longest), and where the batch's real tokens are once the forwards' outputs are joined in their order. The
+    targets are counted with one host sync for all.
+
+    Args:
+        hf: the HF model (not a wrapper).
+        ids: the batch's ``input_ids``, ``[rows, width]``.
+        positions: its ``[rows, width]`` position ids, or None (the model's own).
+        labels: its ``[rows, width]`` labels, or None.
+        layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
+        groups: the documents (indices in batch order) of each forward
+            (:func:`foundry_attn.flat.layout_cost.row_groups`).
+        left: left-pad the rows.
+        first_targets: keep each document's first label.
+
+    Returns:
+        The :class:`RowForward` of each group, and the :class:`Placed` of their joined real tokens.
+
+    Example::
+
+        >>> forwards, placed = row_forwards(hf, ids, None, labels, layout, ((0,), (1, 2)))   # doc_lens [[40, 3, 4]]
+        >>> [f.inputs["input_ids"].shape for f in forwards]
+        [torch.Size([1, 40]), torch.Size([2, 4])]
+    """
+    bounds = list(itertools.accumulate(layout.lengths, initial=0))
+    laid = [one_per_row(hf, ids, positions, labels, layout, left, first_targets, documents=g) for g in groups]
+    orders = [torch.cat([torch.arange(bounds[d], bounds[d + 1]) for d in g]).to(ids.device) for g in groups]
+    counts = [0] * len(groups)
+    if labels is not None:
+        counts = torch.stack([(inputs["labels"] != IGNORE_INDEX).sum() for inputs, _ in laid]).tolist()
+    forwards = tuple(
+        RowForward(inputs if n else {**inputs, "labels": None}, where.src, order, int(n))
+        for (inputs, where), order, n in zip(laid, orders, counts, strict=True)
+    )
+    tokens = torch.arange(layout.real_tokens, device=ids.device)
+    return forwards, Placed(tokens, layout.real_indices(ids.device), layout.rows, layout.width)
 
 
 def pad_id(hf: Any) -> int:

@@ -17,6 +17,7 @@ layouts`` times the candidates side by side against this choice. Core module: to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,13 @@ FLAT, ROWS = "flat", "rows"
 ACTIVATIONS_PER_POSITION = 16
 #: the share of free memory a layout may plan to take
 MEMORY_SHARE = 0.8
+#: the most forwards one batch's rows run in (documents grouped by length, one width per forward)
+MOST_FORWARDS = 4
+#: what one more forward costs per layer, in FLOPs of the device's work: a training step's host time per layer
+#: (launches, Python) times the FLOP rate. Measured: this 2-core CPU, 1.3 ms a layer at 150 GFLOP/s (2- and 4-layer
+#: Llama of 256 hidden, a 1-token step against 2048 tokens); an H200, 3.5 ms a layer (``bench gpu``'s padded step of
+#: SmolLM2-135M, 107 ms for 30 layers) at about 200 TFLOP/s
+FORWARD_OVERHEAD = {"cpu": 2e8, "cuda": 7e11}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +51,7 @@ class ModelShape:
     hidden: int
     params: int
     element: int  # bytes per activation
+    forward_positions: int = 1  # the positions one more forward must save to pay for itself (:func:`row_groups`)
 
     @classmethod
     def of(cls, hf: Any) -> ModelShape:
@@ -57,7 +66,7 @@ class ModelShape:
         Example::
 
             >>> ModelShape.of(hf_model)
-            ModelShape(layers=2, heads=4, head_dim=8, hidden=32, params=70144, element=4)
+            ModelShape(layers=2, heads=4, head_dim=8, hidden=32, params=70144, element=4, forward_positions=952)
         """
         config = hf.config
         layers = int(config_value(config, "num_hidden_layers", 0) or config_value(config, "n_layer", 1) or 1)
@@ -67,7 +76,9 @@ class ModelShape:
         first = next(hf.parameters())
         params = sum(p.numel() for p in hf.parameters())
         half = first.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(first.device.type)
-        return cls(layers, heads, head_dim, hidden, params, 2 if half else first.element_size())
+        overhead = FORWARD_OVERHEAD.get(first.device.type, FORWARD_OVERHEAD["cuda"]) * layers
+        forward = max(1, round(overhead / (6.0 * params)))  # a position's step: 3x the forward's 2 FLOPs a parameter
+        return cls(layers, heads, head_dim, hidden, params, 2 if half else first.element_size(), forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +112,49 @@ def cost(shape: ModelShape, positions: int, pairs: int) -> Cost:
     return Cost(3.0 * forward, float(kept * shape.element), positions, pairs)
 
 
-def layout_costs(shape: ModelShape, lengths: Sequence[int], layouts: Sequence[str], stock_mask: bool) -> dict:
+@functools.lru_cache(maxsize=256)
+def row_groups(lengths: tuple[int, ...], most: int = MOST_FORWARDS, least: int = 1) -> tuple[tuple[int, ...], ...]:
+    """One document per row in forwards of similar width: the documents (their indices, in batch order) of each
+    forward, widest first, each forward's rows as wide as its longest document. The rows are split, between two
+    lengths, where that saves the most padded positions, while a split saves at least ``least`` positions (what
+    one more forward costs: :attr:`ModelShape.forward_positions`), up to ``most`` forwards.
+
+    Args:
+        lengths: every document's length in the batch, in batch order.
+        most: the most forwards (1: every document in one forward, padded to the longest).
+        least: the positions a split must save.
+
+    Returns:
+        The documents of each forward.
+
+    Example::
+
+        >>> row_groups((2048,) + (32,) * 64, least=952)   # one long document, 64 short ones: 2 forwards, no padding
+        ((0,), (1, 2, ..., 64))
+        >>> row_groups((28, 13, 1), least=952)            # 42 positions saved at most: one forward
+        ((0, 1, 2),)
+    """
+    order = sorted(range(len(lengths)), key=lambda d: -lengths[d])
+    groups = [order]
+    while len(groups) < most:
+        saving, where = 0, (0, 0)
+        for index, group in enumerate(groups):
+            widest = lengths[group[0]]
+            for cut in range(1, len(group)):
+                if lengths[group[cut]] < lengths[group[cut - 1]]:
+                    saved = (len(group) - cut) * (widest - lengths[group[cut]])
+                    if saved > saving:
+                        saving, where = saved, (index, cut)
+        if saving < max(1, least):
+            break
+        index, cut = where
+        groups[index : index + 1] = [groups[index][:cut], groups[index][cut:]]
+    return tuple(tuple(sorted(g)) for g in groups)
+
+
+def layout_costs(
+    shape: ModelShape, lengths: Sequence[int], layouts: Sequence[str], stock_mask: bool, forwards: int = 1
+) -> dict:
     """The cost of each of ``layouts`` for a batch of documents of ``lengths``.
 
     Args:
@@ -109,6 +162,7 @@ def layout_costs(shape: ModelShape, lengths: Sequence[int], layouts: Sequence[st
         lengths: every document's length in the batch.
         layouts: ``"flat"`` and/or ``"rows"``.
         stock_mask: the flat row runs stock's packed mask (the whole row scored), not our documents.
+        forwards: the most forwards the rows may run in (:func:`row_groups`; 1: padded to the longest).
 
     Returns:
         ``{layout: Cost}``.
@@ -118,10 +172,12 @@ def layout_costs(shape: ModelShape, lengths: Sequence[int], layouts: Sequence[st
         >>> layout_costs(shape, [256] * 16, ("flat", "rows"), stock_mask=True)["rows"].pairs
         1048576
     """
-    tokens, longest, n = sum(lengths), max(lengths), len(lengths)
+    tokens = sum(lengths)
+    groups = row_groups(tuple(lengths), forwards, shape.forward_positions)
+    widths = [(len(g), max(lengths[d] for d in g)) for g in groups]
     table = {
         FLAT: (tokens, tokens * tokens if stock_mask else sum(k * k for k in lengths)),
-        ROWS: (n * longest, n * longest * longest),
+        ROWS: (sum(n * w for n, w in widths), sum(n * w * w for n, w in widths)),
     }
     return {name: cost(shape, *table[name]) for name in layouts}
 
@@ -173,6 +229,7 @@ def cheapest(
     layouts: Sequence[str],
     stock_mask: bool,
     free: float = float("inf"),
+    forwards: int = 1,
 ) -> Choice:
     """The cheapest of ``layouts`` (each proven exact) for a batch of documents of ``lengths`` whose planned memory
     fits ``free`` (x :data:`MEMORY_SHARE`); where none fits, the one that needs least, and the reason says so.
@@ -183,6 +240,7 @@ def cheapest(
         layouts: the candidates, in order of preference on a tie.
         stock_mask: the flat row runs stock's packed mask.
         free: the device's free memory in bytes (:func:`free_memory`).
+        forwards: the most forwards the rows may run in (:func:`row_groups`).
 
     Returns:
         The :class:`Choice`.
@@ -192,7 +250,7 @@ def cheapest(
         >>> cheapest(shape, [256] * 16, ("flat", "rows"), stock_mask=True).reason
         "one document per row: 1.3 GFLOP, 41 MB against the flat row (stock's packed mask): 2.2 GFLOP, ..."
     """
-    costs = layout_costs(shape, lengths, layouts, stock_mask)
+    costs = layout_costs(shape, lengths, layouts, stock_mask, forwards)
     fits = [name for name in layouts if costs[name].memory <= MEMORY_SHARE * free]
     if fits:
         chosen = min(fits, key=lambda name: costs[name].flops)
@@ -203,6 +261,8 @@ def cheapest(
 
     def said(name: str) -> str:
         mask = " (stock's packed mask)" if name == FLAT and stock_mask else ""
+        if name == ROWS and (split := len(row_groups(tuple(lengths), forwards, shape.forward_positions))) > 1:
+            mask = f" in {split} forwards by width"
         c = costs[name]
         return f"{NAMES[name]}{mask}: {c.flops / 1e9:.3g} GFLOP, {c.memory / 2**20:.0f} MB"
 

@@ -241,9 +241,11 @@ def prove_rows(
     grads: bool = True,
     own_positions: bool = False,
     left: bool = False,
+    groups: Sequence[Sequence[int]] = (),
 ) -> Proof:
     """The rows path as it trains (:func:`foundry_attn.flat.inputs.one_per_row`: the documents in ``compare``, one per
-    row, right-padded or with ``left`` left-padded, a 2-D mask, under ``rows_name``) against each document alone
+    row, right-padded or with ``left`` left-padded, a 2-D mask, under ``rows_name``; each as wide as the rows of its
+    forward where ``groups`` splits the batch's rows by width, else as the longest document) against each document alone
     under ``stock``: logits and gradients (input embeddings and every parameter), the limits of :func:`prove_flat`.
     A failure says the model's padded rows differ from its documents alone.
 
@@ -257,6 +259,7 @@ def prove_rows(
         grads: compare gradients too.
         own_positions: give the documents the row's ``position_ids``.
         left: left-pad the rows (default: right).
+        groups: the documents of each forward the batch's rows run in (:meth:`PathState.forwards`; empty: one).
 
     Returns:
         The :class:`Proof` of the rows path.
@@ -266,7 +269,7 @@ def prove_rows(
         >>> prove_rows(hf_model, inputs, "sdpa", "sdpa").describe()
         'passed in 167 ms (documents [28, 13] of a 41-token row, worst |diff| 4.5e-08, gradients 1.9e-07)'
     """
-    side = _rows_side(inputs, rows_name, reference, own_positions, left)
+    side = _rows_side(inputs, rows_name, reference, own_positions, left, groups)
     return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name, side)
 
 
@@ -587,7 +590,7 @@ def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, referen
             torch.no_grad(),
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
         ):
-            run_, why = _rows_run(hf, inputs, docs.spans[:2], False, rows_name, reference, False, left)
+            run_, why = _rows_run(hf, inputs, docs.spans[:2], False, rows_name, reference, False, left, docs.max_length)
     finally:
         hf.train(was_training)
     if run_ is None:
@@ -612,9 +615,38 @@ def _flat_side(inputs: Mapping[str, Any]) -> PackedSide:
 
 
 def _rows_side(
-    inputs: Mapping[str, Any], rows_name: str, reference: bool, own_positions: bool, left: bool = False
+    inputs: Mapping[str, Any],
+    rows_name: str,
+    reference: bool,
+    own_positions: bool,
+    left: bool = False,
+    groups: Sequence[Sequence[int]] = (),
 ) -> PackedSide:
-    return lambda hf, spans, grads: _rows_run(hf, inputs, spans, grads, rows_name, reference, own_positions, left)
+    docs: Documents = inputs[DOCS_KEY]
+    width = {docs.spans[d]: max(docs.lengths[m] for m in group) for group in groups for d in group}
+
+    def side(hf: Any, spans: Sequence[tuple[int, int]], grads: bool) -> tuple[Run | None, str]:
+        by_width: dict[int, list[tuple[int, int]]] = {}
+        for span in spans:  # as wide as its forward's rows, or as the batch's longest document
+            by_width.setdefault(width.get(span, docs.max_length), []).append(span)
+        runs = []
+        for wide, some in by_width.items():
+            one, why = _rows_run(hf, inputs, some, grads, rows_name, reference, own_positions, left, wide)
+            if one is None:
+                return None, why
+            runs.append(one)
+        return _joined(runs), ""
+
+    return side
+
+
+def _joined(runs: Sequence[Run]) -> Run:
+    """The runs of documents at separate places of the flat row (each zero elsewhere) as one."""
+    if len(runs) == 1:
+        return runs[0]
+    grads = [r.grad for r in runs if r.grad is not None]
+    grad = torch.stack(grads).sum(0) if len(grads) == len(runs) else None
+    return Run(torch.stack([r.logits for r in runs]).sum(0), grad, summed(runs))
 
 
 def _rows_run(
@@ -626,15 +658,15 @@ def _rows_run(
     reference: bool,
     own_positions: bool,
     left: bool = False,
+    width: int = 0,
 ) -> tuple[Run | None, str]:
     """The rows path's run of the documents at ``spans`` (one per row, as :func:`one_per_row` lays out a training
-    batch: as wide as the batch's longest document, ``left``-padded or right), placed back at their positions of
-    the flat row; or None and why it cannot run."""
+    batch: ``width`` wide, ``left``-padded or right), placed back at their positions of the flat row; or None and
+    why it cannot run."""
     ids = inputs["input_ids"]
     index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
     lengths = tuple(e - s for s, e in spans)
     positions = inputs["position_ids"][:, index] if own_positions and "position_ids" in inputs else None
-    width = inputs[DOCS_KEY].max_length  # the batch's rows are as wide as its longest document: so are these
     rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)), left, width=width)
     dst = where.src  # each document's tokens in the padded rows
     rows = {k: v for k, v in rows.items() if v is not None}

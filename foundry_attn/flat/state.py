@@ -30,7 +30,7 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
 from foundry_attn.flat.implementation import current, use
 from foundry_attn.flat.inputs import stock_splits_packed_rows
-from foundry_attn.flat.layout_cost import ModelShape, cheapest, free_memory
+from foundry_attn.flat.layout_cost import MOST_FORWARDS, ModelShape, cheapest, free_memory, row_groups
 from foundry_attn.flat.proof import (
     Proof,
     prove_flat,
@@ -146,12 +146,15 @@ def check_path(path: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a batch runs (:meth:`PathState.plan`): its ``path``, and the proof due on it, if any: why (``at``),
-    with gradients or forward only, and whether it takes the batch's own forward (``in_step``)."""
+    with gradients or forward only, and whether it takes the batch's own forward (``in_step``); on rows, the
+    documents of each forward where they run in several by width (``groups``:
+    :func:`~foundry_attn.flat.layout_cost.row_groups`)."""
 
     path: str
     at: str | None = None
     grads: bool = True
     in_step: bool = False
+    groups: tuple[tuple[int, ...], ...] = ()  # rows in several forwards: each one's documents (empty: one forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +192,7 @@ class PathState:
     rows_proven: bool = False  # one document per row is proven too, a candidate while the flat row is stock's mask
     rows_covered: tuple[int, int] = (0, 0)  # as ``covered``, for one document per row as a candidate
     rows_on_batch: bool = False  # one document per row has been proven on a training batch
+    most_forwards: int = MOST_FORWARDS  # the most forwards a batch's rows run in by width (1: padded to the longest)
     layout: str = ""  # what the last batch ran, "flat" or "rows" (:mod:`foundry_attn.flat.layout_cost` chose it)
     layout_reason: str = ""
     _shape: ModelShape | None = None
@@ -360,11 +364,19 @@ class PathState:
         self._rows_candidate(hf, inputs, at, grads, own_positions)
         return proof
 
-    def _rows_candidate(self, hf: Any, inputs: Mapping[str, Any], at: str, grads: bool, own_positions: bool) -> bool:
+    def _rows_candidate(
+        self,
+        hf: Any,
+        inputs: Mapping[str, Any],
+        at: str,
+        grads: bool,
+        own_positions: bool,
+        groups: tuple[tuple[int, ...], ...] = (),
+    ) -> bool:
         """Prove one document per row as a second exact layout beside the flat row on stock's packed mask (whose
         attention scores the whole row): the cheaper of the two runs each batch. A failure leaves the flat row."""
         try:
-            proof = self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
+            proof = self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions, groups=groups)
         except NoExactPath as exc:
             proof = Proof(False, reason=str(exc))
         self.rows_proven = proof.ok
@@ -373,7 +385,14 @@ class PathState:
         return proof.ok
 
     def prove_rows(
-        self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
+        self,
+        model: Any,
+        inputs: Mapping[str, Any],
+        at: str,
+        *,
+        grads: bool = True,
+        own_positions: bool = False,
+        groups: tuple[tuple[int, ...], ...] = (),
     ) -> Proof:
         """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.flat.proof.prove_rows`):
         right-padded rows, and where they differ from each document alone, left-padded ones (the run pads on the
@@ -386,6 +405,8 @@ class PathState:
             at: where the proof runs, for the reason.
             grads: compare gradients too (False: forward only).
             own_positions: the documents alone get the row's ``position_ids``.
+            groups: the documents of each forward where the batch's rows run in several by width (each compared
+                document is laid out as wide as its forward's rows).
 
         Returns:
             The rows proof (the left-padded one where that is the exact one).
@@ -410,6 +431,7 @@ class PathState:
                 grads=grads,
                 own_positions=own_positions,
                 left=left,
+                groups=groups,
             )
 
         proof = proof_of(self.rows_left)
@@ -532,7 +554,52 @@ class PathState:
             return f"the {self.interval}-batch interval", False
         return None
 
-    def choose_layout(self, hf: Any, lengths: Sequence[int]) -> str:
+    def shape(self, hf: Any) -> ModelShape:
+        """What a layout's cost reads of the model, read once.
+
+        Args:
+            hf: the transformers model.
+
+        Returns:
+            Its :class:`~foundry_attn.flat.layout_cost.ModelShape`.
+
+        Example::
+
+            >>> state.shape(hf_model).layers
+            2
+        """
+        if self._shape is None:
+            self._shape = ModelShape.of(hf)
+        return self._shape
+
+    def forwards(self, hf: Any, lengths: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The documents of each forward a batch's rows run in, where several by width cost less than one
+        (:func:`~foundry_attn.flat.layout_cost.row_groups`); empty for one forward. One forward wherever ranks run
+        collectives in each forward (more than one process: DDP's buffers, FSDP's gathers would not pair up) or the
+        model adds a loss over all its tokens (a router's load-balancing loss); ``state.most_forwards = 1`` keeps one.
+
+        Args:
+            hf: the transformers model.
+            lengths: every document's length in the batch.
+
+        Returns:
+            The documents (indices in batch order) of each forward, widest first; empty: one forward.
+
+        Example::
+
+            >>> state.forwards(gptj, [2048] + [32] * 64)
+            ((0,), (1, 2, ..., 64))
+        """
+        import torch.distributed as dist
+
+        if self.most_forwards < 2 or not lengths or getattr(hf.config, "output_router_logits", False):
+            return ()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return ()
+        groups = row_groups(tuple(lengths), self.most_forwards, self.shape(hf).forward_positions)
+        return groups if len(groups) > 1 else ()
+
+    def choose_layout(self, hf: Any, lengths: Sequence[int], grouped: bool = False) -> str:
         """The layout a batch of documents of ``lengths`` runs: the run's path, or, where one document per row is
         proven beside the flat row on stock's packed mask, the cheaper of the two within the free memory
         (:func:`foundry_attn.flat.layout_cost.cheapest`), kept with its reason as ``layout``/``layout_reason``.
@@ -540,6 +607,7 @@ class PathState:
         Args:
             hf: the transformers model.
             lengths: every document's length in the batch.
+            grouped: the rows may run in several forwards by width (:meth:`forwards`).
 
         Returns:
             ``"flat"`` or ``"rows"``.
@@ -552,16 +620,23 @@ class PathState:
         if not (self.path == FLAT and self.stock_mask and self.rows_proven and lengths):
             self.layout, self.layout_reason = self.path, ""
             return self.path
-        if self._shape is None:
-            self._shape = ModelShape.of(hf)
         free = free_memory(next(hf.parameters()).device)
-        choice = cheapest(self._shape, lengths, (FLAT, ROWS), stock_mask=True, free=free)
+        most = max(1, len(self.forwards(hf, lengths))) if grouped else 1
+        choice = cheapest(self.shape(hf), lengths, (FLAT, ROWS), stock_mask=True, free=free, forwards=most)
         if choice.layout != self.layout:
             log.info("foundry_attn: %s runs %s", type(hf).__name__, choice.reason)
         self.layout, self.layout_reason = choice.layout, choice.reason
         return choice.layout
 
-    def plan(self, hf: Any, tokens: int, longest: int, in_step: bool = False, lengths: Sequence[int] = ()) -> Plan:
+    def plan(
+        self,
+        hf: Any,
+        tokens: int,
+        longest: int,
+        in_step: bool = False,
+        lengths: Sequence[int] = (),
+        grouped: bool = False,
+    ) -> Plan:
         """The one per-batch plan, for a batch of ``tokens`` real tokens whose longest document is ``longest``:
         its layout (flat while proven and in place, else rows), and for a training batch the proof due on it, if
         any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
@@ -574,6 +649,7 @@ class PathState:
             longest: its longest document.
             in_step: the caller runs the forward itself, uncompiled.
             lengths: every document's length, for the choice of layout (:meth:`choose_layout`; empty: the path).
+            grouped: the caller runs rows in several forwards by width where that costs less (:meth:`forwards`).
 
         Returns:
             The batch's :class:`Plan`.
@@ -585,21 +661,22 @@ class PathState:
         """
         if self.path == FLAT and current(hf) != self.flat_name:
             return Plan(ROWS)  # someone set another implementation: stock runs it, one document per row
-        layout = self.choose_layout(hf, lengths)
+        layout = self.choose_layout(hf, lengths, grouped)
+        groups = self.forwards(hf, lengths) if grouped and layout == ROWS else ()
         if not (hf.training and torch.is_grad_enabled()):
-            return Plan(layout)
+            return Plan(layout, groups=groups)
         self.batches += 1
         candidate = layout == ROWS and self.path == FLAT
         due = self.due(hf, tokens, longest, rows=candidate)
         if due is None:
-            return Plan(layout)
+            return Plan(layout, groups=groups)
         if candidate:
             self.rows_on_batch = True
         else:
             self.proven_on_batch = True
         at = f"batch {self.batches} ({due[0]})"
         in_step = in_step and layout == FLAT and not self.stock_mask and step_blocker(hf) is None
-        return Plan(layout, at, due[1], in_step)
+        return Plan(layout, at, due[1], in_step, groups)
 
     def prove_batch(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, own_positions: bool) -> str:
         """Prove ``plan``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
@@ -625,12 +702,12 @@ class PathState:
             return self.path
         self._modules = tuple(hf.modules())
         if self.path == FLAT:  # one document per row as the cheaper candidate: a failure leaves the flat row
-            runs = self._rows_candidate(hf, inputs, plan.at, plan.grads, own_positions)
+            runs = self._rows_candidate(hf, inputs, plan.at, plan.grads, own_positions, plan.groups)
             self._fingerprint = self.fingerprint()
             if not runs:
                 self.layout, self.layout_reason = FLAT, f"one document per row failed its proof at {plan.at}"
             return ROWS if runs else FLAT
-        self.prove_rows(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions)
+        self.prove_rows(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions, groups=plan.groups)
         self._fingerprint = self.fingerprint()
         return ROWS
 

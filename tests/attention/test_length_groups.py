@@ -151,11 +151,13 @@ def test_mixed_lengths_take_at_most_eight_calls_per_layer(backend: str, window: 
 
 
 def test_grouping_pads_little_and_equal_documents_not_at_all() -> None:
-    """Few lengths: one group each, nothing padded; equal documents: one batch, a reshape; many lengths: at most 8
-    groups, each padding at most MAX_PADDING times its tokens; pads read their own document's last token."""
+    """Few lengths: one group each, nothing padded, a group of one document alone (a view); equal documents: one
+    batch, a reshape; many lengths: at most 8 calls, each group of two or more padding at most MAX_PADDING times its
+    tokens; pads read their own document's last token."""
     assert group_by_length((8,) * 256).reshape_only and group_by_length((8,) * 256).shapes == ((256, 8),)
     few = group_by_length((5, 1, 8, 2, 7, 1))
-    assert few.padded == few.tokens and few.members == ((1, 5), (3,), (0,), (4,), (2,))
+    assert few.padded == few.tokens and few.members == ((1, 5),) and few.alone == (0, 2, 3, 4)
+    assert few.shapes == ((2, 1), (1, 5), (1, 8), (1, 2), (1, 7))
     rng = random.Random(1)
     mixes = {
         "blog": [rng.randint(220, 350) for _ in range(48)],
@@ -165,19 +167,25 @@ def test_grouping_pads_little_and_equal_documents_not_at_all() -> None:
     }
     for name, lengths in mixes.items():
         groups = group_by_length(tuple(lengths))
-        assert len(groups.members) <= MAX_GROUPS, name
-        assert sorted(d for m in groups.members for d in m) == list(range(len(lengths))), name
-        for members, (n, width) in zip(groups.members, groups.shapes, strict=True):
+        grouped = len(groups.members)
+        assert len(groups.shapes) <= MAX_GROUPS and all(len(m) > 1 for m in groups.members), name
+        assert list(groups.alone) == sorted(groups.alone), name  # row order
+        assert sorted([*groups.alone, *(d for m in groups.members for d in m)]) == list(range(len(lengths))), name
+        assert groups.shapes[grouped:] == tuple((1, lengths[d]) for d in groups.alone), name
+        for members, (n, width) in zip(groups.members, groups.shapes[:grouped], strict=True):
             assert n * width <= MAX_PADDING * sum(lengths[d] for d in members), (name, n, width)
         take, slot, real = groups.indices("cpu")
-        starts = _bounds(lengths)
+        tokens = _bounds(lengths)[-1]
         owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        shapes = zip(groups.members, groups.shapes[:grouped], strict=True)
         slots = torch.cat(
-            [torch.tensor(m).repeat_interleave(w) for m, (_, w) in zip(groups.members, groups.shapes, strict=True)]
+            [torch.zeros(0, dtype=torch.long)] + [torch.tensor(m).repeat_interleave(w) for m, (_, w) in shapes]
         )
         assert torch.equal(owner[take], slots), name  # every position, pads included, reads its own document
-        assert torch.equal(slot.sort().values, torch.arange(groups.padded)), name  # a permutation
-        assert torch.equal(slot[real], take[real]) and torch.equal(slot[real].sort().values, torch.arange(starts[-1]))
+        rows = torch.arange(tokens)[~torch.isin(owner, torch.tensor(groups.alone, dtype=torch.long))]
+        pads = torch.arange(tokens, groups.padded)
+        assert torch.equal(slot.sort().values, torch.cat([rows, pads])), name  # a permutation, the alone left out
+        assert torch.equal(slot[real], take[real]) and torch.equal(slot[real].sort().values, rows), name
     assert group_by_length((256,) * 3 + (1,) * 100).padded == 868  # two lengths: no padding, two calls
 
 
@@ -187,9 +195,12 @@ def test_pad_and_unpad_are_inverse_and_so_are_their_gradients() -> None:
     from transformers.integrations.sdpa_attention import repeat_kv
 
     heads = torch.randn(2, 3, sum(MIXED), 5, requires_grad=True)  # [B, H, T, D]
-    for lengths in (MIXED, [4] * 6, [9]):
+    # MIXED with alone=9: eight short lengths, no padding, 13, 21, 11, 17, 9 and each short length's only document
+    # alone; without: padded groups and views of the groups of one document side by side
+    for lengths, alone in ((MIXED, 9), (MIXED, None), ([4] * 6, 9), ([9], 9)):
         row = heads[:, :, : sum(lengths)]
-        groups = group_by_length(tuple(lengths), alone=9)  # the 13-, 21-, 11-, 17- and 9-token documents alone
+        groups = group_by_length(tuple(lengths), alone=alone)
+        assert alone or (groups.padded > groups.tokens and groups.members and groups.alone)
         assert torch.equal(groups.unpad(groups.pad(row)), row.transpose(1, 2))
         zeroed = groups.pad(row.detach(), zero_pads=True)
         assert sum(int((p == 0).all(dim=1).all(dim=-1).sum()) for p in zeroed) == 2 * (groups.padded - groups.tokens)
@@ -253,12 +264,14 @@ def test_eager_on_the_cpu_splits_a_batch_past_its_score_budget(monkeypatch: pyte
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_on_the_cpu_long_documents_run_alone(backend: str) -> None:
     """On the CPU a document of CPU_ALONE tokens or more is its own call, a view of the row (there its padding and
-    copies would cost more than the call); the short ones are grouped. Exact either way; on an accelerator the same
-    row is at most 8 groups."""
-    lengths = [CPU_ALONE + 40, 5, 1, CPU_ALONE, 7, 5, 3, CPU_ALONE + 90]
+    copies would cost more than the call); the short ones of a length shared are grouped, a group of one document
+    alone. Exact either way; on an accelerator the long ones of one length are one group."""
+    lengths = [CPU_ALONE + 40, 5, 1, CPU_ALONE, 7, 5, 3, CPU_ALONE + 40]
     cpu = groups_for(tuple(lengths), torch.device("cpu"))
-    assert cpu.alone == (0, 3, 7) and cpu.shapes[:4] == ((1, 1), (1, 3), (2, 5), (1, 7))
-    assert groups_for(tuple(lengths), torch.device("cuda")).alone == ()  # seven lengths, seven groups
+    assert cpu.members == ((1, 5),) and cpu.alone == (0, 2, 3, 4, 6, 7)
+    assert cpu.shapes == ((2, 5), *((1, lengths[d]) for d in cpu.alone))
+    cuda = groups_for(tuple(lengths), torch.device("cuda"))  # the two of CPU_ALONE + 40 a group: six calls
+    assert cuda.members == ((1, 5), (0, 7)) and cuda.alone == (2, 3, 4, 6) and len(cuda.shapes) == 6
     assert groups_for((CPU_ALONE,) * 4, torch.device("cpu")).reshape_only  # one length: one batch, a reshape
     assert _calls_per_layer(backend, lengths) == (7, 7)
     qkv = _qkv(sum(lengths))
@@ -271,3 +284,57 @@ def test_on_the_cpu_long_documents_run_alone(backend: str) -> None:
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     for got, truth in zip(_grads(out, qkv, weight), _grads(want, qkv, weight), strict=True):
         torch.testing.assert_close(got, truth, atol=1e-5, rtol=1e-5)
+
+
+#: bench gpu's a_report row: six documents of six lengths
+REPORT = (220, 217, 295, 183, 130, 350)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "xpu"])
+def test_six_documents_of_six_lengths_run_as_views_on_every_device(kind: str) -> None:
+    """A group of one document gains nothing from padding, a gather and a scatter: on every kind of device six
+    documents of six lengths are six calls on views of the row (as before grouping), no index kernel forward or
+    backward, and still each document exactly as alone."""
+    groups = groups_for(REPORT, torch.device(kind))
+    assert groups.members == () and groups.alone == tuple(range(6)) and not groups.reshape_only
+    assert groups.shapes == tuple((1, n) for n in REPORT) and groups.padded == groups.tokens == sum(REPORT)
+    q, k, v = _qkv(sum(REPORT), dim=4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pieces = groups.pad(q), groups.pad(k, repeat=2), groups.pad(v, repeat=2)
+        assert all(p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr() for p in pieces[0])  # views
+        out = groups.unpad(
+            [F.scaled_dot_product_attention(*batch, is_causal=True) for batch in zip(*pieces, strict=True)]
+        )
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        got = _grads(out, [q, k, v], weight)
+    names = collections.Counter(event.name for event in prof.events())
+    assert not {"aten::index_select", "aten::index_copy_", "aten::index_copy"} & set(names), names
+    assert names["aten::scaled_dot_product_attention"] == 6
+    want = _each_alone(sdpa_alone, list(REPORT), [q, k, v], None, 0.0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for grad, truth in zip(got, _grads(want, [q, k, v], weight), strict=True):
+        torch.testing.assert_close(grad, truth, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_repeated_lengths_are_still_grouped_beside_the_views(kind: str) -> None:
+    """Documents of a length shared are one padded batch (shortest first); only a length's only document runs
+    alone, in row order after the groups; exact, and at most MAX_GROUPS calls."""
+    lengths = (13, 35, 13, 22, 35, 13, 7)  # all under CPU_ALONE: the same on the CPU
+    groups = groups_for(lengths, torch.device(kind))
+    assert groups.members == ((0, 2, 5), (1, 4)) and groups.alone == (3, 6)
+    assert groups.shapes == ((3, 13), (2, 35), (1, 22), (1, 7)) and groups.padded == groups.tokens
+    mixed = groups_for(tuple(MIXED), torch.device(kind))  # 12 lengths: some padded together, in at most 8 calls
+    assert len(mixed.shapes) <= MAX_GROUPS and all(len(m) > 1 for m in mixed.members)
+    assert any({1, 8} <= set(m) for m in mixed.members)  # the two one-token documents share a batch
+    assert any({2, 14} <= set(m) for m in mixed.members)  # and so do the two of 8 tokens
+    assert list(mixed.alone) == sorted(mixed.alone) and mixed.padded > mixed.tokens
+    q, k, v = _qkv(sum(lengths), dim=4)
+    pieces = groups.pad(q), groups.pad(k, repeat=2), groups.pad(v, repeat=2)
+    assert [p.shape[0] for p in pieces[0]] == [3, 2, 1, 1]
+    out = groups.unpad([F.scaled_dot_product_attention(*batch, is_causal=True) for batch in zip(*pieces, strict=True)])
+    want = _each_alone(sdpa_alone, list(lengths), [q, k, v], None, 0.0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    for grad, truth in zip(_grads(out, [q, k, v], weight), _grads(want, [q, k, v], weight), strict=True):
+        torch.testing.assert_close(grad, truth, atol=1e-5, rtol=1e-5)

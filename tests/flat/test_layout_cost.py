@@ -20,6 +20,10 @@ def test_rows_for_documents_of_one_length_and_the_flat_row_for_one_long_among_sh
     assert cheapest(SHAPE, [256] * 16, ("flat", "rows"), stock_mask=True).layout == "rows"
     assert cheapest(SHAPE, [32] * 64, ("flat", "rows"), stock_mask=True).layout == "rows"
     assert cheapest(SHAPE, [2048] + [32] * 64, ("flat", "rows"), stock_mask=True).layout == "flat"
+    # rows in two forwards by width: no padding, and a 2048-token attention in place of the row's 4096
+    split = cheapest(SHAPE, [2048] + [32] * 64, ("flat", "rows"), stock_mask=True, forwards=4)
+    assert split.layout == "rows" and "in 2 forwards by width" in split.reason, split.reason
+    assert split.costs["rows"].positions == 4096
     # our own flat row scores each document against itself: never more than one per row
     costs = layout_costs(SHAPE, [256] * 16, ("flat", "rows"), stock_mask=False)
     assert costs["flat"].flops <= costs["rows"].flops
@@ -52,8 +56,9 @@ def test_each_batch_runs_the_cheaper_exact_layout(model_type: str, impl: str) ->
     model = zoo.build(config, model_class, impl).train()
     state = attach(model, impl)
     assert state.stock_mask and state.rows_proven, state.reason
-    for lengths, layout in (([16] * 8, "rows"), ([100] + [4] * 24, "flat")):
+    for lengths, layout, most in (([16] * 8, "rows", 4), ([100] + [4] * 24, "flat", 1), ([100] + [4] * 24, "rows", 4)):
         batch, docs = _batch(lengths, config.vocab_size)
+        state.most_forwards = most  # 1: rows padded to the longest, dearer than the packed mask; 4: two forwards
         loss = forward_documents(model, batch).loss
         assert state.layout == layout, state.layout_reason
         assert state.decision_now().as_dict()["layout"] == layout
