@@ -5,7 +5,8 @@ foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash
 foundry-attn assets build/tiny
 foundry-attn bench padding|callbacks|compile|proof|events|train|trainer|guard --json [--device cuda] [--quick]
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
-foundry-attn bench layouts --json [--quick] [--device cuda]
+foundry-attn bench layouts --json [--quick] [--rounds 3] [--device cuda]
+foundry-attn bench step --json [--rounds 4]
 foundry-attn conformance [--markdown] [--family mistral] [--zoo | --padding-free]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
 foundry-attn report runs/ -o report/
@@ -147,8 +148,12 @@ def bench(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     options = {k: v for k, v in (("layers", args.layers), ("rounds", args.rounds)) if v is not None}
-    if options and args.which != "gpu":
-        raise SystemExit(f"foundry-attn bench {args.which}: --layers and --rounds are options of bench gpu only")
+    takes = {"gpu": {"layers", "rounds"}, "layouts": {"rounds"}, "step": {"rounds"}}.get(args.which, set())
+    if set(options) - takes:
+        raise SystemExit(
+            f"foundry-attn bench {args.which}: --layers is an option of bench gpu, --rounds of bench gpu, layouts "
+            "and step"
+        )
     module = importlib.import_module(f"foundry_attn.bench.{args.which}")
     result = module.run(quick=args.quick, device=args.device, **options)
     print(json.dumps(result, indent=2) if args.json else getattr(module, "summary", summary)(result))
@@ -299,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         "gpu: cuda[:N] (the default) or cpu (its plumbing on a tiny model, not a GPU number)",
     )
     p.add_argument("--layers", type=int, default=None, help="gpu: decoder layers (default 30; cpu: 2)")
-    p.add_argument("--rounds", type=int, default=None, help="gpu: timed rounds per batch (default 20; --quick: 3)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="gpu: timed rounds per batch (default 20; --quick: 3); layouts: per cell (default 3); step: passes (4)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
     p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")

@@ -18,7 +18,20 @@ from typing import Any
 import torch
 
 #: every benchmark module under this package, by its ``foundry-attn bench`` name
-BENCHES = ("padding", "callbacks", "proof", "compile", "events", "gpu", "train", "trainer", "guard", "rows", "layouts")
+BENCHES = (
+    "padding",
+    "callbacks",
+    "proof",
+    "compile",
+    "events",
+    "gpu",
+    "train",
+    "trainer",
+    "guard",
+    "rows",
+    "layouts",
+    "step",
+)
 
 
 def summary(result: dict[str, Any]) -> str:

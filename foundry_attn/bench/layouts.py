@@ -44,6 +44,8 @@ SPLITS = (1, 4, 16, 64, 256)
 TOKENS = 2048
 #: the chosen layout within this factor of the fastest exact candidate
 TARGET = 1.15
+#: timed steps per variant, round-robin (``--rounds``)
+ROUNDS = 3
 
 
 def _config(model_type: str, hidden: int, layers: int, positions: int) -> Any:
@@ -148,7 +150,9 @@ def _time(
     return result
 
 
-def _cell(model_type: str, impl: str, lengths: Sequence[int], quick: bool, device: torch.device) -> dict[str, Any]:
+def _cell(
+    model_type: str, impl: str, lengths: Sequence[int], quick: bool, device: torch.device, rounds: int = ROUNDS
+) -> dict[str, Any]:
     base = _model(model_type, impl, quick, device)
     batch = _batch(lengths, device)
     variants: dict[str, tuple[Any, dict[str, Any], bool]] = {}
@@ -172,7 +176,7 @@ def _cell(model_type: str, impl: str, lengths: Sequence[int], quick: bool, devic
     if model_type == "llama" and stock_splits_packed_rows():
         stock = copy.deepcopy(base)
         variants["stock_padding_free"] = (stock, _packed(lengths, device), False)
-    measured = _time(variants, 1 if quick else 3, device)
+    measured = _time(variants, 1 if quick else rounds, device)
     best = min(r["step_ms"] for r in measured.values())
     losses = [r["loss"] for r in measured.values()]
     tol = 2e-2 if device.type == "cuda" else 1e-4
@@ -192,8 +196,9 @@ def _cell(model_type: str, impl: str, lengths: Sequence[int], quick: bool, devic
     return cell
 
 
-def run(quick: bool = False, device: str | None = None, **_: Any) -> dict[str, Any]:
-    """Every family and mix; ``{"skipped": ...}`` where transformers does not split packed rows itself."""
+def run(quick: bool = False, device: str | None = None, rounds: int = ROUNDS, **_: Any) -> dict[str, Any]:
+    """Every family and mix, ``rounds`` timed steps per variant; ``{"skipped": ...}`` where transformers does not
+    split packed rows itself."""
     dev = torch.device(device or "cpu")
     if not stock_splits_packed_rows():
         why = "this transformers does not split packed rows itself: no flat row on stock's packed mask to compare"
@@ -202,17 +207,20 @@ def run(quick: bool = False, device: str | None = None, **_: Any) -> dict[str, A
     cells: dict[str, dict[str, Any]] = {}
     for model_type, impl in STOCK_MASK[:1] if quick else STOCK_MASK:
         for mix, lengths in mixes.items():
-            cells[f"{model_type}/{impl}/{mix}"] = _cell(model_type, impl, lengths, quick, dev)
+            cells[f"{model_type}/{impl}/{mix}"] = _cell(model_type, impl, lengths, quick, dev, rounds)
     tokens = 256 if quick else TOKENS
     for impl in ("sdpa", "eager"):
         for split in SPLITS[:3] if quick else SPLITS:
             cells[f"llama/{impl}/{split}x{tokens // split}"] = _cell(
-                "llama", impl, (tokens // split,) * split, quick, dev
+                "llama", impl, (tokens // split,) * split, quick, dev, rounds
             )
     ratios = [c["chosen_vs_best"] for c in cells.values() if c["chosen_vs_best"] is not None]
     calls = [c["attention_calls_per_layer"] for c in cells.values() if "attention_calls_per_layer" in c]
     return {
-        "command": COMMAND + (" --quick" if quick else "") + (f" --device {device}" if device else ""),
+        "command": COMMAND
+        + (" --quick" if quick else "")
+        + (f" --rounds {rounds}" if rounds != ROUNDS else "")
+        + (f" --device {device}" if device else ""),
         "machine": machine(),
         "device": str(dev),
         "cells": cells,

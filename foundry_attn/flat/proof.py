@@ -80,6 +80,7 @@ class Proof:
     worst_grad: float | None = None  # gradients (None: forward only)
     ran: bool = True  # both sides ran (False: the reason is that one could not)
     judged: bool = True  # stock computed each document alone (False: nothing was judged, the reason says why)
+    rows: bool = False  # a proof of one document per row (else of the flat row)
 
     def describe(self) -> str:
         """The proof in words, for the state's reason or a refusal.
@@ -360,7 +361,10 @@ def _prove(
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
     ran, judged = not isinstance(reason, _NotRun), not isinstance(reason, _StockFailed)
-    return Proof(not reason, worst, str(reason), ms, lengths, compare, docs.bounds[-1], worst_grad, ran, judged)
+    tokens = docs.bounds[-1]
+    return Proof(
+        not reason, worst, str(reason), ms, lengths, compare, tokens, worst_grad, ran, judged, rows_name is not None
+    )
 
 
 @contextlib.contextmanager

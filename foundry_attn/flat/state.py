@@ -378,7 +378,7 @@ class PathState:
         try:
             proof = self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions, groups=groups)
         except NoExactPath as exc:
-            proof = Proof(False, reason=str(exc))
+            proof = Proof(False, reason=str(exc), rows=True)
         self.rows_proven = proof.ok
         if not proof.ok:
             self._note(hf, f"rows at {at} not a candidate beside the flat row: {proof.describe()}")
@@ -470,11 +470,10 @@ class PathState:
         with no such proof, False: nothing stands, so the proof's failure is the reason."""
         if proof.ok or proof.judged:
             return False
-        rows = at.startswith("rows")
-        earlier = [p for a, p in self.proofs[:-1] if p.ok and p.judged and a.startswith("rows") == rows]
+        earlier = [p for _, p in self.proofs[:-1] if p.ok and p.judged and p.rows == proof.rows]
         if not earlier:
             return False
-        label = at if rows else f"proof at {at}"
+        label = at if proof.rows else f"proof at {at}"
         note = f"{label} judged nothing: {proof.reason}; the decision of the last proof that judged stands"
         self.notes.append(note)
         log.warning("foundry_attn: %s %s", type(hf).__name__, note)

@@ -142,11 +142,15 @@ def test_equal_documents_take_one_call_per_layer(backend: str, count: int) -> No
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 @pytest.mark.parametrize("window", [None, 4])
 def test_mixed_lengths_take_at_most_eight_calls_per_layer(backend: str, window: int | None) -> None:
+    """On an accelerator at most MAX_GROUPS calls; on the CPU too, or, where groups would not halve the calls (15
+    documents in 8 groups), a call per document: fewer than 2 * MAX_GROUPS."""
     rng = random.Random(0)
     many = [rng.randint(1, 40) for _ in range(150)]  # ~40 distinct lengths
-    for lengths in (MIXED, many):
+    for lengths, cpu_calls in ((MIXED, len(MIXED)), (many, len(group_by_length(tuple(many)).shapes))):
+        assert len(group_by_length(tuple(lengths)).shapes) <= MAX_GROUPS
         calls = _calls_per_layer(backend, lengths, window)
-        assert calls[0] == len(group_by_length(tuple(lengths)).shapes) <= MAX_GROUPS, calls
+        assert calls[0] == len(groups_for(tuple(lengths), torch.device("cpu")).shapes) == cpu_calls, calls
+        assert cpu_calls <= MAX_GROUPS or cpu_calls < 2 * MAX_GROUPS, calls
         assert calls[1] == calls[0], calls
 
 
@@ -234,8 +238,8 @@ def test_a_model_runs_at_most_eight_calls_per_layer(backend: str, lengths: list[
         logits = model(**inputs).logits
         logits.sum().backward()
     names = collections.Counter(event.name for event in prof.events())
-    groups = len(group_by_length(tuple(lengths)).shapes)
-    assert (names[forward], names[backward]) == (2 * groups, 2 * groups) and groups <= MAX_GROUPS
+    groups = len(groups_for(tuple(lengths), torch.device("cpu")).shapes)  # MIXED: one call per document, 15
+    assert (names[forward], names[backward]) == (2 * groups, 2 * groups) and groups < 2 * MAX_GROUPS
     torch.testing.assert_close(logits, torch.cat([alone[n] for n in lengths], dim=1), atol=1e-5, rtol=1e-5)
 
 
@@ -266,14 +270,14 @@ def test_on_the_cpu_long_documents_run_alone(backend: str) -> None:
     """On the CPU a document of CPU_ALONE tokens or more is its own call, a view of the row (there its padding and
     copies would cost more than the call); the short ones of a length shared are grouped, a group of one document
     alone. Exact either way; on an accelerator the long ones of one length are one group."""
-    lengths = [CPU_ALONE + 40, 5, 1, CPU_ALONE, 7, 5, 3, CPU_ALONE + 40]
+    lengths = [CPU_ALONE + 40, 5, 1, CPU_ALONE, 5, 5, 5, CPU_ALONE + 40, 5, 5]
     cpu = groups_for(tuple(lengths), torch.device("cpu"))
-    assert cpu.members == ((1, 5),) and cpu.alone == (0, 2, 3, 4, 6, 7)
-    assert cpu.shapes == ((2, 5), *((1, lengths[d]) for d in cpu.alone))
-    cuda = groups_for(tuple(lengths), torch.device("cuda"))  # the two of CPU_ALONE + 40 a group: six calls
-    assert cuda.members == ((1, 5), (0, 7)) and cuda.alone == (2, 3, 4, 6) and len(cuda.shapes) == 6
+    assert cpu.members == ((1, 4, 5, 6, 8, 9),) and cpu.alone == (0, 2, 3, 7)
+    assert cpu.shapes == ((6, 5), *((1, lengths[d]) for d in cpu.alone))
+    cuda = groups_for(tuple(lengths), torch.device("cuda"))  # the two of CPU_ALONE + 40 a group: four calls
+    assert cuda.members == ((1, 4, 5, 6, 8, 9), (0, 7)) and cuda.alone == (2, 3) and len(cuda.shapes) == 4
     assert groups_for((CPU_ALONE,) * 4, torch.device("cpu")).reshape_only  # one length: one batch, a reshape
-    assert _calls_per_layer(backend, lengths) == (7, 7)
+    assert _calls_per_layer(backend, lengths) == (5, 5)
     qkv = _qkv(sum(lengths))
     out, _ = FUNCTIONS[backend](
         torch.nn.Module(), *qkv, None, sliding_window=50, foundry_documents=Documents.of(_bounds(lengths))
@@ -316,11 +320,11 @@ def test_six_documents_of_six_lengths_run_as_views_on_every_device(kind: str) ->
         torch.testing.assert_close(grad, truth, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_repeated_lengths_are_still_grouped_beside_the_views(kind: str) -> None:
     """Documents of a length shared are one padded batch (shortest first); only a length's only document runs
     alone, in row order after the groups; exact, and at most MAX_GROUPS calls."""
-    lengths = (13, 35, 13, 22, 35, 13, 7)  # all under CPU_ALONE: the same on the CPU
+    lengths = (13, 35, 13, 22, 35, 13, 7)  # on the CPU: 4 calls grouped for 7 documents, so each alone
     groups = groups_for(lengths, torch.device(kind))
     assert groups.members == ((0, 2, 5), (1, 4)) and groups.alone == (3, 6)
     assert groups.shapes == ((3, 13), (2, 35), (1, 22), (1, 7)) and groups.padded == groups.tokens
@@ -338,3 +342,20 @@ def test_repeated_lengths_are_still_grouped_beside_the_views(kind: str) -> None:
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     for grad, truth in zip(_grads(out, [q, k, v], weight), _grads(want, [q, k, v], weight), strict=True):
         torch.testing.assert_close(grad, truth, atol=1e-5, rtol=1e-5)
+
+
+def test_on_the_cpu_groups_that_do_not_halve_the_calls_give_way_to_a_split() -> None:
+    """A few calls saved do not pay for a gather and a scatter on the CPU: every document alone, one split of the
+    row (make demo's rows: a pair of one length among a dozen documents); groups that halve the calls stay."""
+    cpu = torch.device("cpu")
+    assert groups_for((13, 35, 13, 22, 35, 13, 7), cpu).members == ()
+    assert groups_for((13, 35, 13, 22, 35, 13, 7), cpu).alone == tuple(range(7))
+    assert groups_for(tuple(MIXED), cpu).shapes == tuple((1, n) for n in MIXED)
+    assert groups_for((8,) * 6 + (3, 5), cpu).shapes == ((6, 8), (1, 3), (1, 5))  # 3 calls for 8 documents
+    lengths = [13, 35, 13, 22, 35, 13, 7]
+    for backend in ("sdpa", "eager"):
+        assert _calls_per_layer(backend, lengths) == (7, 7)
+        qkv = _qkv(sum(lengths))
+        out, _ = FUNCTIONS[backend](torch.nn.Module(), *qkv, None, foundry_documents=Documents.of(_bounds(lengths)))
+        want = _each_alone(sdpa_alone if backend == "sdpa" else eager_alone, lengths, qkv, None, 0.0)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

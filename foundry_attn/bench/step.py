@@ -1,0 +1,107 @@
+"""``make demo``'s model, one training step at a time: the step time a newcomer's first run sees.
+
+    foundry-attn bench step --json            # CPU, fp32, the demo's tiny Llama, ~1 min
+    PYTHONPATH=../older python foundry_attn/bench/step.py   # the same steps on another checkout, to compare
+
+The demo's model (``tiny-llama``: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 64), attached with ``sdpa`` (what
+``attn_implementation: auto`` picks on a CPU), trained with AdamW on 20 packed batches of 8 rows of 128 tokens
+(:class:`~foundry_attn.flat.packing.PaddingCollator` ``mode="pack"``, 14 documents of 8-120 tokens each, seeded):
+the median of every timed step (``rounds`` passes over the batches after 3 warm-up steps). Imports only what every
+checkout since the flat path has (``attach``, ``forward_documents``, the collator), so the file runs as a script
+against an older ``foundry_attn`` on ``PYTHONPATH``. Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+COMMAND = "foundry-attn bench step --json"
+#: the demo's model (foundry_attn.verify.llama_shapes.TINY_SHAPE, the demo tokenizer's 64 words)
+SHAPE = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+    tie_word_embeddings=True,
+)
+BATCHES, DOCUMENTS, ROW = 20, 14, 128
+
+
+def run(quick: bool = False, device: str | None = None, rounds: int = 4, **_: Any) -> dict[str, Any]:
+    """The demo model's median training step on ``device`` (default: the CPU).
+
+    Args:
+        quick: one pass over 4 batches (a smoke run).
+        device: where the model runs.
+        rounds: passes over the batches.
+
+    Returns:
+        ``command``, ``median_step_ms``, ``steps``, the documents per batch and ``correct`` (every loss finite).
+
+    Example::
+
+        >>> run(quick=True)["median_step_ms"] > 0
+        True
+    """
+    import transformers
+
+    from foundry_attn.flat.attach import attach
+    from foundry_attn.flat.forward import forward_documents
+    from foundry_attn.flat.packing import PaddingCollator
+
+    dev = torch.device(device or "cpu")
+    torch.manual_seed(17)
+    config = transformers.LlamaConfig(**SHAPE)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dev).train()
+    attach(model, "sdpa")
+    gen = torch.Generator().manual_seed(17)
+    collate = PaddingCollator(pad_id=0, eos_id=0, max_seq_len=ROW, mode="pack")
+    batches = []
+    for _round in range(4 if quick else BATCHES):
+        lengths = torch.randint(8, 120, (DOCUMENTS,), generator=gen).tolist()
+        docs = [torch.randint(1, 64, (n,), generator=gen) for n in lengths]
+        batches.append({k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in collate(docs).items()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses: list[float] = []
+
+    def step(batch: dict[str, Any]) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        out = forward_documents(model, batch)
+        out.loss.backward()
+        optimizer.step()
+        losses.append(float(out.loss.detach()))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+
+    for batch in batches[:3]:
+        step(batch)
+    times = []
+    for _pass in range(1 if quick else rounds):
+        for batch in batches:
+            start = time.perf_counter()
+            times.append(step(batch) - start)
+    return {
+        "command": COMMAND + (" --quick" if quick else ""),
+        "threads": torch.get_num_threads(),
+        "median_step_ms": statistics.median(times) * 1e3,
+        "steps": len(times),
+        "documents_per_batch": DOCUMENTS,
+        "correct": all(loss == loss and abs(loss) < float("inf") for loss in losses),
+        "all_targets_met": None,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(), indent=2))
