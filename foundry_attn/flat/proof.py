@@ -627,7 +627,8 @@ def _rows_side(
     groups: Sequence[Sequence[int]] = (),
 ) -> PackedSide:
     docs: Documents = inputs[DOCS_KEY]
-    width = {docs.spans[d]: max(docs.lengths[m] for m in group) for group in groups for d in group}
+    spans, lengths = docs.spans, docs.lengths
+    width = {spans[d]: max(lengths[m] for m in group) for group in groups for d in group}
 
     def side(hf: Any, spans: Sequence[tuple[int, int]], grads: bool) -> tuple[Run | None, str]:
         by_width: dict[int, list[tuple[int, int]]] = {}
