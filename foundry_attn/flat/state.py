@@ -91,6 +91,34 @@ def _agreed(lengths: tuple[int, int], hf: Any) -> tuple[int, int]:
     return int(values[0]), int(values[1])
 
 
+def _world() -> int:
+    """The processes of this run (1 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _sharded(hf: Any) -> bool:
+    """The model's parameters are sharded (FSDP2's DTensors, FSDP1's wrapped modules or flat parameters): its
+    forwards all-gather, so a rank's forwards pair with the others' one by one."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    param = next(hf.parameters(), None)
+    if param is None or isinstance(param, DTensor) or getattr(param, "_is_flat_param", False):
+        return True
+    return any(isinstance(m, FullyShardedDataParallel) for m in hf.modules())
+
+
+def _fewest(count: int, hf: Any) -> int:
+    """The fewest ``count`` over the ranks (one all-reduce, on the parameters' device)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([count], dtype=torch.long, device=next(hf.parameters()).device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value[0])
+
+
 def kernels() -> tuple:
     """The kernels the flat path calls, by identity: transformers' ``_flash_attention_forward`` and the flash
     symbols it looks up at call time, torch's SDPA, varlen and flex functions. A patch on any of them is a change.
@@ -573,9 +601,9 @@ class PathState:
 
     def forwards(self, hf: Any, lengths: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The documents of each forward a batch's rows run in, where several by width cost less than one
-        (:func:`~foundry_attn.flat.layout_cost.row_groups`); empty for one forward. One forward wherever ranks run
-        collectives in each forward (more than one process: DDP's buffers, FSDP's gathers would not pair up) or the
-        model adds a loss over all its tokens (a router's load-balancing loss); ``state.most_forwards = 1`` keeps one.
+        (:func:`~foundry_attn.flat.layout_cost.row_groups`); empty for one forward. One forward where the model adds
+        a loss over all its tokens (a router's load-balancing loss); ``state.most_forwards = 1`` keeps one. With
+        several processes, :meth:`plan` agrees on the number across the ranks.
 
         Args:
             hf: the transformers model.
@@ -589,14 +617,43 @@ class PathState:
             >>> state.forwards(gptj, [2048] + [32] * 64)
             ((0,), (1, 2, ..., 64))
         """
-        import torch.distributed as dist
-
-        if self.most_forwards < 2 or not lengths or getattr(hf.config, "output_router_logits", False):
-            return ()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if not (lengths and self.splits(hf)):
             return ()
         groups = row_groups(tuple(lengths), self.most_forwards, self.shape(hf).forward_positions)
         return groups if len(groups) > 1 else ()
+
+    def splits(self, hf: Any, training: bool = True) -> bool:
+        """Whether a batch's rows may run in several forwards: not where the model adds a loss over all a forward's
+        tokens (a router's), nor with ``most_forwards`` 1; with several processes, only for a training batch of a
+        model whose parameters are not sharded (DDP: the ranks agree on the number, :meth:`plan`; FSDP's
+        all-gathers are left to one forward). The same answer on every rank.
+
+        Args:
+            hf: the transformers model.
+            training: the batch trains (gradients on).
+
+        Returns:
+            True where :meth:`forwards` may split.
+
+        Example::
+
+            >>> state.splits(hf_model)
+            True
+        """
+        if self.most_forwards < 2 or getattr(hf.config, "output_router_logits", False):
+            return False
+        return _world() == 1 or (training and not _sharded(hf))
+
+    def _agreed(self, hf: Any, lengths: Sequence[int], layout: str, groups: tuple) -> tuple[str, tuple]:
+        """The layout and forwards every rank of a multi-process run can pair up: the fewest forwards any rank
+        would run (one all-reduce, every training batch, on every rank), this rank's rows regrouped into that many;
+        where that is one, the layout chosen again for rows in one forward."""
+        fewest = _fewest(max(1, len(groups)), hf)
+        if fewest >= max(1, len(groups)):
+            return layout, groups
+        if fewest == 1:
+            return self.choose_layout(hf, lengths), ()
+        return layout, row_groups(tuple(lengths), fewest, self.shape(hf).forward_positions)
 
     def choose_layout(self, hf: Any, lengths: Sequence[int], grouped: bool = False) -> str:
         """The layout a batch of documents of ``lengths`` runs: the run's path, or, where one document per row is
@@ -660,9 +717,13 @@ class PathState:
         """
         if self.path == FLAT and current(hf) != self.flat_name:
             return Plan(ROWS)  # someone set another implementation: stock runs it, one document per row
+        training = hf.training and torch.is_grad_enabled()
+        grouped = grouped and self.splits(hf, training)
         layout = self.choose_layout(hf, lengths, grouped)
         groups = self.forwards(hf, lengths) if grouped and layout == ROWS else ()
-        if not (hf.training and torch.is_grad_enabled()):
+        if grouped and _world() > 1:  # every rank runs as many forwards (DDP broadcasts its buffers in each)
+            layout, groups = self._agreed(hf, lengths, layout, groups)
+        if not training:
             return Plan(layout, groups=groups)
         self.batches += 1
         candidate = layout == ROWS and self.path == FLAT

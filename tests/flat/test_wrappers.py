@@ -107,6 +107,26 @@ def test_distributed_is_exact(
     assert result["wrapped"].startswith("DistributedDataParallel" if wrapper == "ddp" else "FSDP"), result
 
 
+@pytest.mark.parametrize(("rows", "forwards"), [("split", [2, 2]), ("agree", [1, 1])])
+def test_ddp_ranks_agree_on_the_forwards_of_rows_by_width(tmp_path: Path, rows: str, forwards: list[int]) -> None:
+    """One document per row in forwards by width under DDP: every rank runs as many forwards (DDP broadcasts its
+    buffers in each), the fewest any rank would, and the averaged gradients are each document's alone."""
+    out = tmp_path / "result.json"
+    worker = str(REPO / "tests" / "flat" / "wrapped_worker.py")
+    args = ["llama", "sdpa", "ddp", str(out), "plain", rows]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert result["loss_err"] <= conformance.LOSS_TOL and result["grad_err"] <= conformance.GRAD_TOL, result
+    assert result["forwards"] == forwards, result
+
+
 @pytest.mark.parametrize(("family", "backend"), [("mistral", "sdpa"), ("gemma2", "eager"), ("llama", "eager")])
 def test_compiled_layouts_change_the_data_not_the_graph(family: str, backend: str) -> None:
     """16 packed batches of different layouts: no new graph after the first steps, no graph break, each step

@@ -1,6 +1,7 @@
 """One rank of a DDP / FSDP2 run on CPU (gloo): packed documents vs each alone through stock transformers.
 
     torchrun --nproc_per_node 2 tests/flat/wrapped_worker.py llama sdpa fsdp2 out.json [checkpoint_wrapper]
+    torchrun --nproc_per_node 2 tests/flat/wrapped_worker.py llama sdpa ddp out.json plain split   # rows by width
 
 Each rank gets every other document of ``conformance.sample_documents()``, packed. Its loss is scaled by its share
 of the targets, so the gradients the wrapper averages are those of the mean loss over all documents, which
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from transformers.modeling_utils import AttentionInterface
 
 from foundry_attn.attention.documents import DOCS_KEY, is_placeholder
+from foundry_attn.flat import layout_cost
 from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents
 from foundry_attn.verify import conformance
@@ -44,12 +46,18 @@ def fsdp2_gloo_scale() -> float:
     return probe.weight.grad.full_tensor()[0, 0].item()
 
 
-def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str = "plain") -> None:
+def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str = "plain", rows: str = "") -> None:
+    """``rows``: one document per row in forwards by width, ``split`` where every rank would split its rows,
+    ``agree`` where rank 1 would not (its forward costs more than any split saves): the ranks agree on one."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = conformance.build(family, backend)
     calls: list[bool] = []
-    recorded(attach(model, backend, fa2_reference=True).flat_name, calls)
+    if rows:
+        layout_cost.FORWARD_OVERHEAD["cpu"] = 1e30 if rows == "agree" and rank == 1 else 0.0
+        attach(model, backend, path="rows", fa2_reference=True)
+    else:
+        recorded(attach(model, backend, fa2_reference=True).flat_name, calls)
     conformance.enable_checkpointing(model, checkpointing)
     if wrapper == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -62,7 +70,11 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
     docs = conformance.sample_documents()
     mine = docs[rank::world]
     targets = sum(d.numel() - 1 for d in docs)
+    forwards: list[int] = []
+    wrapped.register_forward_pre_hook(lambda *_: forwards.append(1))
     loss = forward_documents(wrapped, conformance.collated(mine, "pack")).loss
+    counts: list[int] = [0] * world
+    dist.all_gather_object(counts, len(forwards))
     share = sum(d.numel() - 1 for d in mine) * world / targets
     (loss * share).backward()
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
@@ -79,6 +91,7 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
             calls=len(calls),
             fast=all(calls),
             wrapped=type(wrapped).__name__,
+            forwards=counts,
         )
         with open(out, "w") as f:
             json.dump(result, f)
