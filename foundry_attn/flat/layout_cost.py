@@ -66,7 +66,7 @@ class ModelShape:
         Example::
 
             >>> ModelShape.of(hf_model)
-            ModelShape(layers=2, heads=4, head_dim=8, hidden=32, params=70144, element=4, forward_positions=952)
+            ModelShape(layers=2, heads=4, head_dim=8, hidden=32, params=70144, element=4, forward_positions=950)
         """
         config = hf.config
         layers = int(config_value(config, "num_hidden_layers", 0) or config_value(config, "n_layer", 1) or 1)
@@ -129,9 +129,9 @@ def row_groups(lengths: tuple[int, ...], most: int = MOST_FORWARDS, least: int =
 
     Example::
 
-        >>> row_groups((2048,) + (32,) * 64, least=952)   # one long document, 64 short ones: 2 forwards, no padding
+        >>> row_groups((2048,) + (32,) * 64, least=950)   # one long document, 64 short ones: 2 forwards, no padding
         ((0,), (1, 2, ..., 64))
-        >>> row_groups((28, 13, 1), least=952)            # 42 positions saved at most: one forward
+        >>> row_groups((28, 13, 1), least=950)            # 42 positions saved at most: one forward
         ((0, 1, 2),)
     """
     order = sorted(range(len(lengths)), key=lambda d: -lengths[d])

@@ -16,11 +16,11 @@ from tests.flat.test_judged import _model, _own_truth, _rows
 
 
 def test_one_long_document_among_short_ones_runs_in_its_own_forward() -> None:
-    groups = row_groups((32,) * 30 + (2048,) + (32,) * 34, least=952)
+    groups = row_groups((32,) * 30 + (2048,) + (32,) * 34, least=950)
     assert groups == ((30,), tuple(d for d in range(65) if d != 30))
     assert row_groups((256,) * 16) == (tuple(range(16)),)  # one length: one forward
     assert row_groups((2048,) + (32,) * 64, most=1) == (tuple(range(65)),)
-    assert row_groups((28, 13, 1), least=952) == ((0, 1, 2),)  # 42 positions saved at most: not worth a forward
+    assert row_groups((28, 13, 1), least=950) == ((0, 1, 2),)  # 42 positions saved at most: not worth a forward
     assert row_groups((60, 3, 3, 3, 30)) == ((0,), (4,), (1, 2, 3))
 
 
