@@ -233,8 +233,8 @@ def by_length(
     right-padded into one batch, causal within each document, its real tokens put back in row order. Documents of one
     length are a reshape (one document: the row as it is); on the CPU a long document runs alone, a view of the row
     (:data:`~foundry_attn.attention.length_groups.CPU_ALONE`); grouped KV heads are repeated in the gather. Where
-    every document runs alone (each of its own length; on the CPU, groups that would not halve the calls), the row
-    is split once and the outputs joined by one cat, with no gather.
+    every document runs alone (each of its own length; on the CPU, groups that would not halve the calls),
+    ``LengthGroups.pad`` splits the row once and ``LengthGroups.unpad`` joins the outputs by one cat.
 
     Args:
         docs: the documents of the row.
@@ -256,11 +256,6 @@ def by_length(
     groups = docs.groups(query.device)
     if not groups.shapes:  # a row of no tokens
         return query.new_empty((*query.shape[:1], 0, query.shape[1], value.shape[-1]))
-    if not groups.members:  # every document alone (each of its own length): views of the row, one split, one cat
-        key, value = _expand_kv(query, key, value)
-        split = [t.split(docs.lengths, dim=2) for t in (query, key, value)]
-        pieces = [attend(q, k, v) for q, k, v in zip(*split, strict=True) if q.shape[2]]
-        return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
     repeat = query.shape[1] // key.shape[1]
     batches = zip(groups.pad(query), groups.pad(key, repeat), groups.pad(value, repeat), strict=True)
     return groups.unpad([attend(q, k, v) for q, k, v in batches])

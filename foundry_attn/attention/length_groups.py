@@ -136,6 +136,9 @@ class LengthGroups:
             >>> [p.shape for p in group_by_length((2, 1, 2)).pad(torch.randn(1, 4, 5, 16))]   # a group, then a view
             [torch.Size([2, 4, 2, 16]), torch.Size([1, 4, 1, 16])]
         """
+        if not self.members:  # every document alone: one split of the row (its backward one cat)
+            split = [length for _, length in self.shapes]
+            return list(_repeated(heads.transpose(1, 2), repeat).transpose(1, 2).split(split, dim=2))
         if not self.reshape_only:
             return list(_Pad.apply(heads, self, repeat, zero_pads))
         rows, (n, length) = heads.shape[0], self.shapes[0]
@@ -160,6 +163,8 @@ class LengthGroups:
             >>> torch.equal(groups.unpad(groups.pad(heads)), heads.transpose(1, 2))
             True
         """
+        if not self.members:  # every document alone: one cat (its backward one split)
+            return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
         if not self.reshape_only:
             return _Unpad.apply(self, *pieces)
         rows = pieces[0].shape[0] // self.shapes[0][0]

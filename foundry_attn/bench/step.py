@@ -7,8 +7,8 @@ The demo's model (``tiny-llama``: hidden 64, 2 layers, 4 heads, 2 KV heads, voca
 ``attn_implementation: auto`` picks on a CPU), trained with AdamW on 20 packed batches of 8 rows of 128 tokens
 (:class:`~foundry_attn.flat.packing.PaddingCollator` ``mode="pack"``, 14 documents of 8-120 tokens each, seeded):
 the median of every timed step (``rounds`` passes over the batches after 3 warm-up steps). Imports only what every
-checkout since the flat path has (``attach``, ``forward_documents``, the collator), so the file runs as a script
-against an older ``foundry_attn`` on ``PYTHONPATH``. Core module: torch and transformers only.
+checkout since the flat path has (``attach``, ``forward_documents``, the collator, ``verify.llama_shapes``), so the
+file runs as a script against an older ``foundry_attn`` on ``PYTHONPATH``. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -21,20 +21,8 @@ from typing import Any
 import torch
 
 COMMAND = "foundry-attn bench step --json"
-#: the demo's model (foundry_attn.verify.llama_shapes.TINY_SHAPE, the demo tokenizer's 64 words)
-SHAPE = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-    tie_word_embeddings=True,
-)
+#: the demo tokenizer's vocabulary (``foundry-attn assets``: 64 words)
+VOCAB = 64
 BATCHES, DOCUMENTS, ROW = 20, 14, 128
 
 
@@ -59,10 +47,11 @@ def run(quick: bool = False, device: str | None = None, rounds: int = 4, **_: An
     from foundry_attn.flat.attach import attach
     from foundry_attn.flat.forward import forward_documents
     from foundry_attn.flat.packing import PaddingCollator
+    from foundry_attn.verify.llama_shapes import TINY_SHAPE, llama_config
 
     dev = torch.device(device or "cpu")
     torch.manual_seed(17)
-    config = transformers.LlamaConfig(**SHAPE)
+    config = llama_config(VOCAB, **TINY_SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dev).train()
     attach(model, "sdpa")
     gen = torch.Generator().manual_seed(17)

@@ -617,7 +617,11 @@ class PathState:
             >>> state.forwards(gptj, [2048] + [32] * 64)
             ((0,), (1, 2, ..., 64))
         """
-        if not (lengths and self.splits(hf)):
+        return self._groups(hf, lengths) if self.splits(hf) else ()
+
+    def _groups(self, hf: Any, lengths: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """:meth:`forwards` where :meth:`splits` already said yes."""
+        if not lengths:
             return ()
         groups = row_groups(tuple(lengths), self.most_forwards, self.shape(hf).forward_positions)
         return groups if len(groups) > 1 else ()
@@ -677,7 +681,7 @@ class PathState:
             self.layout, self.layout_reason = self.path, ""
             return self.path
         free = free_memory(next(hf.parameters()).device)
-        most = max(1, len(self.forwards(hf, lengths))) if grouped else 1
+        most = self.most_forwards if grouped else 1
         choice = cheapest(self.shape(hf), lengths, (FLAT, ROWS), stock_mask=True, free=free, forwards=most)
         if choice.layout != self.layout:
             log.info("foundry_attn: %s runs %s", type(hf).__name__, choice.reason)
@@ -720,7 +724,7 @@ class PathState:
         training = hf.training and torch.is_grad_enabled()
         grouped = grouped and self.splits(hf, training)
         layout = self.choose_layout(hf, lengths, grouped)
-        groups = self.forwards(hf, lengths) if grouped and layout == ROWS else ()
+        groups = self._groups(hf, lengths) if grouped and layout == ROWS else ()
         if grouped and _world() > 1:  # every rank runs as many forwards (DDP broadcasts its buffers in each)
             layout, groups = self._agreed(hf, lengths, layout, groups)
         if not training:

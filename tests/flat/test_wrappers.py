@@ -63,6 +63,24 @@ def test_compiled_model_is_exact(
     assert calls and all(calls), calls  # placeholder + documents in every call: no L x L mask
 
 
+def _ranks(ranks: int, out: Path, *args: str) -> dict:
+    """``wrapped_worker.py FAMILY BACKEND WRAPPER out [CHECKPOINTING [ROWS]]`` on ``ranks`` gloo ranks (torchrun);
+    rank 0's result, its loss and gradients checked against each document alone."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    worker = [str(REPO / "tests" / "flat" / "wrapped_worker.py"), *args[:3], str(out), *args[3:]]
+    proc = subprocess.run(
+        [*run, *worker],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert result["loss_err"] <= conformance.LOSS_TOL and result["grad_err"] <= conformance.GRAD_TOL, result
+    return result
+
+
 @pytest.mark.parametrize(
     ("wrapper", "ranks", "family", "backend", "checkpointing"),
     [
@@ -79,30 +97,7 @@ def test_distributed_is_exact(
 ) -> None:
     """Each rank packs its share of the documents; rank 0 compares the averaged gradients with the truth."""
     skip_unless_flex_trains(backend)
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(ranks),
-            str(REPO / "tests" / "flat" / "wrapped_worker.py"),
-            family,
-            backend,
-            wrapper,
-            str(out),
-            checkpointing,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads(out.read_text())
-    assert result["loss_err"] <= conformance.LOSS_TOL and result["grad_err"] <= conformance.GRAD_TOL, result
+    result = _ranks(ranks, tmp_path / "result.json", family, backend, wrapper, checkpointing)
     assert result["fast"] and result["calls"] > 0, result
     assert result["wrapped"].startswith("DistributedDataParallel" if wrapper == "ddp" else "FSDP"), result
 
@@ -111,19 +106,7 @@ def test_distributed_is_exact(
 def test_ddp_ranks_agree_on_the_forwards_of_rows_by_width(tmp_path: Path, rows: str, forwards: list[int]) -> None:
     """One document per row in forwards by width under DDP: every rank runs as many forwards (DDP broadcasts its
     buffers in each), the fewest any rank would, and the averaged gradients are each document's alone."""
-    out = tmp_path / "result.json"
-    worker = str(REPO / "tests" / "flat" / "wrapped_worker.py")
-    args = ["llama", "sdpa", "ddp", str(out), "plain", rows]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads(out.read_text())
-    assert result["loss_err"] <= conformance.LOSS_TOL and result["grad_err"] <= conformance.GRAD_TOL, result
+    result = _ranks(2, tmp_path / "result.json", "llama", "sdpa", "ddp", "plain", rows)
     assert result["forwards"] == forwards, result
 
 
