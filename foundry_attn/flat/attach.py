@@ -31,7 +31,7 @@ import torch
 from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, FLEX, NAMES, SDPA, backend_of, rows_name
 from foundry_attn.checks import check_choice, check_interval
 from foundry_attn.flat.comparison import alone_inputs, evaluating, loss_shifts, run
-from foundry_attn.flat.forward import packed_backbone, packed_model
+from foundry_attn.flat.forward import packed_backbone, packed_model, plain_call
 from foundry_attn.flat.implementation import current, point, running, use
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
@@ -245,7 +245,7 @@ def _attach_backend(
     backend = check_choice("attention backend", backend or backend_of(built) or EAGER, BACKENDS)
     _refuse_unsupported(hf, backend, fa2_reference)
     # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
-    forwards = replace_forwards(hf, packed_model, packed_backbone)
+    forwards = replace_forwards(hf, packed_model, packed_backbone, plain_call)
     cpu = next(hf.parameters()).device.type == "cpu"
     rows = rows_name(backend, built, fa2_reference, cpu)
     state = PathState(

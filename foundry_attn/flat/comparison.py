@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from foundry_attn.attention.config_values import config_value
 from foundry_attn.flat.forward_probe import looked_up
 from foundry_attn.flat.implementation import running
 from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.flat.packing import IGNORE_INDEX
 from foundry_attn.flat.proving import hidden
 
 #: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
@@ -332,23 +332,56 @@ def loss_shifts(hf: Any, doc: torch.Tensor) -> bool:
     return not (near(unshifted) and not near(shifted))
 
 
-def documents_loss(logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+def documents_loss(
+    logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]], labels: torch.Tensor | None = None
+) -> torch.Tensor:
     """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits.
 
     Args:
         logits: one row's logits ``[tokens, vocab]``.
         ids: its token ids ``[tokens]``.
         spans: each document's ``(start, end)`` in the row.
+        labels: the row's ``[tokens]`` labels as the model takes them (token ``t`` is the target of ``t - 1``;
+            -100: none), or None: every next token of a document is its target (:func:`next_targets`).
 
     Returns:
-        A scalar tensor: :func:`next_token_loss` of each document, summed.
+        A scalar fp32 tensor: the cross-entropy of each target, summed.
 
     Example::
 
         >>> documents_loss(logits[0], ids[0], [(0, 6), (6, 13)])
-        tensor(45.6660, grad_fn=<SumBackward0>)
+        tensor(45.6660, grad_fn=<NllLossBackward0>)
     """
-    return torch.stack([next_token_loss(logits[s:e], ids[s:e]) for s, e in spans]).sum()
+    index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
+    return F.cross_entropy(logits[index].float(), next_targets(ids, spans, labels), reduction="sum")
+
+
+def next_targets(
+    ids: torch.Tensor, spans: Sequence[tuple[int, int]], labels: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What each token of the documents at ``spans`` is trained to predict, in their order (-100: nothing). With
+    ``labels`` (a row as the model takes them), the next token's label, the one after a document's end included: a
+    target that crosses into the next document counts, as it would in training. Without, the next token inside
+    the document.
+
+    Args:
+        ids: the row's token ids ``[tokens]``.
+        spans: each document's ``(start, end)`` in the row.
+        labels: the row's ``[tokens]`` labels, or None.
+
+    Returns:
+        A ``[sum of the documents' lengths]`` long tensor.
+
+    Example::
+
+        >>> next_targets(torch.tensor([5, 6, 7, 8]), [(0, 2), (2, 4)])
+        tensor([   6, -100,    8, -100])
+    """
+    nxt = F.pad((ids if labels is None else labels)[1:], (0, 1), value=IGNORE_INDEX)
+    if labels is None:
+        nxt = nxt.clone()
+        nxt[torch.tensor([e - 1 for _, e in spans], device=ids.device)] = IGNORE_INDEX
+    return nxt[torch.cat([torch.arange(s, e, device=ids.device) for s, e in spans])]
 
 
 #: parameter name -> the gradient of a loss with respect to it (None: the loss does not reach it)
@@ -397,6 +430,7 @@ def documents_grad(
     head: Sequence[HeadCall] = (),
     retain_graph: bool = False,
     params: Sequence[tuple[str, torch.nn.Parameter]] = (),
+    labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ParamGrads]:
     """The gradient of :func:`documents_loss` (the documents at ``spans`` of one row: ``[1, tokens, vocab]``
     ``logits``, ``[tokens]`` ``ids``) with respect to the input embeddings ``embeds`` ``[1, tokens, hidden]``, and
@@ -413,6 +447,8 @@ def documents_grad(
         head: the output layer's calls of that forward (:func:`head_calls`).
         retain_graph: keep the graph after the backward (a training backward, or a module's cached tensor, needs it).
         params: the parameters to differentiate against, by name (:func:`trainable`).
+        labels: the row's ``[tokens]`` labels, whose targets the loss takes (None: every next token; see
+            :func:`documents_loss`).
 
     Returns:
         The embeddings' gradient ``[tokens, hidden]`` (None without ``embeds``) and each parameter's, by name.
@@ -425,9 +461,9 @@ def documents_grad(
     """
     index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
     rows = logits[0, index].detach().requires_grad_()
-    local = list(itertools.pairwise(itertools.accumulate((e - s for s, e in spans), initial=0)))
     with torch.enable_grad():
-        (grad,) = torch.autograd.grad(documents_loss(rows, ids[index], local), rows)
+        loss = F.cross_entropy(rows.float(), next_targets(ids, spans, labels), reduction="sum")
+        (grad,) = torch.autograd.grad(loss, rows)
     call = next((c for c in head if c[1] is logits and c[0].shape[:2] == logits.shape[:2]), None)
     head_grads: dict[int, torch.Tensor] = {}
     if call is None:
@@ -493,15 +529,22 @@ class Run:
     params: ParamGrads | None = None
 
 
-def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool) -> Run:
+def run(
+    hf: Any,
+    inputs: Mapping[str, Any],
+    spans: Sequence[tuple[int, int]],
+    grads: bool,
+    labels: torch.Tensor | None = None,
+) -> Run:
     """``hf``'s own forward of ``inputs``, and with ``grads`` the gradients of the documents at ``spans``
-    (:func:`documents_grad`, every parameter that trains included).
+    (:func:`documents_grad`, every parameter that trains included) on the targets of ``labels``.
 
     Args:
         hf: the transformers model (its own forward runs, not a wrapper's).
         inputs: the forward's keyword arguments (``input_ids`` ``[1, tokens]`` and the rest).
         spans: the documents whose loss is differentiated, each ``(start, end)`` in the row.
         grads: differentiate too (where grad is enabled), or logits only.
+        labels: the row's ``[tokens]`` labels (None: every next token is a target).
 
     Returns:
         A :class:`Run`: the logits ``[tokens, vocab]`` and, with ``grads``, the gradients.
@@ -520,7 +563,9 @@ def run(hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], gr
     embeds = token_embeddings(captured, inputs["input_ids"])
     # the graph is kept until this run's tensors go: a module that caches a tensor made from its parameters (Mega's
     # EMA kernel) hands the next forward a graph a freed backward would have taken from it
-    grad, params = documents_grad(logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf))
+    grad, params = documents_grad(
+        logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf), labels=labels
+    )
     return Run(logits[0].detach(), grad, params)
 
 

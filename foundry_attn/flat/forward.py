@@ -40,8 +40,8 @@ from foundry_attn.flat.inputs import (
     row_forwards,
     stock_packed,
 )
-from foundry_attn.flat.layout import Layout
-from foundry_attn.flat.state import FLAT, ROWS, Plan, path_of
+from foundry_attn.flat.layout import Layout, Truth, padding_side
+from foundry_attn.flat.state import FLAT, ROWS, PathChange, Plan, path_of
 from foundry_attn.flat.step_proof import StepProof
 from foundry_attn.flat.unwrap import compiled, unwrapped
 
@@ -233,22 +233,24 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
     else:
         grouped = in_step if grouped is None else grouped
         plan = state.plan(hf, layout.real_tokens, layout.max_length, in_step, layout.lengths, grouped)
+        # a proof due judges the row that trains against what the batch itself gives each document alone
+        truth = Truth.of(layout, labels) if plan.at is not None else None
         if plan.path == ROWS and plan.at is not None and state.path == FLAT:  # rows beside the flat row, proven now
-            flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
-            if state.prove_batch(hf, flat, plan, not layout.marked) == FLAT:
+            flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
+            if state.prove_batch(hf, flat, plan, truth) == FLAT:
                 plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
         groups = plan.groups
         if plan.path == FLAT:
             inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
             if plan.in_step:
-                return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, plan, not layout.marked))
-            if plan.at is None or state.prove_batch(hf, inputs, plan, not layout.marked) == FLAT:
+                return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, plan, truth))
+            if plan.at is None or state.prove_batch(hf, inputs, plan, truth) == FLAT:
                 return Prepared(stock_packed(inputs) if state.stock_mask else inputs, placed, no_targets)
         # rows, proven as flat is: the first batch, changes, longer batches, the interval
         elif plan.at is not None and state.path == ROWS:
-            flat = flat_inputs(hf, ids, flat_positions(ids, layout), None, layout)[0]
-            state.prove_batch(hf, flat, plan, not layout.marked)
+            flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
+            state.prove_batch(hf, flat, plan, truth)
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on
     left, first = (state.rows_left, state.first_targets) if state is not None else (False, False)
@@ -316,6 +318,46 @@ def packed_backbone(model: Any, forward: Callable[..., Any], batch: dict[str, An
     if routers:  # the caller's router loss reads every token as real: the rows path's padding leaves
         out.router_logits = tuple(real_tokens(r, prepared.placed.src) for r in routers)
     return out
+
+
+#: what a plain left-padded batch trains through an attached model's own forward, said once (path reason, inspector)
+LEFT_PADDED = (
+    "left-padded rows reached the model's own forward (a 2-D mask, no packed documents) and train as stock trains "
+    "them, not as each row alone: a pad position predicts each row's first token, and a model that counts positions "
+    "from the row's start (absolute position embeddings: GPT-2, GPT-Neo, BioGPT) sees them shifted by the padding. "
+    "Pad on the right (tokenizer.padding_side = 'right'), or run the batch through forward_documents, for each row "
+    "as alone"
+)
+
+
+def plain_call(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """Read a plain call of an attached model (a 2-D mask, the model's own forward: transformers' ``Trainer`` on padded
+    rows) before stock runs it: the first training call with padding tells its side (one host sync, once a run); a
+    left-padded one is said in the path's reason and as a path change (the glues' path event), once.
+
+    Args:
+        model: the transformers causal LM.
+        kwargs: the call's keywords.
+
+    Example::
+
+        >>> model(input_ids=ids, attention_mask=left_padded_mask, labels=labels)   # an attached model reads it here
+        >>> LEFT_PADDED in path_of(model).reason
+        True
+    """
+    state = path_of(model)
+    mask = kwargs.get("attention_mask")
+    if state is None or state.padding_read or not model.training or kwargs.get("past_key_values") is not None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return
+    side = padding_side(mask)
+    if side is None:
+        return
+    state.padding_read = True
+    if side == "left":
+        state.reason = f"{state.reason}; {LEFT_PADDED}"
+        state.changes.append(PathChange(state.batches, state.path, LEFT_PADDED))
 
 
 @functools.cache

@@ -92,7 +92,8 @@ def real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
 
 
 def flat_positions(ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The batch's own; else ours restart per document; a user's mask keeps HF's default (index in the row).
+    """The batch's own; else restarting at every document's first real token, on either side of a mask's padding
+    (what each document alone counts from: a left-padded row's document does not start at its column).
 
     Args:
         ids: the batch's ``input_ids``, ``[rows, width]``.
@@ -106,11 +107,7 @@ def flat_positions(ids: torch.Tensor, layout: Layout) -> torch.Tensor:
         >>> flat_positions(ids, Layout.from_batch({"input_ids": ids, "doc_lens": [[3, 4], [5]]}))  # ids: [2, 8]
         tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
     """
-    if layout.positions is not None:
-        return layout.positions
-    if layout.marked:
-        return layout.position_ids(ids.device)
-    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return layout.positions if layout.positions is not None else layout.position_ids(ids.device)
 
 
 def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:

@@ -209,6 +209,78 @@ class Layout:
         return out.to(device, non_blocking=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Truth:
+    """What each document alone is given, read from the batch, never from the row a forward trains on: the batch's
+    own ``position_ids`` (a user's, beside a 2-D mask) and ``labels`` at its real tokens, ``[1, tokens]`` each in the
+    flat row's order. None: the model's own positions; every next token of a document is a target."""
+
+    positions: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, layout: Layout, labels: torch.Tensor | None) -> Truth:
+        """The batch's own positions (where its ``position_ids`` came with a mask, not with ``doc_lens``) and its
+        ``labels``, at the real tokens of ``layout``.
+
+        Args:
+            layout: the batch's layout (:meth:`Layout.from_batch`).
+            labels: the batch's ``[rows, width]`` labels, or None (none, or no target in the batch).
+
+        Returns:
+            The documents' truth.
+
+        Example::
+
+            >>> mask = torch.tensor([[0, 0, 1, 1, 1]])      # left-padded
+            >>> Truth.of(Layout.from_batch({"input_ids": ids, "attention_mask": mask}), labels).labels
+            tensor([[7, 8, 9]])
+        """
+        flat = layout.real_indices(labels.device if labels is not None else "cpu")
+        own = None if layout.marked or layout.positions is None else layout.positions
+        return cls(
+            None if own is None else own.reshape(-1)[flat.to(own.device)][None],
+            None if labels is None else labels.reshape(-1)[flat][None],
+        )
+
+    def alone(self, span: tuple[int, int]) -> Truth:
+        """The truth of the document at ``span`` of the flat row.
+
+        Args:
+            span: its ``(start, end)``.
+
+        Returns:
+            Its positions and labels (each None where the row's is).
+
+        Example::
+
+            >>> Truth(labels=torch.tensor([[5, 6, 7, 8]])).alone((1, 3)).labels
+            tensor([[6, 7]])
+        """
+        s, e = span
+        return Truth(*(None if t is None else t[:, s:e] for t in (self.positions, self.labels)))
+
+
+def padding_side(mask: torch.Tensor) -> str | None:
+    """Which side a 2-D mask pads its rows on (one host sync): ``"left"`` where any row with real tokens starts with
+    padding, else ``"right"`` where any position is padding, else None (no padding: nothing to tell).
+
+    Args:
+        mask: a ``[rows, width]`` attention mask, 1 on real tokens.
+
+    Returns:
+        ``"left"``, ``"right"`` or None.
+
+    Example::
+
+        >>> padding_side(torch.tensor([[0, 1, 1], [1, 1, 1]])), padding_side(torch.tensor([[1, 1, 0]]))
+        ('left', 'right')
+    """
+    real = mask.bool()
+    left, padded = torch.stack([(~real[:, 0] & real.any(-1)).any(), (~real).any()]).tolist()
+    return "left" if left else "right" if padded else None
+
+
 def _runs(values: list[int]) -> list[int]:
     return [len(list(group)) for _, group in itertools.groupby(values)]
 

@@ -24,6 +24,8 @@ from foundry_attn.flat.inputs import packed_call
 
 #: what a packed call runs: (model, its class forward bound as a function, the batch, the call's other keywords)
 Route = Callable[[Any, Callable[..., Any], dict[str, Any], dict[str, Any]], Any]
+#: what is read of a plain call before the model's own forward runs it: (model, the call's keywords)
+Plain = Callable[[Any, dict[str, Any]], None]
 
 
 class FlattenedForward:
@@ -31,14 +33,15 @@ class FlattenedForward:
     ``DataCollatorWithFlattening``, TRL's ``padding_free``: restarting ``position_ids``, ``cu_seq_lens_*``,
     ``seq_idx``; :func:`foundry_attn.flat.layout.flattened_lengths`) runs the proven path, flat or rows, with the
     proof, exactly as :func:`~foundry_attn.flat.forward.forward_documents` runs ours; every other call (a 2-D mask,
-    generation, our own flat inputs) runs the model's own ``forward`` unchanged.
+    generation, our own flat inputs) runs the model's own ``forward`` unchanged, a plain one read first (``plain``:
+    left-padded rows are said once).
 
         attach(model, "sdpa")
         SFTTrainer(model=model, args=SFTConfig(padding_free=True), ...)    # model(**batch) takes this path
     """
 
-    def __init__(self, model: Any, route: Route) -> None:
-        self.model, self.route = model, route  # a deep copy of the model copies this too, bound to the copy
+    def __init__(self, model: Any, route: Route, plain: Plain | None = None) -> None:
+        self.model, self.route, self.plain = model, route, plain  # a deep copy of the model copies these too
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -51,6 +54,8 @@ class FlattenedForward:
             return forward(model, *args, **kwargs)
         packed = packed_call(kwargs)
         if packed is None:
+            if self.plain is not None:
+                self.plain(model, kwargs)
             return forward(model, **kwargs)
         return self.route(model, forward, *packed)
 
@@ -99,13 +104,14 @@ class Forwards:
                 module.forward = forward
 
 
-def replace_forwards(hf: Any, route: Route, backbone_route: Route) -> Forwards:
+def replace_forwards(hf: Any, route: Route, backbone_route: Route, plain: Plain | None = None) -> Forwards:
     """Set :class:`FlattenedForward` as ``hf``'s forward and :class:`FlattenedBackbone` as its base model's (once).
 
     Args:
         hf: the transformers causal LM (not a wrapper).
         route: what a packed call of the model runs (:func:`foundry_attn.flat.forward.packed_model`).
         backbone_route: what a packed call of its base model runs (:func:`foundry_attn.flat.forward.packed_backbone`).
+        plain: what reads a plain call first (:func:`foundry_attn.flat.forward.plain_call`), or None.
 
     Returns:
         The forwards they replaced, to :meth:`Forwards.restore`.
@@ -119,7 +125,7 @@ def replace_forwards(hf: Any, route: Route, backbone_route: Route) -> Forwards:
     base = getattr(hf, "base_model", hf)
     kept = Forwards([(m, vars(m).get("forward")) for m in (hf, base)])
     if not isinstance(vars(hf).get("forward"), FlattenedForward):
-        hf.forward = FlattenedForward(hf, route)
+        hf.forward = FlattenedForward(hf, route, plain)
     if base is not hf and not isinstance(vars(base).get("forward"), FlattenedBackbone):
         base.forward = FlattenedBackbone(hf, backbone_route)
     return kept

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import math
 import time
 import traceback
@@ -35,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
 from foundry_attn.attention.fa2_reference import kernel_context
@@ -44,7 +44,6 @@ from foundry_attn.flat.comparison import (
     against_alone,
     alone_inputs,
     documents_grad,
-    documents_loss,
     embeddings,
     evaluating,
     influence,
@@ -60,8 +59,9 @@ from foundry_attn.flat.comparison import (
 )
 from foundry_attn.flat.implementation import running
 from foundry_attn.flat.inputs import one_per_row, stock_packed
-from foundry_attn.flat.layout import Layout
+from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.flat.packing import IGNORE_INDEX
 from foundry_attn.flat.proving import hidden
 from foundry_attn.flat.unwrap import unwrapped
 
@@ -164,13 +164,13 @@ def prove_flat(
     *,
     reference: bool = False,
     grads: bool = True,
-    own_positions: bool = False,
+    truth: Truth | None = None,
 ) -> Proof:
     """Run ``inputs`` (the flat row of :func:`foundry_attn.flat.inputs.flat_inputs`, with its documents) through the
     flat path (the model's current ``config._attn_implementation``, ours) and the documents in ``compare`` (default:
     :func:`pick`) alone through ``stock``; compare logits and, with ``grads``, input-embedding gradients.
-    ``own_positions``: the documents alone get the row's ``position_ids`` (a user's positions) instead of the model's
-    own.
+    ``truth``: what each document alone is given, read from the batch (a user's positions, the batch's labels);
+    never the row's own, so whatever the row that trains does otherwise is judged.
 
     Raises nothing the stock forward on one document does not raise; a failure of the flat forward (a layer
     that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a failed proof.
@@ -182,7 +182,7 @@ def prove_flat(
         compare: the indices of the documents to run alone (None: :func:`pick`).
         reference: run FA2 on the pure-PyTorch reference kernel.
         grads: compare gradients too (input embeddings and every parameter that trains).
-        own_positions: give the documents alone the row's ``position_ids``.
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
 
     Returns:
         The :class:`Proof`.
@@ -193,7 +193,7 @@ def prove_flat(
         >>> proof.ok, proof.worst, proof.compared
         (True, 0.0, (0, 1))
     """
-    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None)
+    return _prove(model, inputs, stock, compare, reference, grads, truth, None)
 
 
 def prove_packed(
@@ -204,7 +204,7 @@ def prove_packed(
     *,
     reference: bool = False,
     grads: bool = True,
-    own_positions: bool = False,
+    truth: Truth | None = None,
 ) -> Proof:
     """The flat row with stock's own packed mask (:func:`foundry_attn.flat.inputs.stock_packed`: no documents, no
     mask, restarting ``position_ids``, under the stock implementation ``stock``) against each document alone under
@@ -217,7 +217,7 @@ def prove_packed(
         compare: the indices of the documents to run alone (None: :func:`pick`).
         reference: run FA2 on the pure-PyTorch reference kernel.
         grads: compare gradients too.
-        own_positions: give the documents alone the row's ``position_ids``.
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
 
     Returns:
         The :class:`Proof`.
@@ -228,7 +228,7 @@ def prove_packed(
         True
     """
     side: PackedSide = lambda hf, spans, grads: _stock_packed_run(hf, inputs, spans, grads, stock)  # noqa: E731
-    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, side, ours=False)
+    return _prove(model, inputs, stock, compare, reference, grads, truth, None, side, ours=False)
 
 
 def prove_rows(
@@ -240,7 +240,7 @@ def prove_rows(
     *,
     reference: bool = False,
     grads: bool = True,
-    own_positions: bool = False,
+    truth: Truth | None = None,
     left: bool = False,
     groups: Sequence[Sequence[int]] = (),
 ) -> Proof:
@@ -258,7 +258,7 @@ def prove_rows(
         compare: the indices of the documents to run (None: :func:`pick`).
         reference: run FA2 on the pure-PyTorch reference kernel.
         grads: compare gradients too.
-        own_positions: give the documents the row's ``position_ids``.
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
         left: left-pad the rows (default: right).
         groups: the documents of each forward the batch's rows run in (:meth:`PathState.forwards`; empty: one).
 
@@ -270,8 +270,8 @@ def prove_rows(
         >>> prove_rows(hf_model, inputs, "sdpa", "sdpa").describe()
         'passed in 167 ms (documents [28, 13] of a 41-token row, worst |diff| 4.5e-08, gradients 1.9e-07)'
     """
-    side = _rows_side(inputs, rows_name, reference, own_positions, left, groups)
-    return _prove(model, inputs, stock, compare, reference, grads, own_positions, rows_name, side)
+    side = _rows_side(inputs, rows_name, reference, truth, left, groups)
+    return _prove(model, inputs, stock, compare, reference, grads, truth, rows_name, side)
 
 
 def prove_step(
@@ -285,7 +285,7 @@ def prove_step(
     head: Sequence[HeadCall] = (),
     reference: bool = False,
     grads: bool = True,
-    own_positions: bool = False,
+    truth: Truth | None = None,
 ) -> Proof:
     """:func:`prove_flat` with the batch's own training forward as the packed side: ``out`` is what the model
     returned for ``inputs`` (the flat row, in training mode), ``captured`` its input embeddings
@@ -304,7 +304,7 @@ def prove_step(
         head: its output layer's calls (:func:`~foundry_attn.flat.comparison.head_calls`).
         reference: run FA2 on the pure-PyTorch reference kernel.
         grads: compare gradients too.
-        own_positions: give the documents alone the row's ``position_ids``.
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
 
     Returns:
         The :class:`Proof` (``ran`` False where the forward gave no logits or no attention call saw the documents).
@@ -327,10 +327,12 @@ def prove_step(
         if not (grads and logits.requires_grad):
             return Run(logits[0].detach()), ""
         ids = inputs["input_ids"][0]
-        grads_ = documents_grad(logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf))
+        grads_ = documents_grad(
+            logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf), labels=row_labels(inputs)
+        )
         return Run(logits[0].detach(), *grads_), ""
 
-    return _prove(model, inputs, stock, compare, reference, grads, own_positions, None, packed)
+    return _prove(model, inputs, stock, compare, reference, grads, truth, None, packed)
 
 
 NO_CALLS = "no attention call received the documents: this model's attention bypasses transformers' interface"
@@ -343,7 +345,7 @@ def _prove(
     compare: Sequence[int] | None,
     reference: bool,
     grads: bool,
-    own_positions: bool,
+    truth: Truth | None,
     rows_name: str | None,
     packed: PackedSide | None = None,
     ours: bool = True,
@@ -353,10 +355,10 @@ def _prove(
     docs: Documents = inputs[DOCS_KEY]
     compare = (pick(docs) if rows_name is None else pick_rows(docs)) if compare is None else tuple(compare)
     if packed is None:
-        packed = _flat_side(inputs) if rows_name is None else _rows_side(inputs, rows_name, reference, own_positions)
+        packed = _flat_side(inputs) if rows_name is None else _rows_side(inputs, rows_name, reference, truth)
     with hidden(), _state_kept(hf):
         worst, worst_grad, reason = _compare(
-            hf, inputs, stock, compare, reference, grads, own_positions, rows_name, packed, ours
+            hf, inputs, stock, compare, reference, grads, truth, rows_name, packed, ours
         )
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
@@ -428,7 +430,7 @@ def _compare(
     compare: tuple[int, ...],
     reference: bool,
     grads: bool,
-    own_positions: bool,
+    truth: Truth | None,
     rows_name: str | None,
     side: PackedSide,
     ours: bool = True,
@@ -440,14 +442,19 @@ def _compare(
     order = list(dict.fromkeys(compare))  # a row of one document compares it once
     spans = [docs.spans[i] for i in order]
 
+    given = truth or Truth()
+
     def alone(span: tuple[int, int]) -> dict[str, Any]:
-        positions = inputs["position_ids"][:, span[0] : span[1]] if own_positions else None
-        return alone_inputs(ids[:, span[0] : span[1]], positions)
+        return alone_inputs(ids[:, span[0] : span[1]], given.alone(span).positions)
+
+    def labels(span: tuple[int, int]) -> torch.Tensor | None:
+        mine = given.alone(span).labels
+        return None if mine is None else mine[0]
 
     with evaluating(hf, grad=grads):
         with running(hf, stock), kernel_context(stock, ids.device, reference):
             try:
-                runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads) for span in spans]
+                runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads, labels(span)) for span in spans]
             except Exception as exc:
                 return 0.0, None, _StockFailed(f"stock {stock} cannot run one document alone here: {_short(exc)}")
             undefined = undefined_values(runs, spans)
@@ -477,9 +484,9 @@ def _compare(
             f"document(s) {[order[i] for i in result.differ]} {where} differ from stock {stock} on each alone by "
             f"{worst:.2e}{grad_note}{limits_note(limits)}: {what}",
         )
-    truth = summed(runs)
-    if packed.params is not None and truth is not None:
-        worst_param, wrong = params_differ(packed.params, truth, limits)
+    alone_params = summed(runs)
+    if packed.params is not None and alone_params is not None:
+        worst_param, wrong = params_differ(packed.params, alone_params, limits)
         worst_grad = worse(worst_grad or 0.0, worst_param)
         if wrong:
             return worst, worst_grad, f"{wrong}: the {'flat' if rows_name is None else 'rows'} path trains otherwise"
@@ -533,6 +540,24 @@ def passes_kwargs(model: Any) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def row_labels(inputs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The ``[tokens]`` labels of a flat row's inputs, as its forward trains on them (None: it has none).
+
+    Args:
+        inputs: the flat row's forward arguments.
+
+    Returns:
+        Its one row of labels, or None.
+
+    Example::
+
+        >>> row_labels(flat_inputs(hf, ids, positions, labels, layout)[0]).shape      # 47 + 17 real tokens
+        torch.Size([64])
+    """
+    labels = inputs.get("labels")
+    return None if labels is None else labels[0]
+
+
 def _flat_run(
     hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool
 ) -> tuple[Run | None, str]:
@@ -544,7 +569,7 @@ def _flat_run(
     docs: Documents = inputs[DOCS_KEY]
     fresh = Documents(docs.bounds, docs.device_bounds, docs.host_bounds)
     try:
-        flat = run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads)
+        flat = run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads, row_labels(inputs))
     except DocumentsDropped as exc:
         caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
         checkpointing = (
@@ -594,7 +619,7 @@ def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, referen
             torch.no_grad(),
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
         ):
-            run_, why = _rows_run(hf, inputs, docs.spans[:2], False, rows_name, reference, False, left, docs.max_length)
+            run_, why = _rows_run(hf, inputs, docs.spans[:2], False, rows_name, reference, None, left, docs.max_length)
     finally:
         hf.train(was_training)
     if run_ is None:
@@ -609,7 +634,7 @@ def _stock_packed_run(
     """Stock's own run of the flat row (its packed mask), or None and why it cannot run."""
     try:
         with running(hf, stock):
-            return run(hf, {**stock_packed(inputs), "labels": None}, spans, grads), ""
+            return run(hf, {**stock_packed(inputs), "labels": None}, spans, grads, row_labels(inputs)), ""
     except Exception as exc:
         return None, f"the flat row with stock's packed mask does not run: {_short(exc)}"
 
@@ -622,7 +647,7 @@ def _rows_side(
     inputs: Mapping[str, Any],
     rows_name: str,
     reference: bool,
-    own_positions: bool,
+    truth: Truth | None,
     left: bool = False,
     groups: Sequence[Sequence[int]] = (),
 ) -> PackedSide:
@@ -636,7 +661,7 @@ def _rows_side(
             by_width.setdefault(width.get(span, docs.max_length), []).append(span)
         runs = []
         for wide, some in by_width.items():
-            one, why = _rows_run(hf, inputs, some, grads, rows_name, reference, own_positions, left, wide)
+            one, why = _rows_run(hf, inputs, some, grads, rows_name, reference, truth, left, wide)
             if one is None:
                 return None, why
             runs.append(one)
@@ -661,7 +686,7 @@ def _rows_run(
     grads: bool,
     rows_name: str,
     reference: bool,
-    own_positions: bool,
+    truth: Truth | None,
     left: bool = False,
     width: int = 0,
 ) -> tuple[Run | None, str]:
@@ -671,9 +696,11 @@ def _rows_run(
     ids = inputs["input_ids"]
     index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
     lengths = tuple(e - s for s, e in spans)
-    positions = inputs["position_ids"][:, index] if own_positions and "position_ids" in inputs else None
-    rows, where = one_per_row(hf, ids[:, index], positions, None, Layout((lengths,), len(index)), left, width=width)
+    positions = None if truth is None or truth.positions is None else truth.positions[:, index]
+    labels = ids[:, index] if truth is None or truth.labels is None else truth.labels[:, index]
+    rows, where = one_per_row(hf, ids[:, index], positions, labels, Layout((lengths,), len(index)), left, width=width)
     dst = where.src  # each document's tokens in the padded rows
+    targets = F.pad(rows.pop("labels")[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)[dst]  # as the rows train
     rows = {k: v for k, v in rows.items() if v is not None}
     try:
         with running(hf, rows_name), kernel_context(rows_name, ids.device, reference):
@@ -685,8 +712,7 @@ def _rows_run(
     placed = logits.new_zeros(ids.shape[1], logits.shape[-1]).index_copy_(0, index, logits.detach())
     if not (grads and logits.requires_grad):
         return Run(placed), ""
-    spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
-    loss = documents_loss(logits, ids[0, index], spans)
+    loss = F.cross_entropy(logits.float(), targets, reduction="sum")
     grad, params = loss_grads(loss, token_embeddings(captured, rows["input_ids"]), trainable(hf), retain_graph=True)
     if grad is None:
         return Run(placed, None, params), ""

@@ -30,6 +30,7 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
 from foundry_attn.flat.implementation import current, use
 from foundry_attn.flat.inputs import stock_splits_packed_rows
+from foundry_attn.flat.layout import Truth
 from foundry_attn.flat.layout_cost import MOST_FORWARDS, ModelShape, cheapest, free_memory, row_groups
 from foundry_attn.flat.proof import (
     Proof,
@@ -223,6 +224,7 @@ class PathState:
     most_forwards: int = MOST_FORWARDS  # the most forwards a batch's rows run in by width (1: padded to the longest)
     layout: str = ""  # what the last batch ran, "flat" or "rows" (:mod:`foundry_attn.flat.layout_cost` chose it)
     layout_reason: str = ""
+    padding_read: bool = False  # a plain padded call's side was read (forward.plain_call: left-padded rows said once)
     _shape: ModelShape | None = None
     _fingerprint: tuple = ()
     _modules: tuple = ()
@@ -285,7 +287,7 @@ class PathState:
         at: str,
         *,
         grads: bool = True,
-        own_positions: bool = False,
+        truth: Truth | None = None,
     ) -> Proof:
         """Prove the flat path on ``inputs`` (:func:`foundry_attn.flat.inputs.flat_inputs`); a failure moves to rows
         (or raises, binding).
@@ -295,7 +297,7 @@ class PathState:
             inputs: the flat row's inputs, the documents under ``DOCS_KEY``.
             at: where the proof runs, for the reason (``"attach"``, ``"batch 1 (the first training batch)"``).
             grads: compare gradients too (False: forward only, the interval's proof).
-            own_positions: the documents alone get the row's ``position_ids``.
+            truth: the documents' positions and labels, read from the batch (None: the model's own).
 
         Returns:
             The :class:`~foundry_attn.flat.proof.Proof` that stands (stock's packed mask's where it took over).
@@ -318,12 +320,12 @@ class PathState:
             BACKENDS[self.backend].truth,
             reference=self.reference,
             grads=grads,
-            own_positions=own_positions,
+            truth=truth,
         )
-        return self.keep_proof(hf, inputs, at, proof, grads, own_positions)
+        return self.keep_proof(hf, inputs, at, proof, grads, truth)
 
     def keep_proof(
-        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, own_positions: bool
+        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, truth: Truth | None
     ) -> Proof:
         """Keep ``proof`` of the flat path: proven lengths and code, or rows from now on (proven there too).
 
@@ -333,25 +335,25 @@ class PathState:
             at: where the proof ran, for the reason.
             proof: the flat proof's result.
             grads: it compared gradients.
-            own_positions: the documents alone got the row's ``position_ids``.
+            truth: the documents' positions and labels, read from the batch (None: the model's own).
 
         Returns:
             ``proof``, or the proof of stock's packed mask where that holds in its place.
 
         Example::
 
-            >>> state.keep_proof(hf_model, inputs, "batch 1 (the first training batch)", proof, True, False)
+            >>> state.keep_proof(hf_model, inputs, "batch 1 (the first training batch)", proof, True, None)
         """
         self.proofs.append((at, proof))
         self._modules = tuple(hf.modules())
         self._fingerprint = self.fingerprint()
         if self._unjudged(hf, at, proof):
             return proof
-        if not proof.ok and (packed := self._stock_mask_holds(hf, inputs, at, proof, grads, own_positions)):
+        if not proof.ok and (packed := self._stock_mask_holds(hf, inputs, at, proof, grads, truth)):
             return packed
         if not proof.ok:
             self.refuse(hf, f"proof at {at} {proof.describe()}", check="proof")
-            self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions)
+            self.prove_rows(hf, inputs, at, grads=grads, truth=truth)
             return proof
         self._cover(inputs[DOCS_KEY])
         if self.path == FLAT:
@@ -360,7 +362,7 @@ class PathState:
         return proof
 
     def _stock_mask_holds(
-        self, hf: Any, inputs: Mapping[str, Any], at: str, failed: Proof, grads: bool, own_positions: bool
+        self, hf: Any, inputs: Mapping[str, Any], at: str, failed: Proof, grads: bool, truth: Truth | None
     ) -> Proof | None:
         """Where our flat row cannot run (the documents never reach attention: GPT-J's own attention code, a layer
         that drops ``**kwargs``; an argument or a mask content we cannot honour: ``indices``, sinks, Doge's bias),
@@ -375,9 +377,7 @@ class PathState:
             or not stock_splits_packed_rows()
         ):
             return None  # ours ran and computed otherwise (a leak, a window only the mask knows): rows
-        proof = prove_packed(
-            hf, inputs, self.rows_name, reference=self.reference, grads=grads, own_positions=own_positions
-        )
+        proof = prove_packed(hf, inputs, self.rows_name, reference=self.reference, grads=grads, truth=truth)
         self.proofs.append((f"stock's packed mask at {at}", proof))
         if not proof.ok:
             return None
@@ -389,7 +389,7 @@ class PathState:
             f"stock's packed mask ({self.rows_name}) proven at {at}: {proof.describe()} (ours: {failed.reason})"
         )
         log.info("foundry_attn: %s runs its flat rows on %s", type(hf).__name__, self.reason)
-        self._rows_candidate(hf, inputs, at, grads, own_positions)
+        self._rows_candidate(hf, inputs, at, grads, truth)
         return proof
 
     def _rows_candidate(
@@ -398,13 +398,13 @@ class PathState:
         inputs: Mapping[str, Any],
         at: str,
         grads: bool,
-        own_positions: bool,
+        truth: Truth | None,
         groups: tuple[tuple[int, ...], ...] = (),
     ) -> bool:
         """Prove one document per row as a second exact layout beside the flat row on stock's packed mask (whose
         attention scores the whole row): the cheaper of the two runs each batch. A failure leaves the flat row."""
         try:
-            proof = self.prove_rows(hf, inputs, at, grads=grads, own_positions=own_positions, groups=groups)
+            proof = self.prove_rows(hf, inputs, at, grads=grads, truth=truth, groups=groups)
         except NoExactPath as exc:
             proof = Proof(False, reason=str(exc), rows=True)
         self.rows_proven = proof.ok
@@ -419,7 +419,7 @@ class PathState:
         at: str,
         *,
         grads: bool = True,
-        own_positions: bool = False,
+        truth: Truth | None = None,
         groups: tuple[tuple[int, ...], ...] = (),
     ) -> Proof:
         """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.flat.proof.prove_rows`):
@@ -432,7 +432,7 @@ class PathState:
             inputs: the flat row's inputs, whose documents are laid out one per row.
             at: where the proof runs, for the reason.
             grads: compare gradients too (False: forward only).
-            own_positions: the documents alone get the row's ``position_ids``.
+            truth: the documents' positions and labels, read from the batch (None: the model's own).
             groups: the documents of each forward where the batch's rows run in several by width (each compared
                 document is laid out as wide as its forward's rows).
 
@@ -457,7 +457,7 @@ class PathState:
                 BACKENDS[self.backend].truth,
                 reference=self.reference,
                 grads=grads,
-                own_positions=own_positions,
+                truth=truth,
                 left=left,
                 groups=groups,
             )
@@ -742,7 +742,7 @@ class PathState:
         in_step = in_step and layout == FLAT and not self.stock_mask and step_blocker(hf) is None
         return Plan(layout, at, due[1], in_step, groups)
 
-    def prove_batch(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, own_positions: bool) -> str:
+    def prove_batch(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, truth: Truth | None) -> str:
         """Prove ``plan``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
         row); the path the batch runs after (a failed flat proof: rows).
 
@@ -750,49 +750,49 @@ class PathState:
             hf: the transformers model.
             inputs: the batch's flat inputs.
             plan: this batch's :class:`Plan`, with a proof due (``plan.at``).
-            own_positions: the documents alone get the row's ``position_ids``.
+            truth: the documents' positions and labels, read from the batch (None: the model's own).
 
         Returns:
             ``"flat"`` or ``"rows"``.
 
         Example::
 
-            >>> state.prove_batch(hf_model, inputs, plan, own_positions=False)
+            >>> state.prove_batch(hf_model, inputs, plan, truth=None)
             'flat'
         """
         assert plan.at is not None
         if plan.path == FLAT:
-            self.prove(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions)
+            self.prove(hf, inputs, plan.at, grads=plan.grads, truth=truth)
             return self.path
         self._modules = tuple(hf.modules())
         if self.path == FLAT:  # one document per row as the cheaper candidate: a failure leaves the flat row
-            runs = self._rows_candidate(hf, inputs, plan.at, plan.grads, own_positions, plan.groups)
+            runs = self._rows_candidate(hf, inputs, plan.at, plan.grads, truth, plan.groups)
             self._fingerprint = self.fingerprint()
             if not runs:
                 self.layout, self.layout_reason = FLAT, f"one document per row failed its proof at {plan.at}"
             return ROWS if runs else FLAT
-        self.prove_rows(hf, inputs, plan.at, grads=plan.grads, own_positions=own_positions, groups=plan.groups)
+        self.prove_rows(hf, inputs, plan.at, grads=plan.grads, truth=truth, groups=plan.groups)
         self._fingerprint = self.fingerprint()
         return ROWS
 
-    def step_proof(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, own_positions: bool) -> StepProof:
+    def step_proof(self, hf: Any, inputs: Mapping[str, Any], plan: Plan, truth: Truth | None) -> StepProof:
         """The proof ``plan`` calls for on the batch's own forward (``plan.in_step``).
 
         Args:
             hf: the transformers model.
             inputs: the batch's flat inputs.
             plan: this batch's :class:`Plan`, with ``in_step``.
-            own_positions: the documents alone get the row's ``position_ids``.
+            truth: the documents' positions and labels, read from the batch (None: the model's own).
 
         Returns:
             The :class:`~foundry_attn.flat.step_proof.StepProof` to run the forward in.
 
         Example::
 
-            >>> proof = state.step_proof(hf_model, inputs, plan, own_positions=False)
+            >>> proof = state.step_proof(hf_model, inputs, plan, truth=None)
         """
         assert plan.at is not None
-        return StepProof(self, hf, inputs, plan.at, plan.grads, own_positions)
+        return StepProof(self, hf, inputs, plan.at, plan.grads, truth)
 
     # ---- moving to rows ---------------------------------------------------------------------------------
     def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:

@@ -20,6 +20,7 @@ import torch
 from foundry_attn.attention.backends import BACKENDS
 from foundry_attn.attention.documents import DOCS_KEY
 from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls, training_noise
+from foundry_attn.flat.layout import Truth
 from foundry_attn.flat.proof import Proof, passes_kwargs, prove_step
 from foundry_attn.flat.unwrap import unwrapped
 
@@ -83,7 +84,7 @@ class Keeper(Protocol):
         ...
 
     def keep_proof(
-        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, own_positions: bool
+        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, truth: Truth | None
     ) -> Proof:
         """Keep ``proof`` of the flat path (:meth:`foundry_attn.flat.state.PathState.keep_proof`).
 
@@ -93,19 +94,19 @@ class Keeper(Protocol):
             at: where the proof ran, for the reason.
             proof: the proof's result.
             grads: it compared gradients.
-            own_positions: the documents alone got the row's ``position_ids``.
+            truth: the documents' positions and labels, read from the batch (None: the model's own).
 
         Returns:
             The proof that stands.
 
         Example::
 
-            >>> state.keep_proof(hf_model, inputs, "batch 1 (the first training batch)", proof, True, False)
+            >>> state.keep_proof(hf_model, inputs, "batch 1 (the first training batch)", proof, True, None)
         """
         ...
 
     def prove(
-        self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, own_positions: bool = False
+        self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, truth: Truth | None = None
     ) -> Proof:
         """Prove the flat path on ``inputs`` (:meth:`foundry_attn.flat.state.PathState.prove`).
 
@@ -114,7 +115,7 @@ class Keeper(Protocol):
             inputs: the flat row's inputs.
             at: where the proof runs, for the reason.
             grads: compare gradients too.
-            own_positions: the documents alone get the row's ``position_ids``.
+            truth: the documents' positions and labels, read from the batch (None: the model's own).
 
         Returns:
             The proof that stands.
@@ -141,7 +142,7 @@ class StepProof:
     inputs: Mapping[str, Any]
     at: str
     grads: bool
-    own_positions: bool
+    truth: Truth | None
     captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
     head: list[HeadCall] = dataclasses.field(default_factory=list)
 
@@ -183,7 +184,7 @@ class StepProof:
             text = str(error).strip().splitlines()
             reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
             failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1], ran=False)
-            state.keep_proof(hf, self.inputs, self.at, failed, self.grads, self.own_positions)
+            state.keep_proof(hf, self.inputs, self.at, failed, self.grads, self.truth)
             return False
         proof = None
         if out is not None:
@@ -196,15 +197,15 @@ class StepProof:
                 head=self.head,
                 reference=state.reference,
                 grads=self.grads,
-                own_positions=self.own_positions,
+                truth=self.truth,
             )
         if proof is not None and proof.ok:
-            state.keep_proof(hf, self.inputs, self.at, proof, self.grads, self.own_positions)
+            state.keep_proof(hf, self.inputs, self.at, proof, self.grads, self.truth)
             return True
         mask = state.stock_mask
-        full = state.prove(hf, self.inputs, self.at, grads=self.grads, own_positions=self.own_positions)
+        full = state.prove(hf, self.inputs, self.at, grads=self.grads, truth=self.truth)
         if state.stock_mask != mask:  # the flat row moved to stock's packed mask: the batch runs again there
             return False
         if full.ok and proof is not None:  # eval mode holds, the training forward does not: never run silently
-            state.keep_proof(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.own_positions)
+            state.keep_proof(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.truth)
         return state.is_flat

@@ -100,7 +100,7 @@ def test_a_proof_that_could_not_judge_keeps_the_last_decision() -> None:
     state = attach(model, "sdpa")
     assert state.path == "flat"
     unjudged = Proof(False, reason="stock sdpa cannot compute one document alone here: ...", ran=False, judged=False)
-    state.keep_proof(model, {}, "batch 7 (a longer batch)", unjudged, True, False)
+    state.keep_proof(model, {}, "batch 7 (a longer batch)", unjudged, True, None)
     assert state.path == "flat" and "judged nothing" in state.notes[-1], state.notes
 
 

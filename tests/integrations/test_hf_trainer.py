@@ -473,3 +473,31 @@ def test_the_trainer_bench_family_at_trl_defaults_and_with_lora(model_type: str,
         pytest.skip(result["skipped"])
     assert result["router_coef"] > 0 and result["exact"], result
     assert result["path"] == ("flat" if model_type == "mixtral" else "rows"), result
+
+
+def test_plain_left_padded_rows_in_a_trainer_run_are_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Trainer on plain padded rows (a tokenizer's ``padding_side="left"``), the model attached: stock trains them,
+    and the run says so once, in a path event and by the inspector."""
+    from foundry_attn.flat.forward import LEFT_PADDED
+    from tests.flat.test_left_padded import left_padded
+
+    model = _model("gpt2", "sdpa")
+    attach(model, "sdpa")
+    docs = synthetic_documents(model.config, LENGTHS, torch.device("cpu"))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, logging_steps=1, report_to=[],
+        use_cpu=True, save_strategy="no",
+    )  # fmt: skip
+    data = [{"doc": d} for d in docs]
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, data_collator=lambda rows: left_padded([r["doc"] for r in rows])
+    )
+    trainer.args.remove_unused_columns = False
+    hf_trainer.install(trainer, log_interval=1, verdict_interval=1)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    paths = [e for e in iter_events(event_files(tmp_path / "attn_events"), "attn_impl") if e.get("at") == "path"]
+    assert len(paths) == 1 and LEFT_PADDED in paths[0]["path_reason"], paths
+    assert sum(LEFT_PADDED in r.getMessage() for r in caplog.records) == 1, [r.getMessage() for r in caplog.records]

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from foundry_attn.checks import check_interval
+from foundry_attn.flat.forward import LEFT_PADDED
 from foundry_attn.flat.forward_probe import ForwardProbe
+from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.hf_trainer.common import FIX, SampledCallback, Session
 from foundry_attn.observe.discovery import attn_implementation
@@ -168,6 +170,9 @@ class AttentionInspector(InspectorResults, SampledCallback):
             >>> inspector.on_step_end(args, state, control)   # then the next logs carry attn/documents_isolated 1.0
         """
         self.release()
+        path = path_of(self._hf) if self._hf is not None else None
+        if path is not None and any(change.reason == LEFT_PADDED for change in path.changes):
+            self.core.say_once("left_padded", f"{self.owner}: {LEFT_PADDED}")
         pending, self._pending = self._pending, None
         if pending is None:
             return
