@@ -7,6 +7,7 @@ foundry-attn bench padding|callbacks|compile|proof|events|train|trainer|guard --
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
 foundry-attn bench layouts --json [--quick] [--rounds 3] [--device cuda]
 foundry-attn bench step --json [--rounds 4]
+foundry-attn bench host --json [--rounds 15] [--threads 1]
 foundry-attn conformance [--markdown] [--family mistral] [--zoo | --padding-free]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
 foundry-attn report runs/ -o report/
@@ -148,11 +149,13 @@ def bench(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     options = {k: v for k, v in (("layers", args.layers), ("rounds", args.rounds)) if v is not None}
-    takes = {"gpu": {"layers", "rounds"}, "layouts": {"rounds"}, "step": {"rounds"}}.get(args.which, set())
+    takes = {"gpu": {"layers", "rounds"}, "layouts": {"rounds"}, "step": {"rounds"}, "host": {"rounds"}}.get(
+        args.which, set()
+    )
     if set(options) - takes:
         raise SystemExit(
-            f"foundry-attn bench {args.which}: --layers is an option of bench gpu, --rounds of bench gpu, layouts "
-            "and step"
+            f"foundry-attn bench {args.which}: --layers is an option of bench gpu, --rounds of bench gpu, layouts, "
+            "step and host"
         )
     module = importlib.import_module(f"foundry_attn.bench.{args.which}")
     result = module.run(quick=args.quick, device=args.device, **options)
@@ -308,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="gpu: timed rounds per batch (default 20; --quick: 3); layouts: per cell (default 3); step: passes (4)",
+        help="gpu: timed rounds per batch (default 20; --quick: 3); layouts: per cell (default 3); step: passes (4); "
+        "host: steps (15)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)

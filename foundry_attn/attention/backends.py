@@ -29,7 +29,8 @@ FA2_REFERENCE = "fa2_reference"  # registered as foundry_fa2_reference: FA2 code
 class Backend:
     """What one backend's document-aware function can honour, per layer (causal and grouped KV heads: all), and
     the stock backends that stand in for it: ``truth``, what its proof compares against (each document alone), and
-    ``rows``, what runs one document per row where the flat path does not."""
+    ``rows``, what runs one document per row where the flat path does not. ``regroups``: its function regroups the
+    flat row's documents in every layer (sdpa, eager), so documents of one length run as even rows instead."""
 
     name: str
     softcap: bool
@@ -37,6 +38,7 @@ class Backend:
     truth: str
     rows: str
     window: bool = True
+    regroups: bool = False
 
 
 #: every backend, in the order the fallback chain prefers them (the one list of backend names: :data:`NAMES`), and
@@ -56,8 +58,8 @@ BACKENDS: dict[str, Backend] = {
     # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
     # torch 2.7): refused until it is proven exact
     FLEX: Backend(FLEX, softcap=False, dropout=False, truth=EAGER, rows=FLEX),
-    SDPA: Backend(SDPA, softcap=False, dropout=True, truth=SDPA, rows=SDPA),
-    EAGER: Backend(EAGER, softcap=True, dropout=True, truth=EAGER, rows=EAGER),
+    SDPA: Backend(SDPA, softcap=False, dropout=True, truth=SDPA, rows=SDPA, regroups=True),
+    EAGER: Backend(EAGER, softcap=True, dropout=True, truth=EAGER, rows=EAGER, regroups=True),
 }
 NAMES: tuple[str, ...] = tuple(BACKENDS)
 #: registered name -> backend (or fa2_reference): every name :func:`foundry_attn.attention.functions.register` registers

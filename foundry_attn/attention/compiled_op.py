@@ -156,6 +156,7 @@ def eager_document(
     softcap: float | None,
     dropout: float = 0.0,
     training: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`eager_math` over one document, causal (and windowed) within it; over a batch of right-padded documents
     (:func:`~foundry_attn.attention.functions.by_length`), each alone. On the CPU in calls of at most
@@ -170,6 +171,7 @@ def eager_document(
         softcap: caps the scores at ``softcap * tanh(scores / softcap)`` (None or 0: no cap).
         dropout: the attention dropout probability.
         training: whether dropout applies.
+        mask: its :func:`additive_mask`, made once for every layer (None: made here).
 
     Returns:
         The document's attention output ``[B, H, n, Dv]`` in ``q``'s dtype.
@@ -179,7 +181,7 @@ def eager_document(
         >>> eager_document(q, k, v, window=4096, scale=0.125, softcap=50.0).shape  # Gemma-2 style; q: [1, 8, 17, 64]
         torch.Size([1, 8, 17, 64])
     """
-    mask = additive_mask(q.shape[2], window, q)
+    mask = additive_mask(q.shape[2], window, q) if mask is None else mask
     return _in_calls(lambda q, k, v: eager_math(q, k, v, scale, softcap, mask, dropout, training), q, k, v)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from foundry_attn.attention.compiled_op import additive_mask
 from foundry_attn.attention.length_groups import LengthGroups, groups_for
 
 DOCS_KEY = "foundry_documents"
@@ -38,6 +39,7 @@ class Documents:
         self.bounds, self.device_bounds, self.host_bounds = tuple(bounds), device_bounds, host_bounds
         self.calls = 0  # attention calls that received these documents (uncompiled; the proof reads it)
         self._groups: dict[str, LengthGroups] = {}  # per kind of device (length_groups.groups_for)
+        self._masks: dict[tuple, torch.Tensor] = {}  # eager's additive masks, per length, window, dtype and device
 
     def __repr__(self) -> str:
         return f"Documents(bounds={self.bounds})"
@@ -123,6 +125,29 @@ class Documents:
         if device.type not in self._groups:
             self._groups[device.type] = groups_for(tuple(self.lengths), device)
         return self._groups[device.type]
+
+    def mask(self, n: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
+        """Eager's ``[n, n]`` additive causal (and windowed) mask in ``like``'s dtype and device
+        (:func:`~foundry_attn.attention.compiled_op.additive_mask`), made once per layout for every layer.
+
+        Args:
+            n: the padded length of a batch of documents.
+            window: how many keys a query sees, itself included (None: no window).
+            like: a tensor whose dtype and device the mask takes.
+
+        Returns:
+            The mask (the same tensor for every layer that asks).
+
+        Example::
+
+            >>> docs = Documents.of([0, 3, 6])
+            >>> docs.mask(3, None, q) is docs.mask(3, None, q)
+            True
+        """
+        key = (n, window, like.dtype, like.device)
+        if key not in self._masks:
+            self._masks[key] = additive_mask(n, window, like)
+        return self._masks[key]
 
     def bounds_on(self, device: torch.device | str) -> torch.Tensor:
         """The bounds as an int32 tensor on ``device`` (the one made per forward where it is there).

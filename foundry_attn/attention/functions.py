@@ -234,7 +234,8 @@ def by_length(
     length are a reshape (one document: the row as it is); on the CPU a long document runs alone, a view of the row
     (:data:`~foundry_attn.attention.length_groups.CPU_ALONE`); grouped KV heads are repeated in the gather. Where
     every document runs alone (each of its own length; on the CPU, groups that would not halve the calls),
-    ``LengthGroups.pad`` splits the row once and ``LengthGroups.unpad`` joins the outputs by one cat.
+    ``LengthGroups.pad`` splits the row once and ``LengthGroups.unpad`` joins the outputs by one cat. Rows
+    (``B > 1``: documents of one length laid out once per batch, one per row) are attended as they are.
 
     Args:
         docs: the documents of the row.
@@ -253,6 +254,9 @@ def by_length(
         >>> by_length(docs, q, k, v, lambda q, k, v: sdpa_document(q, k, v, None, None)).shape   # q: [1, 4, 57, 16]
         torch.Size([1, 57, 4, 16])
     """
+    if query.shape[0] > 1:  # rows of one length, each a whole document (flat_inputs' even rows): no regrouping
+        key, value = _expand_kv(query, key, value)
+        return attend(query, key, value).transpose(1, 2).contiguous()
     groups = docs.groups(query.device)
     if not groups.shapes:  # a row of no tokens
         return query.new_empty((*query.shape[:1], 0, query.shape[1], value.shape[-1]))
@@ -402,7 +406,9 @@ def eager_documents(
         query,
         key,
         value,
-        lambda q, k, v: eager_document(q, k, v, sliding_window, scale, softcap, dropout, module.training),
+        lambda q, k, v: eager_document(
+            q, k, v, sliding_window, scale, softcap, dropout, module.training, docs.mask(q.shape[2], sliding_window, q)
+        ),
     ), None
 
 

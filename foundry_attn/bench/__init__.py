@@ -31,6 +31,7 @@ BENCHES = (
     "rows",
     "layouts",
     "step",
+    "host",
 )
 
 

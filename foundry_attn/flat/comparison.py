@@ -440,7 +440,7 @@ def documents_grad(
     ``[tokens, vocab]`` backward for the rows outside the documents.
 
     Args:
-        logits: the row's logits ``[1, tokens, vocab]``, with their graph.
+        logits: the row's logits ``[1, tokens, vocab]`` (or even rows', :func:`flat_tokens`), with their graph.
         ids: the row's token ids ``[tokens]``.
         spans: each document's ``(start, end)`` in the row.
         embeds: the input embeddings ``[1, tokens, hidden]`` (:func:`token_embeddings`), or None: not asked.
@@ -460,7 +460,7 @@ def documents_grad(
         (torch.Size([13, 32]), 'model.layers.0.input_layernorm.weight')
     """
     index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
-    rows = logits[0, index].detach().requires_grad_()
+    rows = flat_tokens(logits)[index].detach().requires_grad_()
     with torch.enable_grad():
         loss = F.cross_entropy(rows.float(), next_targets(ids, spans, labels), reduction="sum")
         (grad,) = torch.autograd.grad(loss, rows)
@@ -468,20 +468,38 @@ def documents_grad(
     head_grads: dict[int, torch.Tensor] = {}
     if call is None:
         start, upstream = logits, torch.zeros_like(logits)
-        upstream[0, index] = grad.to(logits.dtype)
+        flat_tokens(upstream)[index] = grad.to(logits.dtype)
     else:
         start, weight, bias = call[0], call[2], call[3]
         upstream = torch.zeros_like(start)
-        upstream[0, index] = (grad.to(weight.dtype) @ weight).to(start.dtype)
+        flat_tokens(upstream)[index] = (grad.to(weight.dtype) @ weight).to(start.dtype)
         if weight.requires_grad:
-            head_grads[id(weight)] = grad.to(weight.dtype).T @ start[0, index].detach().to(weight.dtype)
+            head_grads[id(weight)] = grad.to(weight.dtype).T @ flat_tokens(start)[index].detach().to(weight.dtype)
         if bias is not None and bias.requires_grad:
             head_grads[id(bias)] = grad.sum(0).to(bias.dtype)
     out, by_name = loss_grads(start, embeds, params, upstream, retain_graph)
     for name, param in params:
         extra, g = head_grads.get(id(param)), by_name[name]
         by_name[name] = g if extra is None else extra if g is None else g + extra
-    return None if out is None else out[0], by_name
+    return None if out is None else flat_tokens(out), by_name
+
+
+def flat_tokens(values: torch.Tensor) -> torch.Tensor:
+    """A forward's ``[rows, width, C]`` values as ``[tokens, C]``, token after token: a flat row's, or even rows'
+    (:func:`foundry_attn.flat.inputs.flat_inputs`), whose tokens are the flat row's in order. A view where it can be.
+
+    Args:
+        values: logits, hidden states or gradients ``[rows, width, C]``.
+
+    Returns:
+        ``[rows * width, C]``.
+
+    Example::
+
+        >>> flat_tokens(torch.zeros(6, 8, 64)).shape      # six even rows of eight tokens
+        torch.Size([48, 64])
+    """
+    return values.reshape(-1, values.shape[-1])
 
 
 def loss_grads(
@@ -558,15 +576,15 @@ def run(
     with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
         logits = own_forward(hf, **inputs, use_cache=False).logits
     if not (grads and logits.requires_grad):
-        return Run(logits[0].detach())
-    ids = inputs["input_ids"][0]
+        return Run(flat_tokens(logits).detach())
+    ids = inputs["input_ids"].reshape(-1)
     embeds = token_embeddings(captured, inputs["input_ids"])
     # the graph is kept until this run's tensors go: a module that caches a tensor made from its parameters (Mega's
     # EMA kernel) hands the next forward a graph a freed backward would have taken from it
     grad, params = documents_grad(
         logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf), labels=labels
     )
-    return Run(logits[0].detach(), grad, params)
+    return Run(flat_tokens(logits).detach(), grad, params)
 
 
 def token_embeddings(captured: Sequence[torch.Tensor], ids: torch.Tensor) -> torch.Tensor | None:

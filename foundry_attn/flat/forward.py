@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from foundry_attn.attention.backends import BACKENDS
 from foundry_attn.flat.inputs import (
     Placed,
     RowForward,
@@ -241,7 +242,9 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
                 plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
         groups = plan.groups
         if plan.path == FLAT:
-            inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)
+            # documents of one length as even rows where the function would regroup them in every layer (uncompiled)
+            even = in_step and (state.stock_mask or BACKENDS[state.backend].regroups)
+            inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout, even)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
             if plan.in_step:
                 return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, plan, truth))

@@ -131,19 +131,25 @@ def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
     return labels.device.type != "cpu" or bool((labels[:, 1:] != IGNORE_INDEX).any())
 
 
-def _flat_labels(labels: torch.Tensor | None, flat: torch.Tensor, starts: list[int]) -> torch.Tensor | None:
-    if labels is None:
-        return None
-    labels = labels.reshape(-1)[flat][None].clone()
-    labels[0, torch.tensor(starts, device=labels.device)] = IGNORE_INDEX  # no document predicts the next
+def _no_first_targets(labels: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """The real tokens' labels with each document's first token no target: no document predicts the next."""
+    labels = labels.clone()
+    labels.view(-1)[torch.tensor(starts, device=labels.device)] = IGNORE_INDEX
     return labels
 
 
 def flat_inputs(
-    hf: Any, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None, layout: Layout
+    hf: Any,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    labels: torch.Tensor | None,
+    layout: Layout,
+    even: bool = False,
 ) -> tuple[dict[str, Any], Placed]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
-    (:mod:`foundry_attn.flat.proof`) runs these very inputs: the layout that trains.
+    (:mod:`foundry_attn.flat.proof`) runs these very inputs: the layout that trains. With ``even``, documents all of
+    one length are laid out as rows of it, one each (the same tokens, no padding): sdpa and eager then attend each row
+    as it is, where the flat row would regroup the documents in every layer.
 
     Args:
         hf: the HF model (not a wrapper), read for its config, dtype and base model.
@@ -151,9 +157,11 @@ def flat_inputs(
         positions: its ``[rows, width]`` position ids (:func:`flat_positions`).
         labels: its ``[rows, width]`` labels, or None.
         layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
+        even: documents of one length as rows of it (``[documents, length]``), not one row.
 
     Returns:
-        The model's keywords (a ``[1, real tokens]`` row, the documents under ``DOCS_KEY``) and :class:`Placed`.
+        The model's keywords (a ``[1, real tokens]`` row, or even rows; the documents under ``DOCS_KEY``) and
+        :class:`Placed`.
 
     Example::
 
@@ -161,13 +169,19 @@ def flat_inputs(
         >>> inputs["input_ids"].shape, inputs[DOCS_KEY]
         (torch.Size([1, 12]), Documents(bounds=(0, 3, 7, 12)))
     """
-    flat = layout.real_indices(ids.device)
     docs = Documents.of(layout.bounds(), ids.device)
-    total = docs.bounds[-1]
+    total, lengths = docs.bounds[-1], layout.lengths
+    shape = (len(lengths), lengths[0]) if even and len(lengths) > 1 and len(set(lengths)) == 1 else (1, total)
+    unpadded = total == ids.numel()  # no padding: the tokens as they are, no gather
+    flat = torch.arange(total, device=ids.device) if unpadded else layout.real_indices(ids.device)
+
+    def real(values: torch.Tensor) -> torch.Tensor:
+        return (values.reshape(-1) if unpadded else values.reshape(-1)[flat]).view(shape)
+
     inputs: dict[str, Any] = dict(
-        input_ids=ids.reshape(-1)[flat][None],
-        position_ids=positions.reshape(-1)[flat][None],
-        labels=_flat_labels(labels, flat, list(docs.bounds[:-1])),
+        input_ids=real(ids),
+        position_ids=real(positions),
+        labels=None if labels is None else _no_first_targets(real(labels), list(docs.bounds[:-1])),
     )
     # under torch.compile: the row length and the document count vary from batch to batch; one dynamic graph
     for value in (*inputs.values(), docs.device_bounds, docs.host_bounds):
@@ -176,11 +190,11 @@ def flat_inputs(
     # Gemma2/3 read last_cache_position from a 4-D mask with .item() (a graph break); the mask is ours, so is the value
     # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
     if "last_cache_position" in base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
-        inputs["last_cache_position"] = total
+        inputs["last_cache_position"] = shape[1]
     inputs["attention_mask"] = (
         # a MoE forward hands its mask to the router loss, which reads it as [batch, seq]: every token of the
         # flat row is real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)
-        torch.ones(1, total, dtype=torch.long, device=ids.device)
+        torch.ones(shape, dtype=torch.long, device=ids.device)
         if config_value(hf.config, "output_router_logits", False)
         else torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
     )

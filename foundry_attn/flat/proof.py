@@ -46,6 +46,7 @@ from foundry_attn.flat.comparison import (
     documents_grad,
     embeddings,
     evaluating,
+    flat_tokens,
     influence,
     limits_for,
     limits_note,
@@ -325,12 +326,12 @@ def prove_step(
             return None, "the training forward returned no logits for the flat row"
         embeds = token_embeddings(captured, inputs["input_ids"])
         if not (grads and logits.requires_grad):
-            return Run(logits[0].detach()), ""
-        ids = inputs["input_ids"][0]
+            return Run(flat_tokens(logits).detach()), ""
+        ids = inputs["input_ids"].reshape(-1)
         grads_ = documents_grad(
             logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf), labels=row_labels(inputs)
         )
-        return Run(logits[0].detach(), *grads_), ""
+        return Run(flat_tokens(logits).detach(), *grads_), ""
 
     return _prove(model, inputs, stock, compare, reference, grads, truth, None, packed)
 
@@ -438,7 +439,7 @@ def _compare(
     """The worst logits and gradient differences, and why the flat path (with ``rows_name``: the rows path) fails
     (empty when it holds)."""
     docs: Documents = inputs[DOCS_KEY]
-    ids = inputs["input_ids"]
+    ids = inputs["input_ids"].reshape(1, -1)  # a flat row, or even rows token after token
     order = list(dict.fromkeys(compare))  # a row of one document compares it once
     spans = [docs.spans[i] for i in order]
 
@@ -555,7 +556,7 @@ def row_labels(inputs: Mapping[str, Any]) -> torch.Tensor | None:
         torch.Size([64])
     """
     labels = inputs.get("labels")
-    return None if labels is None else labels[0]
+    return None if labels is None else labels.reshape(-1)
 
 
 def _flat_run(
@@ -693,7 +694,7 @@ def _rows_run(
     """The rows path's run of the documents at ``spans`` (one per row, as :func:`one_per_row` lays out a training
     batch: ``width`` wide, ``left``-padded or right), placed back at their positions of the flat row; or None and
     why it cannot run."""
-    ids = inputs["input_ids"]
+    ids = inputs["input_ids"].reshape(1, -1)
     index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
     lengths = tuple(e - s for s, e in spans)
     positions = None if truth is None or truth.positions is None else truth.positions[:, index]

@@ -1,0 +1,138 @@
+"""What our forward adds on the host, per step and per layer, against stock dense on the same tokens.
+
+    foundry-attn bench host --json            # CPU, fp32, one thread, 30 layers of width 64, ~1 min
+
+A Llama of tiny width (hidden 64, 4 heads, 30 layers: the host's work per layer, not the arithmetic, sets the
+pace), 6 documents of 8 tokens, forward + backward. Stock dense: the six documents as six full rows, no mask (the
+least a step can do on these tokens). Ours: the same model attached (:func:`~foundry_attn.flat.attach.attach`) and
+the same tokens as a packed batch through :func:`~foundry_attn.flat.forward.forward_documents` (one flat row).
+Round-robin medians of ``rounds`` steps each; aten ops and host syncs (``aten::_local_scalar_dense``) counted on one
+step of each. Both losses are checked equal. Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from foundry_attn.bench.timing import median, paired_ratio_median, round_robin
+
+COMMAND = "foundry-attn bench host --json"
+HIDDEN, HEADS, LAYERS, DOCUMENTS, LENGTH, VOCAB = 64, 4, 30, 6, 8, 64
+#: the targets of issue 55 on the CPU: ours' host time and aten ops per step against stock dense
+TIME_RATIO, OPS_RATIO = 1.02, 1.0
+SYNC = "aten._local_scalar_dense.default"
+
+
+class OpCounter(TorchDispatchMode):
+    """Every aten op dispatched while active, by name (what the host pays for: one dispatch each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def run(quick: bool = False, device: str | None = None, rounds: int = 15, **_: Any) -> dict[str, Any]:
+    """Stock dense against ours, sdpa and eager: step ms, ms per layer, aten ops and host syncs per step.
+
+    Args:
+        quick: 4 layers, 3 rounds (a smoke run).
+        device: where the models run (default: the CPU).
+        rounds: steps timed per variant.
+
+    Returns:
+        ``command``, per backend the two variants' ``ms``, ``ms_per_layer``, ``ops``, ``syncs`` and the ratios,
+        ``targets`` and ``correct`` (the losses agree).
+
+    Example::
+
+        >>> run(quick=True)["sdpa"]["ours"]["ops"] > 0
+        True
+    """
+    layers, rounds = (4, 3) if quick else (LAYERS, rounds)
+    dev = torch.device(device or "cpu")
+    result: dict[str, Any] = {"command": COMMAND + (" --quick" if quick else ""), "layers": layers}
+    correct, targets = True, {}
+    for impl in ("sdpa", "eager"):
+        cell = _cell(impl, layers, rounds, dev)
+        correct = correct and cell.pop("same_loss")
+        result[impl] = cell
+        targets[f"{impl}_time_ratio_at_most_{TIME_RATIO}"] = _target(cell["time_ratio"], TIME_RATIO)
+        targets[f"{impl}_ops_ratio_at_most_{OPS_RATIO}"] = _target(cell["ops_ratio"], OPS_RATIO)
+    result.update(correct=correct, targets=targets, all_targets_met=all(t["met"] for t in targets.values()))
+    return result
+
+
+def _target(value: float, most: float) -> dict[str, Any]:
+    return {"value": round(value, 3), "target": f"<= {most}", "met": value <= most}
+
+
+def _cell(impl: str, layers: int, rounds: int, dev: torch.device) -> dict[str, Any]:
+    import transformers
+
+    from foundry_attn.flat.attach import attach
+    from foundry_attn.flat.forward import forward_documents
+    from foundry_attn.verify.llama_shapes import llama_config
+
+    config = llama_config(
+        VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+    )
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(dev).train()
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(dev).train()
+    attach(ours, impl)
+    ids = torch.randint(1, VOCAB, (DOCUMENTS, LENGTH), generator=torch.Generator().manual_seed(1)).to(dev)
+    packed = {"input_ids": ids, "labels": ids, "doc_lens": [[LENGTH]] * DOCUMENTS}
+
+    def stock_step() -> float:
+        loss = stock(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.item()
+
+    def ours_step() -> float:
+        loss = forward_documents(ours, packed).loss
+        loss.backward()
+        return loss.item()
+
+    steps = {"stock": stock_step, "ours": ours_step}
+    for step in steps.values():  # warm-up; ours proves its path on its first batch
+        step()
+    losses, counts = {}, {}
+    for name, step in steps.items():
+        with OpCounter() as counter:
+            losses[name] = step()
+        counts[name] = counter.ops
+
+    def zero(name: str) -> None:
+        (stock if name == "stock" else ours).zero_grad(set_to_none=True)
+
+    timings = round_robin(steps, rounds, device=dev, before=zero)
+    cell: dict[str, Any] = {}
+    for name in steps:
+        ms = median(timings.seconds[name]) * 1e3
+        ops = sum(counts[name].values())
+        cell[name] = {
+            "ms": round(ms, 2),
+            "ms_per_layer": round(ms / layers, 3),
+            "ops": ops,
+            "syncs": counts[name][SYNC],
+        }
+    cell["time_ratio"] = round(paired_ratio_median(timings.seconds["ours"], timings.seconds["stock"]), 3)
+    cell["ops_ratio"] = round(cell["ours"]["ops"] / cell["stock"]["ops"], 3)
+    extra = counts["ours"] - counts["stock"]
+    cell["ops_ours_adds"] = dict(extra.most_common(12))
+    cell["same_loss"] = abs(losses["ours"] - losses["stock"]) <= 1e-5 * max(1.0, abs(losses["stock"]))
+    return cell
