@@ -105,6 +105,7 @@ bench: $(STAMP) $(LATEST)/.installed
 	$(LATEST)/bin/foundry-attn bench trainer --json
 	$(LATEST)/bin/foundry-attn bench rows --json
 	$(LATEST)/bin/foundry-attn bench layouts --json
+	$(LATEST)/bin/foundry-attn bench host --json --threads 1
 
 ## remove the tiny assets, the demo runs and pytest's cache
 clean:

@@ -58,7 +58,22 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def format_table(records: list[dict[str, Any]], title: str = "attention_inspector") -> str:
-    """A compact text table; consecutive identical layers / attention modules share one row."""
+    """A compact text table; consecutive identical layers / attention modules share one row.
+
+    Args:
+        records: one forward's records (:meth:`~foundry_attn.observe.probe.ModelInspector.capture`'s).
+        title: the table's first line.
+
+    Returns:
+        The title, the column names, one row per group of alike modules and a legend, joined by newlines.
+
+    Example::
+
+        >>> print(format_table(records))  # a Llama's [2, 8] batch, two padding tokens
+        attention_inspector
+        level          modules               mask  dtype    shape    hides    real   fill   packed  impl
+        model          LlamaForCausalLM      2-D   int64    2x8      padding  14/16  0.875  -       sdpa
+    """
     order = {MODEL: 0, LAYER: 1, ATTENTION: 2}
     groups: list[list[dict[str, Any]]] = []
     for rec in sorted(records, key=lambda r: (order.get(r["level"], 3), r["index"])):

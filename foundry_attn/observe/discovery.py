@@ -32,6 +32,17 @@ def mpt_attn_impl(module: nn.Module | None) -> str | None:
 
     MPT's config is a ``PretrainedConfig`` whose ``_attn_implementation`` stays ``eager`` whatever runs: its
     attention is chosen by ``attn_config``, which is read first.
+
+    Args:
+        module: a model (MPT or any other), or None.
+
+    Returns:
+        ``attn_config['attn_impl']`` where the config has one as a string, else None.
+
+    Example::
+
+        >>> mpt_attn_impl(mpt_model), mpt_attn_impl(llama_model)
+        ('flash', None)
     """
     attn_config = getattr(getattr(module, "config", None), "attn_config", None)
     impl = attn_config.get("attn_impl") if isinstance(attn_config, Mapping) else None
@@ -43,6 +54,18 @@ def attn_implementation(module: nn.Module | None) -> str | None:
 
     MPT's ``attn_impl`` (:func:`mpt_attn_impl`), else the config's ``_attn_implementation`` (``sdpa`` for our
     registered ``foundry_sdpa``), else ``unknown (class X)``.
+
+    Args:
+        module: the HF model (not a wrapper), or None.
+
+    Returns:
+        The implementation's name (``sdpa``, ``flash_attention_2``, MPT's ``torch``, ...), ``unknown (class X)``
+        where nothing says, or None without a module.
+
+    Example::
+
+        >>> attn_implementation(llama_model)  # attn_implementation="sdpa"
+        'sdpa'
     """
     if module is None:
         return None
@@ -73,6 +96,19 @@ def discover_modules(model: nn.Module, attention_selector: str | None = None) ->
     Attention modules are, by default, the outermost modules whose class name says attention
     (``LlamaAttention``, ``Qwen2Attention``, ``GPTNeoXAttention``, ...); ``attention_selector`` (a regex
     searched in the module path and the class name) replaces that rule.
+
+    Args:
+        model: the HF model (not a wrapper).
+        attention_selector: a regex searched in each module's path and class name; None: the class-name rule.
+
+    Returns:
+        The :class:`ModuleMap`: ``layers`` and ``attention`` as (clean name, module) pairs in model order, the
+        attention-like classes counted, and whether the selector matched a module.
+
+    Example::
+
+        >>> [name for name, _ in discover_modules(llama_model).attention]
+        ['model.layers.0.self_attn', 'model.layers.1.self_attn']
     """
     named = [(clean_name(n), m) for n, m in model.named_modules() if m is not model]
     heuristic: list[tuple[str, nn.Module]] = []

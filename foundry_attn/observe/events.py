@@ -25,13 +25,35 @@ ENV_EVENTS_DIR = "FOUNDRY_ATTN_EVENTS_DIR"
 
 
 def default_events_dir(run_name: str | None = None) -> Path:
-    """``$FOUNDRY_ATTN_EVENTS_DIR``, else ``./<run_name>/attn_events`` (Composer's run folder)."""
+    """``$FOUNDRY_ATTN_EVENTS_DIR``, else ``./<run_name>/attn_events`` (Composer's run folder).
+
+    Args:
+        run_name: the run's name; None: ``$RUN_NAME``, else ``foundry_attn_run``.
+
+    Returns:
+        The folder (not made here).
+
+    Example::
+
+        >>> default_events_dir("my-run")  # FOUNDRY_ATTN_EVENTS_DIR unset
+        PosixPath('my-run/attn_events')
+    """
     if os.environ.get(ENV_EVENTS_DIR):
         return Path(os.environ[ENV_EVENTS_DIR])
     return Path(run_name or os.environ.get("RUN_NAME") or "foundry_attn_run") / "attn_events"
 
 
 def run_from_env() -> str | None:
+    """The run's name as the launcher gives it: ``$COMPOSER_RUN_NAME``, else ``$RUN_NAME``.
+
+    Returns:
+        The name, or None where neither is set.
+
+    Example::
+
+        >>> run_from_env()  # RUN_NAME=my-run
+        'my-run'
+    """
     return os.environ.get("COMPOSER_RUN_NAME") or os.environ.get("RUN_NAME")
 
 
@@ -74,10 +96,34 @@ class EventLog:
 
     @property
     def bound(self) -> bool:
+        """Whether :meth:`bind` has named the folder (events are written, not held).
+
+        Returns:
+            True once the log has its folder.
+
+        Example::
+
+            >>> EventLog(None, rank=0).bound
+            False
+        """
         return self.directory is not None
 
     def bind(self, directory: str | os.PathLike, run: str | None = None) -> None:
-        """Name the folder (and the run, if it was not known), then write the events held so far."""
+        """Name the folder (and the run, if it was not known), then write the events held so far.
+
+        Args:
+            directory: the folder, made if missing.
+            run: the run's name, stamped where the log was made without one.
+
+        Raises:
+            OSError: the folder cannot be written (the message names ``events_dir``).
+
+        Example::
+
+            >>> log.bind("runs/my-run/attn_events", run="my-run")
+            >>> log.path
+            PosixPath('runs/my-run/attn_events/events-rank0.jsonl')
+        """
         self.directory = Path(directory)
         self.path = self.directory / f"events-rank{self.rank}.jsonl"
         if run and not self._stamp["run"]:
@@ -101,7 +147,21 @@ class EventLog:
             self._write({**event, "run": event.get("run") or self._stamp["run"]})
 
     def append(self, kind: str, **fields: object) -> dict:
-        """Write one event (held until :meth:`bind` when the folder is not known yet)."""
+        """Write one event (held until :meth:`bind` when the folder is not known yet).
+
+        Args:
+            kind: the event's kind (``attn_impl``, ``attn_inspect``, ``attn_verdict``, ``upad_trace``, ...).
+            **fields: the event's own fields (they win over the stamp's).
+
+        Returns:
+            The event: ``kind``, ``rank``, the stamp (run, launch, host, device, versions), ``time`` and ``fields``.
+
+        Example::
+
+            >>> event = log.append("attn_verdict", step=3, state="isolated")
+            >>> event["kind"], event["rank"], event["step"]
+            ('attn_verdict', 0, 3)
+        """
         event = {"kind": kind, "rank": self.rank, **self._stamp, "time": time.time(), **fields}
         if self.path is None:
             self._pending.append(event)
@@ -132,7 +192,19 @@ class Skipped:
 
 
 def event_files(path: str | os.PathLike) -> list[Path]:
-    """Every ``events-rank*.jsonl`` under ``path`` (one run's folder, or a tree of runs), rank 2 before rank 10."""
+    """Every ``events-rank*.jsonl`` under ``path`` (one run's folder, or a tree of runs), rank 2 before rank 10.
+
+    Args:
+        path: an event file, a run's ``attn_events`` folder, or a tree of runs.
+
+    Returns:
+        The files, by folder and rank; ``[path]`` for a file.
+
+    Example::
+
+        >>> [p.name for p in event_files("runs/my-run/attn_events")]
+        ['events-rank0.jsonl', 'events-rank1.jsonl', 'events-rank2.jsonl', 'events-rank10.jsonl']
+    """
     root = Path(path)
     if root.is_file():
         return [root]
@@ -145,6 +217,20 @@ def iter_events(paths: Iterable[Path], kind: str | None = None, skipped: Skipped
     With ``kind``, only the lines that contain ``"<kind>"`` are parsed (one substring test per line, which is
     what makes ``--fell-back`` over a million events fast); a line left unparsed that does not even end in
     ``}`` is still counted as broken.
+
+    Args:
+        paths: the event files (:func:`event_files`).
+        kind: only events of this kind; None: every event.
+        skipped: where the lines passed over are counted, if given.
+
+    Returns:
+        An iterator over the events, one dict each.
+
+    Example::
+
+        >>> skipped = Skipped()
+        >>> [e["chosen"] for e in iter_events(event_files("runs/my-run"), "attn_impl", skipped)], skipped.lines
+        (['flash_attention_2', 'sdpa'], 0)
     """
     needle = None if kind is None else f'"{kind}"'.encode()
     for path in paths:

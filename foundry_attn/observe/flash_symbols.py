@@ -91,10 +91,32 @@ class FlashSymbols:
     modules: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def module_of(self, role: str) -> str:
+        """The module ``role``'s symbol lives in: ``modules[role]``, else :attr:`module`.
+
+        Args:
+            role: ``upad``, ``posids``, ``varlen``, ``dense`` or ``pad``.
+
+        Returns:
+            The module's dotted name.
+
+        Example::
+
+            >>> discover_mpt().module_of("pad"), discover_mpt().module_of("varlen")
+            ('flash_attn.bert_padding', 'flash_attn.flash_attn_interface')
+        """
         return self.modules.get(role, self.module)
 
     def describe_missing(self) -> list[str]:
-        """One line per role the library does not expose (empty when all are traceable)."""
+        """One line per role the library does not expose (empty when all are traceable).
+
+        Returns:
+            The lines; one line with the error where the module could not be inspected.
+
+        Example::
+
+            >>> discover().describe_missing()  # transformers 4.51: every role found
+            []
+        """
         if self.error:
             return [f"{self.library} {self.transformers_version}: cannot inspect {self.module}: {self.error}"]
         return [
@@ -104,11 +126,31 @@ class FlashSymbols:
         ]
 
     def describe(self) -> str:
+        """What the library calls, by role, in one line; then :meth:`describe_missing`'s lines.
+
+        Returns:
+            The lines, joined by newlines.
+
+        Example::
+
+            >>> print(discover().describe())  # transformers 4.51
+            transformers 4.51.3 (transformers.modeling_flash_attention_utils): upad=_upad_input, posids=...
+        """
         found = ", ".join(f"{role}={name}" for role, name in self.found.items()) or "nothing"
         lines = [f"{self.library} {self.transformers_version} ({self.module}): {found}", *self.describe_missing()]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
+        """The symbols as plain data, for an event (``upad_trace_missing``'s ``symbols``).
+
+        Returns:
+            Every field by name (:func:`dataclasses.asdict`).
+
+        Example::
+
+            >>> discover().as_dict()["found"]["upad"]  # transformers 4.51
+            '_upad_input'
+        """
         return dataclasses.asdict(self)
 
 
@@ -122,7 +164,20 @@ def _transformers_version() -> str:
 
 
 def discover(module: ModuleType | None = None) -> FlashSymbols:
-    """Which flash-attention helpers ``_flash_attention_forward`` really looks up, per role; never raises."""
+    """Which flash-attention helpers ``_flash_attention_forward`` really looks up, per role; never raises.
+
+    Args:
+        module: the flash-attention utilities to read; None: ``transformers.modeling_flash_attention_utils``.
+
+    Returns:
+        The :class:`FlashSymbols`: per role the name found, else the names looked for; ``error`` where the module
+        does not import.
+
+    Example::
+
+        >>> discover().found["posids"]  # transformers 4.51
+        'prepare_fa2_from_position_ids'
+    """
     version = _transformers_version()
     try:
         mod = module if module is not None else importlib.import_module(FA_UTILS)
@@ -169,6 +224,14 @@ def discover_mpt() -> FlashSymbols:
 
     MPT unpads once per forward (``bert_padding.unpad_input`` before its blocks) and calls flash-attn's kernels
     directly, so the ``upad`` / ``posids`` roles (transformers' per-layer helpers) are neither found nor missing.
+
+    Returns:
+        The :class:`FlashSymbols` of library ``flash-attn``; ``error`` where flash-attn does not import.
+
+    Example::
+
+        >>> discover_mpt().found  # flash-attn 2.x installed
+        {'varlen': 'flash_attn_varlen_func', 'dense': 'flash_attn_func', 'pad': 'pad_input'}
     """
     try:
         import flash_attn
@@ -277,6 +340,17 @@ class FlashCallTracer:
 
     # -- lifecycle
     def reset(self, record: bool | None = None) -> None:
+        """Counts from zero, first calls and the entry forgotten: a new forward is coming.
+
+        Args:
+            record: whether the first call of each role is recorded from now; None: as before.
+
+        Example::
+
+            >>> tracer.reset(record=True)
+            >>> tracer.counts["varlen"], tracer.first
+            (0, {})
+        """
         self.counts = dict.fromkeys(ROLES, 0)
         self.first, self.order, self.ran_reference = {}, [], None
         if record is not None:
@@ -284,9 +358,27 @@ class FlashCallTracer:
 
     @property
     def attached(self) -> bool:
+        """Whether the tracer's patches are on (more :meth:`attach` calls than :meth:`detach` calls so far).
+
+        Returns:
+            True while attached.
+
+        Example::
+
+            >>> with FlashCallTracer() as tracer:
+            ...     tracer.attached
+            True
+        """
         return self._depth > 0
 
     def attach(self) -> None:
+        """Wrap every symbol found (module attributes, and the kernels the lazy importer hands out); a nested call
+        only counts, and a patch that fails undoes the others.
+
+        Example::
+
+            >>> tracer.attach()  # then the forward; tracer.detach() after it, also when it raised
+        """
         with _lock:
             self._depth += 1
             if self._depth > 1:
@@ -311,7 +403,17 @@ class FlashCallTracer:
                 raise
 
     def detach(self, force: bool = False) -> None:
-        """Undo one :meth:`attach` (all of them with ``force``); originals come back when the last goes."""
+        """Undo one :meth:`attach` (all of them with ``force``); originals come back when the last goes.
+
+        Args:
+            force: undo every :meth:`attach` at once.
+
+        Example::
+
+            >>> tracer.detach(force=True)
+            >>> tracer.attached
+            False
+        """
         with _lock:
             if self._depth == 0:
                 return
@@ -380,11 +482,31 @@ class FlashCallTracer:
     # -- results
     @property
     def entry(self) -> str | None:
-        """The first flash kernel that ran since :meth:`reset`: ``varlen`` or ``dense`` (None if neither)."""
+        """The first flash kernel that ran since :meth:`reset`: ``varlen`` or ``dense`` (None if neither).
+
+        Returns:
+            The role, or None.
+
+        Example::
+
+            >>> tracer.entry  # a padded batch under flash_attention_2
+            'varlen'
+        """
         return next((r for r in self.order if r in KERNEL_ROLES), None)
 
     @property
     def max_seqlen(self) -> int | None:
+        """The ``max_seqlen`` of the first recorded call that gives one: the entry kernel's, else varlen's, dense's,
+        the unpad's or the position-id helper's.
+
+        Returns:
+            The length in tokens, or None (nothing recorded).
+
+        Example::
+
+            >>> tracer.max_seqlen  # rows of 8 and 5 real tokens
+            8
+        """
         for role in (self.entry, VARLEN, DENSE, UPAD, POSIDS):
             if role and role in self.first and self.first[role].get("max_seqlen_q") is not None:
                 return self.first[role]["max_seqlen_q"]
@@ -392,13 +514,33 @@ class FlashCallTracer:
 
     @property
     def cu_seqlens(self) -> list[int] | None:
-        """cu_seqlens_q of the first varlen call (else of the first unpad / position-id call)."""
+        """cu_seqlens_q of the first varlen call (else of the first unpad / position-id call).
+
+        Returns:
+            The cumulative lengths, or None (nothing recorded).
+
+        Example::
+
+            >>> tracer.cu_seqlens  # rows of 8 and 5 real tokens
+            [0, 8, 13]
+        """
         for role in (VARLEN, UPAD, POSIDS):
             if self.first.get(role, {}).get("cu_seqlens_q") is not None:
                 return self.first[role]["cu_seqlens_q"]
         return None
 
     def summary(self) -> dict[str, Any]:
+        """What the tracer saw since :meth:`reset`, as plain data (the ``upad_trace`` event's fields).
+
+        Returns:
+            ``counts``, ``entry``, ``max_seqlen``, ``cu_seqlens``, ``first`` (per role) and ``symbols`` (the names
+            found).
+
+        Example::
+
+            >>> FlashCallTracer().summary()["counts"]
+            {'upad': 0, 'posids': 0, 'varlen': 0, 'dense': 0, 'pad': 0}
+        """
         return {
             "counts": dict(self.counts),
             "entry": self.entry,
@@ -410,16 +552,55 @@ class FlashCallTracer:
 
 
 def symbol_label(symbols: FlashSymbols, role: str) -> str:
-    """A short human name for a role in this transformers, e.g. ``_upad_input``."""
+    """A short human name for a role in this transformers, e.g. ``_upad_input``.
+
+    Args:
+        symbols: what :func:`discover` found.
+        role: one of :data:`ROLES`.
+
+    Returns:
+        The name found, else the role's first candidate and ``(missing)``.
+
+    Example::
+
+        >>> symbol_label(discover(), "upad")  # transformers 4.51
+        '_upad_input'
+    """
     return symbols.found.get(role) or f"{CANDIDATES[role][0]} (missing)"
 
 
 def is_flash(impl: str | None) -> bool:
-    """Implementations that run transformers' flash-attention utilities (FA2, FA3, flash kernels)."""
+    """Implementations that run transformers' flash-attention utilities (FA2, FA3, flash kernels).
+
+    Args:
+        impl: an implementation's name (:func:`~foundry_attn.observe.discovery.attn_implementation`), or None.
+
+    Returns:
+        True where the name says ``flash``.
+
+    Example::
+
+        >>> is_flash("flash_attention_2"), is_flash("sdpa"), is_flash(None)
+        (True, False, False)
+    """
     return impl is not None and "flash" in impl
 
 
 def short_list(values: list[int] | None, keep: int = 8) -> str:
+    """A list for a console line: whole when short, else its first entries, ``...``, the last and the count.
+
+    Args:
+        values: the list (``cu_seqlens``), or None.
+        keep: the longest list shown whole.
+
+    Returns:
+        The text; ``-`` for None.
+
+    Example::
+
+        >>> short_list(list(range(0, 200, 10)))
+        '[0, 10, 20, 30, 40, 50, ..., 190] (20 entries)'
+    """
     if values is None:
         return "-"
     if len(values) <= keep:
@@ -435,7 +616,21 @@ def _from_reference(fn: Callable) -> bool:
 
 
 def is_reference(symbols: FlashSymbols) -> bool:
-    """The varlen kernel that ``symbols`` names is the pure-PyTorch reference (installed in flash-attn's place)."""
+    """The varlen kernel that ``symbols`` names is the pure-PyTorch reference (installed in flash-attn's place).
+
+    Args:
+        symbols: what :func:`discover` found.
+
+    Returns:
+        True where the module's varlen kernel is the reference's; False for a kernel handed out lazily, or whose module
+        is gone.
+
+    Example::
+
+        >>> with reference_flash_attn():  # foundry_attn.attention.fa2_reference
+        ...     is_reference(discover())
+        True
+    """
     name = symbols.found.get(VARLEN)
     if name is None or name.startswith(LAZY_IMPORT):
         return False

@@ -30,6 +30,22 @@ class EventsError(ValueError):
 
 
 def files(path: str | os.PathLike) -> list[Path]:
+    """The event files under ``path`` (:func:`~foundry_attn.observe.events.event_files`), or a one-line error.
+
+    Args:
+        path: an event file, a run's folder, or a tree of runs.
+
+    Returns:
+        The files, rank 2 before rank 10.
+
+    Raises:
+        EventsError: ``path`` does not exist, or holds no ``events-rank*.jsonl``.
+
+    Example::
+
+        >>> [p.name for p in files("runs/my-run")]
+        ['events-rank0.jsonl', 'events-rank1.jsonl']
+    """
     root = Path(path)
     if not root.exists():
         raise EventsError(f"{path}: no such file or folder")
@@ -54,7 +70,23 @@ def events(
     since: float | None = None,
     skipped: Skipped | None = None,
 ) -> Iterator[dict]:
-    """Every event of ``paths`` with ``run`` filled in, filtered by kind, run name and time."""
+    """Every event of ``paths`` with ``run`` filled in, filtered by kind, run name and time.
+
+    Args:
+        paths: the event files (:func:`files`).
+        kind: only events of this kind; None: every kind.
+        run: only this run's events; None: every run's.
+        since: only events written at or after this time (seconds since the epoch, :func:`parse_time`).
+        skipped: where the lines that are not whole JSON events are counted, if given.
+
+    Returns:
+        An iterator over the events; ``run`` is the run's folder name where an event was written without one.
+
+    Example::
+
+        >>> [e["kind"] for e in events(files("runs/my-run"), since=parse_time("2026-11-22"))]
+        ['attn_impl', 'attn_inspect', 'attn_verdict', 'upad_trace']
+    """
     for path in paths:
         for event in iter_events([path], kind, skipped):
             event["run"] = _run_of(event, path)
@@ -66,7 +98,19 @@ def events(
 
 
 def decisions(stream: Iterable[dict]) -> list[dict]:
-    """The last ``attn_impl`` event of every (run, launch, rank)."""
+    """The last ``attn_impl`` event of every (run, launch, rank).
+
+    Args:
+        stream: events with ``run`` filled in (:func:`events`).
+
+    Returns:
+        One ``attn_impl`` event per (run, launch, rank), the last of each.
+
+    Example::
+
+        >>> len(decisions(events(files("runs/my-run"))))  # 8 ranks, launched twice
+        16
+    """
     last: dict[tuple, dict] = {}
     for event in stream:
         if event.get("kind") == "attn_impl":
@@ -75,7 +119,19 @@ def decisions(stream: Iterable[dict]) -> list[dict]:
 
 
 def failed(decision: dict) -> bool:
-    """A rank whose build raised (strict, or nothing in the chain could run)."""
+    """A rank whose build raised (strict, or nothing in the chain could run).
+
+    Args:
+        decision: a rank's ``attn_impl`` event.
+
+    Returns:
+        True where the build failed or chose nothing.
+
+    Example::
+
+        >>> failed({"chosen": None, "failed": True}), failed({"chosen": "sdpa"})
+        (True, False)
+    """
     return bool(decision.get("failed")) or decision.get("chosen") is None
 
 
@@ -85,18 +141,55 @@ def _fell_back_flag(decision: dict) -> bool:
 
 
 def unmet(decision: dict) -> bool:
-    """A rank that did not get what it asked for: it fell back, or its build failed."""
+    """A rank that did not get what it asked for: it fell back, or its build failed.
+
+    Args:
+        decision: a rank's ``attn_impl`` event.
+
+    Returns:
+        True where it fell back or failed.
+
+    Example::
+
+        >>> unmet({"requested": "flash_attention_2", "chosen": "sdpa", "fell_back": True})
+        True
+    """
     return _fell_back_flag(decision) or failed(decision)
 
 
 def fell_back(decided: Iterable[dict]) -> list[dict]:
-    """Every rank that did not get what it asked for, as flat rows."""
+    """Every rank that did not get what it asked for, as flat rows.
+
+    Args:
+        decided: every rank's decision (:func:`decisions`).
+
+    Returns:
+        The :data:`FELL_BACK_COLUMNS` of each unmet decision, by run, launch and rank.
+
+    Example::
+
+        >>> [(row["rank"], row["chosen"]) for row in fell_back(decided)]  # ranks 3 and 7 on Tesla T4s
+        [(3, 'sdpa'), (7, 'sdpa')]
+    """
     rows = [{c: d.get(c) for c in FELL_BACK_COLUMNS} for d in decided if unmet(d)]
     return sorted(rows, key=lambda r: (str(r["run"]), str(r["launch"]), r["rank"] if r["rank"] is not None else -1))
 
 
 def summary(decided: list[dict]) -> dict[str, Any]:
-    """Fallback frequency by device class (device name and compute capability) and by reason."""
+    """Fallback frequency by device class (device name and compute capability) and by reason.
+
+    Args:
+        decided: every rank's decision (:func:`decisions`).
+
+    Returns:
+        ``ranks``, ``fell_back``, ``runs``, ``by_device`` (per device class: ranks, fell back, rate) and
+        ``by_reason`` (the count of each reason, most common first).
+
+    Example::
+
+        >>> summary(decided)["by_device"]["Tesla T4 (sm75)"]
+        {'ranks': 2, 'fell_back': 2, 'rate': 1.0}
+    """
     by_device: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     reasons: collections.Counter[str] = collections.Counter()
     for d in decided:
@@ -115,7 +208,22 @@ def summary(decided: list[dict]) -> dict[str, Any]:
 
 
 def parse_time(value: str) -> float:
-    """Seconds since the epoch, or an ISO date/time (``2026-11-22``, ``2026-11-22T06:00``; UTC unless given)."""
+    """Seconds since the epoch, or an ISO date/time (``2026-11-22``, ``2026-11-22T06:00``; UTC unless given).
+
+    Args:
+        value: what ``--since`` was given.
+
+    Returns:
+        Seconds since the epoch.
+
+    Raises:
+        ValueError: ``value`` is neither a number nor an ISO date/time.
+
+    Example::
+
+        >>> parse_time("2026-11-22"), parse_time("1700000000")
+        (1795305600.0, 1700000000.0)
+    """
     try:
         return float(value)
     except ValueError:
@@ -126,7 +234,21 @@ def parse_time(value: str) -> float:
 
 
 def table(rows: list[dict], columns: Iterable[str]) -> str:
-    """Aligned columns for people; the last column is never padded."""
+    """Aligned columns for people; the last column is never padded.
+
+    Args:
+        rows: one dict per row.
+        columns: the keys shown, in order; a value that is missing or None shows as ``-``.
+
+    Returns:
+        The column names and the rows, joined by newlines.
+
+    Example::
+
+        >>> print(table(fell_back(decided), ["run", "rank", "chosen"]))
+        run     rank  chosen
+        my-run  3     sdpa
+    """
     columns = list(columns)
     cells = [[str(r.get(c, "")) if r.get(c) is not None else "-" for c in columns] for r in rows]
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
@@ -136,7 +258,20 @@ def table(rows: list[dict], columns: Iterable[str]) -> str:
 
 
 def one_line(event: dict) -> dict:
-    """A listing row: when, run, launch, rank, kind, and a few words of what happened."""
+    """A listing row: when, run, launch, rank, kind, and a few words of what happened.
+
+    Args:
+        event: any event (:func:`events`).
+
+    Returns:
+        ``time`` (UTC), ``run``, ``launch``, ``rank``, ``kind`` and ``what``: ``requested -> chosen`` for a decision,
+        else the first 80 characters of its ``message``.
+
+    Example::
+
+        >>> one_line(event)["what"]  # an attn_impl event that fell back
+        'flash_attention_2 -> sdpa (fell back)'
+    """
     what = ""
     if event.get("kind") == "attn_impl":
         what = f"{event.get('requested')} -> {event.get('chosen')}" + (" (fell back)" if _fell_back_flag(event) else "")
@@ -154,6 +289,19 @@ def one_line(event: dict) -> dict:
 
 
 def report_skipped(skipped: Skipped) -> str | None:
+    """The note on the lines the readers passed over, for the end of a listing.
+
+    Args:
+        skipped: what the readers counted.
+
+    Returns:
+        One sentence, or None where no line was skipped.
+
+    Example::
+
+        >>> report_skipped(Skipped(3, {"a/events-rank0.jsonl", "b/events-rank0.jsonl"}))
+        'skipped 3 line(s) that are not JSON events, in 2 file(s)'
+    """
     if not skipped.lines:
         return None
     return f"skipped {skipped.lines} line(s) that are not JSON events, in {len(skipped.files)} file(s)"

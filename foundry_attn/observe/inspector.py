@@ -49,7 +49,20 @@ class InspectorCore:
 
     def say_once(self, key: str, message: str) -> bool:
         """``message`` at WARNING the first time ``key`` comes (LLM-Foundry's ``train.py`` shows warnings on the
-        console); True when it was said now."""
+        console); True when it was said now.
+
+        Args:
+            key: the kind of warning (``selector``, ``no_attn``, ``leak``).
+            message: what is logged.
+
+        Returns:
+            True when it was said now, False when ``key`` came before.
+
+        Example::
+
+            >>> core.say_once("leak", "attention_inspector: packed documents attend to each other")
+            True
+        """
         if key in self.said:
             return False
         self.said.add(key)
@@ -58,7 +71,19 @@ class InspectorCore:
 
     def probe(self, model: Any) -> ModelInspector:
         """The probe on ``model`` (the HF model, or the whole model when none was found); a selector that matched
-        nothing, or no attention-like module, is said once."""
+        nothing, or no attention-like module, is said once.
+
+        Args:
+            model: the HF model, or the whole model where none was found.
+
+        Returns:
+            The :class:`~foundry_attn.observe.probe.ModelInspector` on ``model``, with the core's selector.
+
+        Example::
+
+            >>> core.probe(llama_model).modules.attention[0][0]
+            'model.layers.0.self_attn'
+        """
         inspector = ModelInspector(model, self.selector)
         mods = inspector.modules
         if not mods.selector_matched:
@@ -80,7 +105,23 @@ class InspectorCore:
         self, step: int, records: list[dict[str, Any]], batch: BatchInfo, model: str, implementation: str | None
     ) -> dict[str, float]:
         """A sampled forward's records: their ``attn/*`` metrics (:func:`~foundry_attn.observe.probe.summarize`)
-        and an ``attn_inspect`` event."""
+        and an ``attn_inspect`` event.
+
+        Args:
+            step: the batch (or step) number.
+            records: the probe's records of that forward.
+            batch: what the collated batch held (:meth:`~foundry_attn.observe.probe.BatchInfo.from_batch`).
+            model: the inspected model's name, for the event.
+            implementation: the attention implementation it runs.
+
+        Returns:
+            The ``attn/*`` metrics, kept as ``last_metrics`` too.
+
+        Example::
+
+            >>> core.inspected(0, records, BatchInfo.from_batch(batch), "model", "sdpa")["attn/fill_ratio"]
+            0.875
+        """
         metrics = summarize(records, batch)
         self.last_records, self.last_metrics = records, metrics
         if self.events is not None:
@@ -97,7 +138,22 @@ class InspectorCore:
 
     def judged(self, step: int, verdict: Verdict, fix: str) -> dict[str, float]:
         """A verdict's ``attn/documents_isolated`` and ``attn/verdict_worst_diff``, an ``attn_verdict`` event, a log
-        line, and a leak warned once with ``fix``."""
+        line, and a leak warned once with ``fix``.
+
+        Args:
+            step: the batch (or step) number.
+            verdict: the verdict on that batch (:func:`~foundry_attn.observe.verdict.judge`).
+            fix: what the leak warning tells the user to change (:func:`~foundry_attn.observe.verdict.fix_for`).
+
+        Returns:
+            ``attn/documents_isolated`` (1.0 or 0.0) where the verdict knows, ``attn/verdict_worst_diff`` where it
+            measured one.
+
+        Example::
+
+            >>> core.judged(3, structural(llama_model, Features.of(batch)), fix_for(llama_model))  # packed, stock sdpa
+            {'attn/documents_isolated': 0.0}
+        """
         self.last_verdict = verdict
         metrics: dict[str, float] = {}
         if verdict.isolated is not None:
@@ -123,7 +179,20 @@ class InspectorCore:
         verdict: Verdict | None,
         rank: int,
     ) -> None:
-        """The console table of the first inspected forward (rank 0), the first verdict under it."""
+        """The console table of the first inspected forward (rank 0), the first verdict under it.
+
+        Args:
+            step: the batch (or step) number.
+            records: the probe's records of that forward.
+            batch: what the collated batch held.
+            implementation: the attention implementation the model runs.
+            verdict: the batch's verdict, printed under the table; None: none.
+            rank: this process's global rank (only rank 0 prints).
+
+        Example::
+
+            >>> core.table(0, records, BatchInfo.from_batch(batch), "sdpa", verdict, rank=0)  # prints; later: nothing
+        """
         if not (records and self.print_table and not self._printed and rank == 0):
             return
         self._printed = True
@@ -146,12 +215,42 @@ class InspectorResults:
 
     @property
     def last_records(self) -> list[dict[str, Any]]:
+        """The records of the last inspected forward.
+
+        Returns:
+            One record per hooked module; empty before the first.
+
+        Example::
+
+            >>> inspector.last_records[0]["cls"]
+            'LlamaForCausalLM'
+        """
         return self.core.last_records
 
     @property
     def last_metrics(self) -> dict[str, float]:
+        """The ``attn/*`` metrics of the last inspected forward.
+
+        Returns:
+            The metrics; empty before the first.
+
+        Example::
+
+            >>> inspector.last_metrics["attn/fill_ratio"]
+            0.875
+        """
         return self.core.last_metrics
 
     @property
     def last_verdict(self) -> Verdict | None:
+        """The last verdict on a batch's packed documents.
+
+        Returns:
+            The :class:`~foundry_attn.observe.verdict.Verdict`, or None before the first.
+
+        Example::
+
+            >>> inspector.last_verdict.state
+            'isolated'
+        """
         return self.core.last_verdict

@@ -161,6 +161,21 @@ def describe_mask(
     when the mask is not read (none, a ``BlockMask``). ``cache_position`` / ``cached`` (a cache of earlier keys
     came with the call) place a 4-D mask's queries as the model does; ``window_hint`` is the model's configured
     sliding window, checked against the mask (a one-query decoding step cannot tell a window from padding alone).
+
+    Args:
+        mask: the ``attention_mask`` a module was given: None, a 2-D or 4-D tensor, a ``BlockMask``, ...
+        cache_position: the call's ``cache_position``, where it carries one.
+        cached: a cache of earlier keys came with the call.
+        window_hint: the model's ``sliding_window``, or None.
+
+    Returns:
+        ``mask``, ``mask_dtype``, ``mask_shape``, ``has_zeros``, ``window`` and ``mask_hides``; for a 2-D mask also
+        ``mask_real`` (its real tokens).
+
+    Example::
+
+        >>> describe_mask(torch.tensor([[1, 1, 1, 0]]))["mask_hides"]
+        'padding'
     """
     unread = {"has_zeros": None, "window": None, "mask_hides": None}
     if mask is None or is_placeholder(mask):  # the documents travel as arguments, not in a mask
@@ -205,7 +220,19 @@ class BatchInfo:
     @classmethod
     def from_batch(cls, batch: Any) -> BatchInfo:
         """Read by :class:`foundry_attn.flat.layout.Layout` (``doc_lens``, else a 2-D mask, else every position); a mask
-        whose rows have gaps (the forward refuses it) is counted as it is."""
+        whose rows have gaps (the forward refuses it) is counted as it is.
+
+        Args:
+            batch: the collated batch (a mapping with ``input_ids``); anything else gives an empty :class:`BatchInfo`.
+
+        Returns:
+            Its ``[rows, width]`` and real tokens.
+
+        Example::
+
+            >>> BatchInfo.from_batch({"input_ids": ids, "attention_mask": mask})  # [2, 8], two padding tokens
+            BatchInfo(shape=(2, 8), real_tokens=14)
+        """
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
             return cls()
         try:
@@ -216,10 +243,30 @@ class BatchInfo:
 
     @property
     def positions(self) -> int | None:
+        """How many positions the batch holds (rows x width).
+
+        Returns:
+            The count, or None where the shape is not known.
+
+        Example::
+
+            >>> BatchInfo((2, 8), 14).positions
+            16
+        """
         return None if self.shape is None else int(torch.Size(self.shape).numel())
 
     @property
     def fill_ratio(self) -> float | None:
+        """The share of the batch's positions that hold real tokens.
+
+        Returns:
+            Real tokens / positions, or None where either is not known.
+
+        Example::
+
+            >>> BatchInfo((2, 8), 14).fill_ratio
+            0.875
+        """
         if self.positions is None or self.real_tokens is None:
             return None
         return self.real_tokens / max(1, self.positions)
@@ -246,15 +293,46 @@ class ModelInspector:
 
     @property
     def armed(self) -> bool:
+        """Whether the hooks are on (between :meth:`arm` and :meth:`disarm`).
+
+        Returns:
+            True while hooked.
+
+        Example::
+
+            >>> ModelInspector(llama_model).armed
+            False
+        """
         return bool(self._handles)
 
     def targets(self) -> list[tuple[str, int, str, nn.Module]]:
+        """What is hooked: the model, its decoder layers, its attention modules, in that order.
+
+        Returns:
+            ``(level, index, name, module)`` per target; the model's name is its class's.
+
+        Example::
+
+            >>> [(level, index, name) for level, index, name, _ in ModelInspector(llama_model).targets()][:2]
+            [('model', 0, 'LlamaForCausalLM'), ('layer', 0, 'model.layers.0')]
+        """
         out = [(MODEL, 0, type(self.model).__name__, self.model)]
         out += [(LAYER, i, n, m) for i, (n, m) in enumerate(self.modules.layers)]
         out += [(ATTENTION, i, n, m) for i, (n, m) in enumerate(self.modules.attention)]
         return out
 
     def arm(self, batch: BatchInfo | None = None) -> None:
+        """Hook every target and start a new record list: the next forward (not the proof's) is recorded.
+
+        Args:
+            batch: what the collated batch holds (real tokens for the levels that see it whole); None: not known.
+
+        Example::
+
+            >>> inspector.arm(BatchInfo.from_batch(batch))
+            >>> llama_model(**batch)  # fills inspector.records
+            >>> inspector.disarm()
+        """
         self.disarm()
         self.records, self._done, self._masks, self._positions = [], False, {}, {}
         self.batch = batch or BatchInfo()
@@ -265,6 +343,14 @@ class ModelInspector:
         self._handles.append(self.model.register_forward_hook(self._post, with_kwargs=True, always_call=True))
 
     def disarm(self) -> None:
+        """Every hook off (idempotent); the records stay.
+
+        Example::
+
+            >>> inspector.disarm()
+            >>> inspector.armed, len(inspector.records)
+            (False, 5)
+        """
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -272,6 +358,21 @@ class ModelInspector:
 
     @contextlib.contextmanager
     def capture(self, batch: BatchInfo | None = None) -> Iterator[list[dict[str, Any]]]:
+        """Hooked for a ``with`` block: :meth:`arm`, the record list, :meth:`disarm` (also where the block raised).
+
+        Args:
+            batch: what the collated batch holds, as :meth:`arm` takes it.
+
+        Returns:
+            A context manager whose value is the record list, filled by the block's first forward.
+
+        Example::
+
+            >>> with ModelInspector(llama_model).capture(BatchInfo.from_batch(batch)) as records:
+            ...     llama_model(**batch)
+            >>> records[0]["mask"], records[0]["fill_ratio"]
+            ('2-D', 0.875)
+        """
         self.arm(batch)
         try:
             yield self.records
@@ -354,7 +455,20 @@ class ModelInspector:
 
 def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> dict[str, float]:
     """The ``attn/*`` metrics of one forward's records (see :class:`AttentionInspector` for each key); the
-    ``attn/mask_*_modules`` keys count attention modules by the mask they were given."""
+    ``attn/mask_*_modules`` keys count attention modules by the mask they were given.
+
+    Args:
+        records: one forward's records (:meth:`ModelInspector.capture`'s).
+        batch: what the collated batch held; None: the model level's record says.
+
+    Returns:
+        The metrics by name, as floats.
+
+    Example::
+
+        >>> summarize(records, BatchInfo.from_batch(batch))["attn/mask_4d_modules"]  # a 2-layer Llama on sdpa
+        2.0
+    """
     attn = [r for r in records if r["level"] == ATTENTION and "error" not in r]
     model = next((r for r in records if r["level"] == MODEL and "error" not in r), None)
     out: dict[str, float] = {

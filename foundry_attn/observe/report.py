@@ -83,6 +83,18 @@ def span(values: Sequence[float], natural: tuple[float, float] = (-math.inf, mat
 
     ``natural``: the range the quantity lives in (``(0, 1)`` for ratios, ``(0, inf)`` for counts). The axis
     spans it wherever the data stay inside, and leaves it only as far as the data do.
+
+    Args:
+        values: the data along the axis (at least one value).
+        natural: the range the quantity lives in.
+
+    Returns:
+        ``(low, high)``.
+
+    Example::
+
+        >>> span([0.5, 0.9], natural=(0.0, 1.0)), span([5])
+        ((0.0, 1.0), (4.0, 6.0))
     """
     lo, hi = min(values), max(values)
     bottom, top = natural
@@ -179,7 +191,20 @@ def _lines(
 
 def launches(decided: list[dict]) -> list[dict[str, Any]]:
     """One column per (run, launch): a run's launches oldest first, the newest marked ``latest``, with each rank's
-    outcome (``chosen``, ``fell back`` or ``failed``)."""
+    outcome (``chosen``, ``fell back`` or ``failed``).
+
+    Args:
+        decided: every rank's decision (:func:`foundry_attn.observe.fleet.decisions`).
+
+    Returns:
+        One dict per column: ``run``, ``launch``, ``index`` of ``of`` (the run's launches, from 1), ``latest``, and
+        ``ranks`` (per rank its ``chosen`` and ``outcome``).
+
+    Example::
+
+        >>> launches(decided)[0]["ranks"]  # one rank that fell back
+        {0: {'chosen': 'sdpa', 'outcome': 'fell back'}}
+    """
     first: dict[tuple[str, str | None], float] = {}
     for d in decided:
         key = (d["run"], d.get("launch"))
@@ -320,7 +345,24 @@ def _devices(path: Path, summary: dict[str, Any]) -> None:
 
 def build_report(path: str | Path, out: str | Path) -> dict[str, Any]:
     """Write the PNGs and ``report.html`` into ``out``; returns what was written (the axes of the line figures,
-    the grid's launch columns) and what was skipped."""
+    the grid's launch columns) and what was skipped.
+
+    Args:
+        path: an event file, a run's folder, or a tree of runs.
+        out: the folder to write into (made if missing).
+
+    Returns:
+        ``html`` (the page's path), ``figures`` (the PNGs' paths), ``axes`` (each line figure's limits),
+        ``launches`` (the grid's columns) and ``skipped_lines``.
+
+    Raises:
+        EventsError: ``path`` holds no event file, or no event.
+
+    Example::
+
+        >>> build_report("runs/my-run/attn_events", "report")["html"]
+        'report/report.html'
+    """
     skipped = Skipped()
     events = list(fleet.events(fleet.files(path), skipped=skipped))
     if not events:

@@ -59,7 +59,17 @@ class TracerCore:
         self._said: set[str] = set()
 
     def say_once(self, key: str, message: str, **event: Any) -> None:
-        """``message`` at WARNING the first time ``key`` comes, and an event of kind ``key``."""
+        """``message`` at WARNING the first time ``key`` comes, and an event of kind ``key``.
+
+        Args:
+            key: the kind of warning, and the event's kind.
+            message: what is logged, and the event's ``message``.
+            **event: the event's other fields.
+
+        Example::
+
+            >>> core.say_once("upad_trace_idle", "upad_tracer: nothing to trace (...)", attn_implementation="sdpa")
+        """
         if key in self._said:
             return
         self._said.add(key)
@@ -123,30 +133,70 @@ class TracerCore:
             self.tracer = FlashCallTracer(self.symbols, record=True)
 
     def start(self) -> bool:
-        """A sampled forward is coming: counts from zero. False when there is nothing to trace."""
+        """A sampled forward is coming: counts from zero. False when there is nothing to trace.
+
+        Returns:
+            True where a tracer is ready (its counts reset), False where nothing is traced.
+
+        Example::
+
+            >>> core.start()  # the model runs sdpa: resolve said why, once
+            False
+        """
         if self.tracer is None:
             return False
         self.tracer.reset(record=True)
         return True
 
     def attach(self) -> None:
-        """At the sampled forward's start: the tracer's patches on."""
+        """At the sampled forward's start: the tracer's patches on.
+
+        Example::
+
+            >>> if core.start():
+            ...     core.attach()
+        """
         if self.tracer is not None:
             self.tracer.attach()
 
     def detach(self) -> None:
-        """At its end (also when it raised)."""
+        """At its end (also when it raised).
+
+        Example::
+
+            >>> core.detach()  # in the ``finally`` after the sampled forward
+        """
         if self.tracer is not None:
             self.tracer.detach()
 
     def release(self) -> None:
-        """Every patch off (idempotent)."""
+        """Every patch off (idempotent).
+
+        Example::
+
+            >>> core.release()  # at the end of training, or when the callback goes away
+        """
         if self.tracer is not None:
             self.tracer.detach(force=True)
 
     def report(self, step: int, rank0: bool, unit: str = "batch") -> dict[str, float]:
         """The traced forward's ``attn/<role>_calls_per_step`` and ``attn/max_seqlen`` metrics, its ``upad_trace``
-        event and (``rank0``, ``print_counts``) one console line of counts."""
+        event and (``rank0``, ``print_counts``) one console line of counts.
+
+        Args:
+            step: the batch (or step) number.
+            rank0: this process is rank 0 (only it prints).
+            unit: what ``step`` counts, for the console line.
+
+        Returns:
+            ``attn/<role>_calls_per_step`` per role and ``attn/max_seqlen`` (where a call gave one), as floats; kept as
+            ``last_metrics`` too.
+
+        Example::
+
+            >>> core.report(3, rank0=False)["attn/varlen_calls_per_step"]  # a 2-layer model, one varlen call per layer
+            2.0
+        """
         tracer = self.tracer
         assert tracer is not None and self.symbols is not None
         summary = tracer.summary()

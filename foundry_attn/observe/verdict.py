@@ -74,9 +74,29 @@ class Verdict:
 
     @property
     def isolated(self) -> bool | None:
+        """Whether the documents are isolated: True, False (they leak), or None (not packed, unknown).
+
+        Returns:
+            The state as a bool, or None.
+
+        Example::
+
+            >>> Verdict(LEAKS, STRUCTURAL, "MPT attends across documents").isolated
+            False
+        """
         return {ISOLATED: True, LEAKS: False}.get(self.state)
 
     def line(self) -> str:
+        """The verdict in one line, for logs and the console table; a structural reading says it was not measured.
+
+        Returns:
+            The line.
+
+        Example::
+
+            >>> Verdict(LEAKS, STRUCTURAL, "MPT attends across documents").line()
+            'documents LEAK (structural reading, not measured: MPT attends across documents)'
+        """
         if self.state == NOT_PACKED:
             return f"not packed ({self.reason})"
         if self.state == UNKNOWN:
@@ -89,6 +109,16 @@ class Verdict:
         return f"{head} (measured: {docs}; {which}: {self.reason}, {self.ms:.0f} ms)"
 
     def as_dict(self) -> dict[str, Any]:
+        """The verdict as plain data: the ``attn_verdict`` event's fields.
+
+        Returns:
+            Every field by name (``worst`` None for NaN), and ``line``.
+
+        Example::
+
+            >>> Verdict(NOT_PACKED, reason=NO_BOUNDARIES).as_dict()["state"]
+            'not packed'
+        """
         out = dataclasses.asdict(self)
         out["worst"] = None if self.worst is None or math.isnan(self.worst) else self.worst
         out["line"] = self.line()
@@ -107,7 +137,20 @@ class Features:
     @classmethod
     def of(cls, batch: Mapping, rows: list[DocumentRow] | None = None) -> Features:
         """``rows``: :func:`foundry_attn.flat.layout.packed_rows` of ``batch`` when the caller has them (a host
-        sync)."""
+        sync).
+
+        Args:
+            batch: the collated batch.
+            rows: its packed rows, where the caller has them; None: read here.
+
+        Returns:
+            What the batch holds: packed rows, ``sequence_id``, ``position_ids``, a padding mask.
+
+        Example::
+
+            >>> Features.of({"input_ids": ids, "doc_lens": [[3, 5], [4, 4]]})
+            Features(packed=True, sequence_id=False, position_ids=False, padding_mask=False)
+        """
         mask = batch.get("attention_mask")
         return cls(
             packed=bool(packed_rows(batch) if rows is None else rows),
@@ -128,7 +171,20 @@ def _mpt_uses_sequence_id(hf: Any) -> bool | None:
 
 
 def structural(hf: Any, features: Features) -> Verdict:
-    """What the model does with packed documents, read from the model and the batch's keys (not measured)."""
+    """What the model does with packed documents, read from the model and the batch's keys (not measured).
+
+    Args:
+        hf: the HF model (not a wrapper).
+        features: what the batch tells the model (:meth:`Features.of`).
+
+    Returns:
+        The :class:`Verdict`, ``how`` ``structural``; ``not packed`` where no row holds two marked documents.
+
+    Example::
+
+        >>> structural(llama_model, Features.of({"input_ids": ids, "doc_lens": [[3, 5], [4, 4]]})).state  # stock sdpa
+        'leaks'
+    """
     if not features.packed:
         return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
     state = path_of(hf)
@@ -164,7 +220,19 @@ def structural(hf: Any, features: Features) -> Verdict:
 
 
 def fix_for(hf: Any) -> str:
-    """What a user changes so that packed documents stop seeing each other."""
+    """What a user changes so that packed documents stop seeing each other.
+
+    Args:
+        hf: the HF model.
+
+    Returns:
+        One sentence: MPT's ``attn_uses_sequence_id``, else foundry_attn's model; or ``padding: mask``.
+
+    Example::
+
+        >>> fix_for(llama_model)
+        'use model name foundry_attn_causal_lm (it keeps packed documents apart on every backend), or padding: mask'
+    """
     if _mpt_uses_sequence_id(hf) is not None:
         return (
             "set model.attn_config.attn_uses_sequence_id: true (the foundry_attn loaders emit sequence_id), "
@@ -177,7 +245,19 @@ def fix_for(hf: Any) -> str:
 
 
 def active_dropout(hf: Any) -> str | None:
-    """The dropout that makes a training forward's logits noisy, or None (eval mode, or p = 0 everywhere)."""
+    """The dropout that makes a training forward's logits noisy, or None (eval mode, or p = 0 everywhere).
+
+    Args:
+        hf: the HF model.
+
+    Returns:
+        Where the randomness comes from (:func:`foundry_attn.flat.comparison.training_noise`), or None.
+
+    Example::
+
+        >>> active_dropout(llama_model.train())  # attention_dropout=0.1
+        'attention_dropout=0.1 in model.layers.0.self_attn'
+    """
     return training_noise(hf) if hf.training else None
 
 
@@ -236,7 +316,27 @@ def measure(
     mode (an eval switch can change a model: RWKV rescales its weights in place) and ``context`` (the run's
     precision), hidden from the tracers, the global RNG untouched; without ``rerun`` (a model on foundry_attn's path,
     whose own forward is not stock's) the structural reading instead. ``rows``:
-    :func:`foundry_attn.flat.layout.packed_rows` of ``batch``, when the caller has them."""
+    :func:`foundry_attn.flat.layout.packed_rows` of ``batch``, when the caller has them.
+
+    Args:
+        hf: the HF model (not a wrapper).
+        batch: the collated batch, its documents marked (``doc_lens``, ``sequence_id`` or restarting ``position_ids``).
+        logits: the training forward's logits, or None.
+        documents: how many of the row's first documents are compared (at least 2).
+        context: the run's precision (an autocast context) for a forward of its own; None: none.
+        rows: :func:`~foundry_attn.flat.layout.packed_rows` of ``batch``, where the caller has them.
+        embeds: the training forward's input embeddings, with their graph.
+        rerun: whether a forward of its own may run; False: the structural reading where there is no graph.
+
+    Returns:
+        The :class:`Verdict`, ``how`` ``measured`` (or the structural reading, so labelled); ``not packed`` where no
+        row holds two marked documents.
+
+    Example::
+
+        >>> measure(llama_model, {"input_ids": ids, "doc_lens": [[3, 5], [4, 4]]}, None).line()  # stock sdpa
+        'documents LEAK (measured: documents [0, 1] (lengths [3, 5]) of row 0; document(s) [1]: its loss reaches ...)'
+    """
     rows = packed_rows(batch) if rows is None else rows
     if not rows:
         return Verdict(NOT_PACKED, reason=NO_BOUNDARIES)
@@ -389,7 +489,24 @@ def judge(
     (:func:`measure`) where the model may be differentiated or run again, else the structural reading, labelled so;
     never a guess shown as a measurement. ``blocked``: why neither is possible, as the caller's stack knows it
     (compiled, sharded); active dropout is read here. An output without logits (TRL's fused LM head) is measured on
-    a forward of the documents of its own."""
+    a forward of the documents of its own.
+
+    Args:
+        hf: the HF model (not a wrapper).
+        batch: the collated batch.
+        output: the training forward's output (a mapping or an object with ``logits``).
+        blocked: why the model may not be differentiated or run again (:func:`second_forward_blocked`), or None.
+        context: the run's precision (an autocast context) for a forward of its own; None: none.
+        embeds: the training forward's input embeddings, with their graph (a ``ForwardProbe``'s), or None.
+
+    Returns:
+        The :class:`Verdict`; ``unknown``, with why, where the batch has no ``input_ids`` or the measurement raised.
+
+    Example::
+
+        >>> judge(hf_model, batch, output, second_forward_blocked(model, hf_model)).state  # foundry_attn's path
+        'isolated'
+    """
     if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
         return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
     rows = packed_rows(batch)  # one host sync, shared by the reading and the measurement
