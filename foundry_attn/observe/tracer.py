@@ -20,6 +20,7 @@ from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
 from foundry_attn.observe.events import EventLog
+from foundry_attn.observe.flash_calls import FlashCallTracer
 from foundry_attn.observe.flash_symbols import (
     DENSE,
     PAD,
@@ -27,7 +28,6 @@ from foundry_attn.observe.flash_symbols import (
     ROLES,
     UPAD,
     VARLEN,
-    FlashCallTracer,
     FlashSymbols,
     discover,
     discover_mpt,
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 class TracerCore:
     """One model's flash-attention calls on sampled forwards: the unpad, position-ids, varlen, dense and pad calls,
-    the first ``cu_seqlens`` and ``max_seqlen`` (:class:`~foundry_attn.observe.flash_symbols.FlashCallTracer`).
+    the first ``cu_seqlens`` and ``max_seqlen`` (:class:`~foundry_attn.observe.flash_calls.FlashCallTracer`).
     Other implementations: said once (a warning and an event), nothing traced."""
 
     def __init__(self, print_counts: bool = True) -> None:

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,24 +31,17 @@ import transformers
 from foundry_attn.attention.backends import backend_of
 from foundry_attn.attention.config_values import config_value
 from foundry_attn.flat.comparison import (
-    alone_inputs,
-    differs,
-    embeddings,
-    half,
     influence,
-    limits_for,
     next_token_loss,
-    run,
     training_noise,
 )
-from foundry_attn.flat.implementation import current
-from foundry_attn.flat.inputs import base_parameters, stock_splits_packed_rows
-from foundry_attn.flat.layout import DocumentRow, Layout, packed_rows
-from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.flat.inputs import stock_splits_packed_rows
+from foundry_attn.flat.layout import DocumentRow, packed_rows
 from foundry_attn.flat.proving import hidden
 from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.observe.discovery import mpt_attn_impl
+from foundry_attn.observe.row_calls import against_alone, packed_slice, row_forward
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
 MEASURED, STRUCTURAL = "measured", "structural"
@@ -261,42 +254,6 @@ def active_dropout(hf: Any) -> str | None:
     return training_noise(hf) if hf.training else None
 
 
-def _packed_slice(values: torch.Tensor, batch: Mapping, row: int, start: int, n: int) -> torch.Tensor | None:
-    """Tokens ``start:start+n`` of ``row`` of one forward's ``[rows, width, C]`` values (logits, embeddings), or of
-    a flat ``[1, real tokens, C]`` output (real tokens of each row first, as foundry_attn's flat path returns them)."""
-    ids = batch["input_ids"]
-    if values.dim() != 3:
-        return None
-    if tuple(values.shape[:2]) == tuple(ids.shape[:2]):
-        return values[row, start : start + n]
-    try:
-        layout = Layout.from_batch(batch)
-    except ValueError:
-        return None
-    if values.shape[0] == 1 and values.shape[1] == layout.real_tokens:
-        offset = sum(sum(lengths) for lengths in layout.doc_lens[:row]) + start - layout.start(row)
-        return values[0, offset : offset + n]
-    return None
-
-
-#: the batch's per-token keys a judgement's own forward of one row's first documents passes on, sliced to them
-ROW_KEYS = ("input_ids", "position_ids", "attention_mask", "token_type_ids")
-
-
-def _row_forward(
-    hf: Any, batch: Mapping, row: int, start: int, n: int, context: contextlib.AbstractContextManager | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first documents of ``row`` (tokens ``start:start+n``) as the training forward was given them (its
-    per-token keys sliced, its ``use_cache``), in the model's own mode and precision, with their input embeddings
-    as tensors to differentiate against: ``([1, n, vocab]`` logits, ``[1, n, hidden]`` embeddings)."""
-    call = _row_call(hf, batch, row, start, start + n, training=True)
-    with _untouched(hf), embeddings(hf, True) as captured, torch.enable_grad(), context or contextlib.nullcontext():
-        logits = own_forward(hf, **call).logits
-    if not captured:
-        raise ValueError("the model has no input embedding module to differentiate against")
-    return logits, captured[0]
-
-
 def measure(
     hf: Any,
     batch: Mapping,
@@ -347,8 +304,8 @@ def measure(
     spans = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))
     last = spans[-1]
     ids = batch["input_ids"][row, start : start + n]
-    packed = None if logits is None else _packed_slice(logits, batch, row, start, n)
-    mine = None if embeds is None else _packed_slice(embeds, batch, row, start, n)
+    packed = None if logits is None else packed_slice(logits, batch, row, start, n)
+    mine = None if embeds is None else packed_slice(embeds, batch, row, start, n)
     target = ids[last[0] : last[1]]
     sliced: torch.Tensor | None = None
     with hidden(), torch.random.fork_rng(devices=[]):
@@ -356,13 +313,13 @@ def measure(
             loss = next_token_loss(packed[last[0] : last[1]], target)
             # the step's backward follows; None: these embeddings are not the ones the logits came from
             (grad,) = torch.autograd.grad(loss, embeds, retain_graph=True, allow_unused=True)
-            sliced = None if grad is None else _packed_slice(grad, batch, row, start, n)
+            sliced = None if grad is None else packed_slice(grad, batch, row, start, n)
             values = packed[last[0] : last[1]].detach()
         if sliced is None and not rerun:
             reading = structural(hf, Features.of(batch, rows))
             return dataclasses.replace(reading, reason=f"{reading.reason}; not measured: no training graph to read")
         if sliced is None:
-            row_logits, source = _row_forward(hf, batch, row, start, n, context)
+            row_logits, source = row_forward(hf, batch, row, start, n, context)
             (grad,) = torch.autograd.grad(next_token_loss(row_logits[0, last[0] : last[1]], target), source)
             sliced = grad[0]
             values = row_logits[0, last[0] : last[1]].detach()
@@ -371,7 +328,7 @@ def measure(
         diff, off, skipped = math.nan, False, ""
         if not reach.leaks:
             try:
-                diff, off = _against_alone(hf, batch, (row, start, n), last, values, context, rerun)
+                diff, off = against_alone(hf, batch, (row, start, n), last, values, context, rerun)
             except Exception as exc:  # a cross-check that cannot run leaves the influence measured, and says so
                 skipped = f" (not compared with it alone: {type(exc).__name__}: {str(exc)[:120]})"
     ms = (time.perf_counter() - began) * 1e3
@@ -383,70 +340,6 @@ def measure(
         return Verdict(LEAKS, MEASURED, why, diff, row, tuple(lengths), leaking, ms)
     why = reach.describe() + (skipped or f", and its logits match it alone (worst |diff| {diff:.1e})")
     return Verdict(ISOLATED, MEASURED, why, None if skipped else diff, row, tuple(lengths), (), ms)
-
-
-def _against_alone(
-    hf: Any,
-    batch: Mapping,
-    first: tuple[int, int, int],
-    last: tuple[int, int],
-    packed: torch.Tensor,
-    context: contextlib.AbstractContextManager | None,
-    rerun: bool,
-) -> tuple[float, bool]:
-    """The last of the row's first documents (``first``: row, start, tokens; ``last``: its span among them) alone,
-    no grad, in the model's own mode, against its ``packed`` logits: the difference, and whether it is beyond
-    :func:`foundry_attn.flat.comparison.differs`' limit. Judged where rounding cannot pass for a difference: fp32 as
-    the run is; under autocast with fp32 weights, both sides again with autocast off (``rerun``: stock's own forward
-    of the row); else (half weights, or a model on our path) per token against limits measured at the comparison's
-    own shape and precision (:func:`foundry_attn.flat.comparison.limits_for`, as the proof's). The document alone
-    gets the batch's own keys for its tokens (its positions, MPT's ``sequence_id``), or in half precision is
-    right-padded to the batch's width, so both sides round as one shape does."""
-    row, start, n = first
-    ids = batch["input_ids"][row, start + last[0] : start + last[1]]
-    alone_call = _row_call(hf, batch, row, start + last[0], start + last[1])
-    with _untouched(hf), torch.no_grad(), context or contextlib.nullcontext():
-        weights = next(hf.parameters()).dtype
-        if not half(weights, ids.device):
-            return differs(packed, own_forward(hf, **alone_call, use_cache=False).logits[0], True)
-        if rerun and weights == torch.float32:
-            with torch.autocast(ids.device.type, enabled=False):
-                row_call = _row_call(hf, batch, row, start, start + n, training=True)
-                mine = own_forward(hf, **row_call).logits[0, last[0] : last[1]]
-                return differs(mine, own_forward(hf, **alone_call, use_cache=False).logits[0], True)
-        width = batch["input_ids"].shape[1]
-        alone = own_forward(hf, **alone_inputs(ids[None], width=width), use_cache=False).logits[0, : ids.shape[0]]
-        own = alone_inputs(ids[None])
-        limits = limits_for(hf, own, run(hf, own, [(0, ids.shape[0])], False), current(hf) if rerun else None)
-    return differs(packed, alone, False, limits.logits)
-
-
-def _row_call(hf: Any, batch: Mapping, row: int, start: int, end: int, training: bool = False) -> dict[str, Any]:
-    """The batch's per-token keys the model takes (:data:`ROW_KEYS`, and any its ``forward`` names: MPT's
-    ``sequence_id``), sliced to tokens ``start:end`` of ``row``; the labels stay out. ``training``: the training
-    forward's ``use_cache`` too, where the batch gave one."""
-    named = base_parameters(type(hf))  # type: ignore[arg-type]  # (a class is hashable: see flat.inputs)
-    shape = batch["input_ids"].shape
-    call = {
-        k: v[row : row + 1, start:end]
-        for k, v in batch.items()
-        if (k in ROW_KEYS or k in named) and k != "labels" and isinstance(v, torch.Tensor) and v.shape == shape
-    }
-    if training and "use_cache" in batch:
-        call["use_cache"] = batch["use_cache"]
-    return call
-
-
-@contextlib.contextmanager
-def _untouched(hf: Any) -> Iterator[None]:
-    """A judgement's own forward must leave the model as it was: one that changes a weight or buffer in place (what
-    RWKV does in eval mode) is said, never hidden, as the step that follows sees it."""
-    tensors = [*hf.parameters(), *hf.buffers()]
-    versions = [t._version for t in tensors]
-    yield
-    changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
-    if changed:
-        raise RuntimeError(f"the model changed {changed} of its own weights or buffers in place in this forward")
 
 
 def second_forward_blocked(model: Any, hf: Any, sharded: bool = False) -> str | None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from foundry_attn.attention import fa2_reference as ref
 from foundry_attn.attention.fa2_reference import flash_attn_func, flash_attn_varlen_func, reference_flash_attn
-from foundry_attn.observe.flash_symbols import FlashCallTracer
+from foundry_attn.observe.flash_calls import FlashCallTracer
 from tests.conftest import REAL_FLASH_ATTN, assert_restored, snapshot
 
 HEADS = [(2, 2), (4, 2), (4, 1)]  # (query heads, key/value heads): MHA, GQA, MQA

@@ -21,7 +21,8 @@ from foundry_attn.flat.attach import attach
 from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.observe.console_table import format_table
-from foundry_attn.observe.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN, FlashCallTracer
+from foundry_attn.observe.flash_calls import FlashCallTracer
+from foundry_attn.observe.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN
 from foundry_attn.observe.probe import BatchInfo, ModelInspector
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from foundry_attn.observe.flash_symbols import DENSE, VARLEN, FlashCallTracer
+from foundry_attn.observe.flash_calls import FlashCallTracer
+from foundry_attn.observe.flash_symbols import DENSE, VARLEN
 from tests.integrations.test_dropin_matrix import OURS, STOCK, icl_tasks, metrics_of, save_pretrained_llama, write_icl
 
 pytestmark = [pytest.mark.foundry, pytest.mark.slow]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from foundry_attn.attention.fa2_reference import reference_flash_attn
-from foundry_attn.observe import flash_symbols as fs
-from foundry_attn.observe.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN, FlashCallTracer, discover
+from foundry_attn.observe.flash_calls import FlashCallTracer
+from foundry_attn.observe.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN, discover
+from foundry_attn.patching import original
 from tests.conftest import PATCHED_MODULES, assert_restored, snapshot
 
 # ---- symbol discovery --------------------------------------------------------------------------------------
@@ -146,8 +147,8 @@ def test_tracer_and_reference_compose_in_any_order(order: str, llama) -> None:
             if stock is None:
                 assert "flash_attn_varlen_func" not in vars(fa_utils)  # reference gone; the tracer is dormant there
             else:  # reference gone; the tracer wraps the real kernel it stood in for
-                assert fs.original(fa_utils, "flash_attn_varlen_func") is stock is not fa_utils.flash_attn_varlen_func
-            assert fs.original(fa_utils, "_upad_input") is not fa_utils._upad_input  # and still traces the rest
+                assert original(fa_utils, "flash_attn_varlen_func") is stock is not fa_utils.flash_attn_varlen_func
+            assert original(fa_utils, "_upad_input") is not fa_utils._upad_input  # and still traces the rest
             tracer.detach()
     assert tracer.counts[UPAD] == tracer.counts[VARLEN] == tracer.counts[PAD] == 2
     assert tracer.first[VARLEN]["cu_seqlens_q"] == [0, 8, 13]
