@@ -172,7 +172,9 @@ def flat_inputs(
     docs = Documents.of(layout.bounds(), ids.device)
     total, lengths = docs.bounds[-1], layout.lengths
     shape = (len(lengths), lengths[0]) if even and len(lengths) > 1 and len(set(lengths)) == 1 else (1, total)
-    unpadded = total == ids.numel()  # no padding: the tokens as they are, no gather
+    # even rows of an unpadded batch: its tokens as they are, no gather (only there: under torch.compile, views of
+    # the batch's own tensors made Gemma-2 compile a third graph where the gathered row keeps two)
+    unpadded = shape[0] > 1 and total == ids.numel()
     flat = torch.arange(total, device=ids.device) if unpadded else layout.real_indices(ids.device)
 
     def real(values: torch.Tensor) -> torch.Tensor:
