@@ -30,14 +30,13 @@ def test_documents_of_one_length_train_as_even_rows(family: str, impl: str) -> N
     docs = synthetic_documents(model.config, (8,) * 6, torch.device("cpu"))
     for per_row in (1, 3):
         batch = _packed(docs, per_row)
-        prepared = prepare_documents(model, batch, in_step=True)
-        if state.path == "flat":
-            assert prepared.inputs["input_ids"].shape == (6, 8), prepared.inputs["input_ids"].shape
         for _ in range(2):  # the first batch is proven on its own forward; the second only trains
             out = forward_documents(model, batch)
-            assert state.proofs[-1][1].ok, state.proofs[-1][1].describe()
+            assert "batch" in state.proofs[-1][0] and state.proofs[-1][1].ok, state.proofs[-1]
             assert_trains_alone(model, out.loss, docs, not state.first_targets)
-        with torch.no_grad():
+        with torch.no_grad():  # no grad: not a training batch, nothing planned or proven
+            if state.path == "flat":
+                assert prepare_documents(model, batch, in_step=True).inputs["input_ids"].shape == (6, 8)
             logits = repad_logits(forward_documents(model, batch))
         assert logits.shape == (*batch["input_ids"].shape, model.config.vocab_size)
 
@@ -49,3 +48,22 @@ def test_documents_of_several_lengths_keep_the_flat_row() -> None:
     batch = {"input_ids": torch.cat(docs)[None], "doc_lens": [[8, 8, 5]]}
     assert prepare_documents(model, batch, in_step=True).inputs["input_ids"].shape == (1, 21)
     assert prepare_documents(model, _packed(docs[:2], 2), in_step=False).inputs["input_ids"].shape == (1, 16)
+
+
+@pytest.mark.parametrize("checkpointing", ["hf_non_reentrant", "checkpoint_wrapper"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_even_rows_are_exact_under_activation_checkpointing(checkpointing: str, impl: str) -> None:
+    """The recompute runs the same call: even rows, their documents as the argument, each row alone."""
+    from foundry_attn.verify.conformance import enable_checkpointing
+
+    model = _model("llama", impl)
+    state = attach(model, impl)
+    enable_checkpointing(model, checkpointing)
+    docs = synthetic_documents(model.config, (8,) * 6, torch.device("cpu"))
+    batch = _packed(docs, 2)
+    out = forward_documents(model, batch)
+    at, proof = state.proofs[-1]
+    assert state.path == "flat" and at.startswith("batch 1") and proof.ok, (at, proof.describe())
+    with torch.no_grad():  # not a training batch: nothing planned
+        assert prepare_documents(model, batch, in_step=True).inputs["input_ids"].shape == (6, 8)
+    assert_trains_alone(model, out.loss, docs, True)
