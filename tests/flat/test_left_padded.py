@@ -17,7 +17,7 @@ from foundry_attn.flat.synthetic import synthetic_documents
 from foundry_attn.verify import zoo
 from tests.flat.test_judged import _model, _own_truth
 
-#: absolute learned positions (GPT-2, GPT-Neo, OPT, BioGPT) and rotary (Llama)
+#: absolute positions (GPT-2, GPT-Neo, OPT, BioGPT, GPT-BigCode; XGLM's sinusoidal) and rotary (Llama)
 FAMILIES = [
     (family, impl)
     for family, impls in (
@@ -25,6 +25,8 @@ FAMILIES = [
         ("gpt_neo", ("eager",)),
         ("opt", ("eager", "sdpa")),
         ("biogpt", ("eager", "sdpa")),
+        ("gpt_bigcode", ("eager", "sdpa")),
+        ("xglm", ("eager",)),
         ("llama", ("eager", "sdpa")),
     )
     for impl in impls
