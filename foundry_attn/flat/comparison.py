@@ -332,30 +332,6 @@ def loss_shifts(hf: Any, doc: torch.Tensor) -> bool:
     return not (near(unshifted) and not near(shifted))
 
 
-def documents_loss(
-    logits: torch.Tensor, ids: torch.Tensor, spans: Sequence[tuple[int, int]], labels: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The summed next-token loss of the documents at ``spans`` of one row's ``[tokens, vocab]`` logits.
-
-    Args:
-        logits: one row's logits ``[tokens, vocab]``.
-        ids: its token ids ``[tokens]``.
-        spans: each document's ``(start, end)`` in the row.
-        labels: the row's ``[tokens]`` labels as the model takes them (token ``t`` is the target of ``t - 1``;
-            -100: none), or None: every next token of a document is its target (:func:`next_targets`).
-
-    Returns:
-        A scalar fp32 tensor: the cross-entropy of each target, summed.
-
-    Example::
-
-        >>> documents_loss(logits[0], ids[0], [(0, 6), (6, 13)])
-        tensor(45.6660, grad_fn=<NllLossBackward0>)
-    """
-    index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
-    return F.cross_entropy(logits[index].float(), next_targets(ids, spans, labels), reduction="sum")
-
-
 def next_targets(
     ids: torch.Tensor, spans: Sequence[tuple[int, int]], labels: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -432,7 +408,7 @@ def documents_grad(
     params: Sequence[tuple[str, torch.nn.Parameter]] = (),
     labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ParamGrads]:
-    """The gradient of :func:`documents_loss` (the documents at ``spans`` of one row: ``[1, tokens, vocab]``
+    """The gradient of the summed next-token loss of the documents at ``spans`` of one row (``[1, tokens, vocab]``
     ``logits``, ``[tokens]`` ``ids``) with respect to the input embeddings ``embeds`` ``[1, tokens, hidden]``, and
     with respect to each of ``params`` (:func:`trainable`). The loss's gradient is taken on the documents' rows alone
     and, where the logits are the output of a plain linear output layer (``head``, :func:`head_calls`), carried
@@ -447,8 +423,8 @@ def documents_grad(
         head: the output layer's calls of that forward (:func:`head_calls`).
         retain_graph: keep the graph after the backward (a training backward, or a module's cached tensor, needs it).
         params: the parameters to differentiate against, by name (:func:`trainable`).
-        labels: the row's ``[tokens]`` labels, whose targets the loss takes (None: every next token; see
-            :func:`documents_loss`).
+        labels: the row's ``[tokens]`` labels, whose targets the loss takes (:func:`next_targets`; None: every next
+            token of a document).
 
     Returns:
         The embeddings' gradient ``[tokens, hidden]`` (None without ``embeds``) and each parameter's, by name.

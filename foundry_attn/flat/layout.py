@@ -202,6 +202,13 @@ class Layout:
             >>> Layout(((3, 4), (5,)), 8).position_ids()
             tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
         """
+        if all(len(row) <= 1 for row in self.doc_lens):  # one run of real tokens per row (a mask): no loop over rows
+            cols = torch.arange(self.width)
+            start = torch.tensor([self.start(r) for r in range(self.rows)])[:, None]
+            real = torch.tensor([sum(row) for row in self.doc_lens])[:, None]
+            pos = cols - start
+            pos = torch.where(pos < 0, cols, torch.where(pos >= real, pos - real, pos))
+            return pos.to(device, non_blocking=True)
         out = torch.empty(self.rows, self.width, dtype=torch.long)
         for r, row in enumerate(self.doc_lens):
             sizes = [self.start(r), *row, self.width - self.start(r) - sum(row)]
