@@ -9,13 +9,13 @@ The public API, for a transformers user (LLM-Foundry users name our registered c
     out = forward_documents(model, batch)                  # out.loss: each document as if alone
     install(trainer)                                       # transformers' Trainer / TRL: what attention did
 
-The folders, by job, each importing only the ones before it (``tests/test_layers.py`` holds the rule):
-``attention`` (our attention functions and the documents they take), ``selection`` (which backend runs here),
-``flat`` (the flat path, its inputs and its proof), ``observe`` (what attention did: probe, verdict, events),
-``verify`` (conformance matrix, zoo, sweeps), ``integrations`` (LLM-Foundry, Composer, the Trainer: the only code
-importing them); ``bench`` and ``cli`` are the tools, ``patching`` and ``checks`` the helpers all share. ``guard`` runs
-at every interpreter start (``foundry_attn_guard.pth``), so this file imports nothing until a name is asked for (PEP
-562).
+The folders, by job, each importing only the ones before it (``tests/test_layers.py`` holds the rule): ``attention``
+(our attention functions and the documents they take), ``selection`` (which backend runs here), ``flat`` (the flat row:
+a batch read and laid out), ``proof`` (does a layout train each document as alone), ``path`` (flat or rows: attach, the
+plan per batch, the forward), ``observe`` (what attention did: probe, verdict, events), ``verify`` (conformance matrix,
+zoo, sweeps), ``integrations`` (LLM-Foundry, Composer, the Trainer: the only code importing them); ``bench`` and ``cli``
+are the tools, ``patching`` and ``checks`` the helpers all share. ``guard`` runs at every interpreter start
+(``foundry_attn_guard.pth``), so this file imports nothing until a name is asked for (PEP 562).
 """
 
 TYPE_CHECKING = False  # typing is not imported at interpreter start (the guard's cost: bench guard)
@@ -26,8 +26,8 @@ __version__ = "0.1.0"
 
 #: each public name and the module that owns it
 _PUBLIC = {
-    "attach": "foundry_attn.flat.attach",
-    "forward_documents": "foundry_attn.flat.forward",
+    "attach": "foundry_attn.path.attach",
+    "forward_documents": "foundry_attn.path.forward",
     "PaddingCollator": "foundry_attn.flat.packing",
     "install": "foundry_attn.integrations.hf_trainer",
 }

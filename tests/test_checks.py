@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from foundry_attn.checks import check_interval
-from foundry_attn.flat.attach import attach
 from foundry_attn.integrations.llm_foundry.keys import AttnKeys
+from foundry_attn.path.attach import attach
 from tests.conftest import make_llama
 
 

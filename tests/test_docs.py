@@ -126,13 +126,13 @@ def test_commands_the_docs_name_exist() -> None:
 
 
 def test_every_public_function_of_the_core_and_the_glues_says_its_args_returns_and_an_example() -> None:
-    """Every public function and method of ``attention/``, ``selection/``, ``flat/``, ``integrations/`` and
-    ``observe/`` has an ``Args:`` section (when it takes parameters), ``Returns:`` (when it returns something) and an
-    ``Example``."""
+    """Every public function and method of ``attention/``, ``selection/``, ``flat/``, ``proof/``, ``path/``,
+    ``integrations/`` and ``observe/`` has an ``Args:`` section (when it takes parameters), ``Returns:`` (when it
+    returns something) and an ``Example``."""
     import ast
 
     lacking: list[str] = []
-    for folder in ("attention", "selection", "flat", "integrations", "observe"):
+    for folder in ("attention", "selection", "flat", "proof", "path", "integrations", "observe"):
         for path in sorted((REPO / "foundry_attn" / folder).rglob("*.py")):
 
             def visit(body: list[ast.stmt], owner: str = "", path: Path = path) -> None:

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
+from foundry_attn.path.attach import attach
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS
 from tests.conftest import make_llama
 
@@ -45,8 +45,8 @@ def test_policy_picks_fa2_on_this_gpu() -> None:
 
 
 def test_unpad_once_on_real_fa2_matches_sdpa() -> None:
-    from foundry_attn.flat.forward import forward_documents, repad_logits
     from foundry_attn.flat.packing import PaddingCollator
+    from foundry_attn.path.forward import forward_documents, repad_logits
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("FA2 needs sm80+")

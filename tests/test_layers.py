@@ -1,6 +1,6 @@
 """The house rules, held by folder: who may import whom, and which folders may import Composer and its kin.
 
-    attention  <  selection  <  flat  <  observe  <  verify  <  integrations      (a folder imports only leftwards)
+    attention < selection < flat < proof < path < observe < verify < integrations   (a folder imports only leftwards)
     guard, patching: importable by all; cli and bench (the tools) import anything but are imported by nothing
 
 Only ``integrations/`` (and the benches that measure it) import Composer, LLM-Foundry, accelerate, TRL or PEFT: the
@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "foundry_attn"
 #: the folders by job, lowest first: each may import the ones before it
-FOLDERS = ("attention", "selection", "flat", "observe", "verify", "integrations")
+FOLDERS = ("attention", "selection", "flat", "proof", "path", "observe", "verify", "integrations")
 BASE = frozenset({"guard", "patching", "checks"})  # importable by every folder; they import nothing of ours
 TOOLS = frozenset({"cli", "bench"})  # entry points: import anything, imported by nothing of the runtime
 TOP_LEVEL = BASE | {"__init__", "cli"}
@@ -158,7 +158,7 @@ def test_no_module_imports_a_private_name_of_another() -> None:
     assert not found, found
 
 
-RUNTIME = ("attention", "selection", "flat", "observe", "integrations")
+RUNTIME = ("attention", "selection", "flat", "proof", "path", "observe", "integrations")
 
 
 def _lines_outside(owner: str, pattern: str, allowed: str = "") -> list[str]:

@@ -2,8 +2,8 @@
 
     out, _ = document_attention(q, k, v, host_bounds, "sdpa", window=0, scale=0.125, softcap=0.0)  # [B, H, T, D]
 
-Eagerly, the sdpa and eager functions of :mod:`foundry_attn.attention.functions` group the documents by length on
-the host (:mod:`foundry_attn.attention.length_groups`), which Dynamo would trace and specialise on every new layout
+Eagerly, the sdpa and eager functions of :mod:`foundry_attn.attention.dense_functions` group the documents by length
+on the host (:mod:`foundry_attn.attention.length_groups`), which Dynamo would trace and specialise on every new layout
 (a recompile per batch). Under compile they call this op instead: ``foundry_attn::document_attention``
 (``torch.library.custom_op``) takes the document bounds as a CPU int32 tensor, groups the documents inside (no
 device sync: the bounds never leave the host) into at most 8 right-padded batches, and is a single node in the
@@ -159,7 +159,7 @@ def eager_document(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`eager_math` over one document, causal (and windowed) within it; over a batch of right-padded documents
-    (:func:`~foundry_attn.attention.functions.by_length`), each alone. On the CPU in calls of at most
+    (:func:`~foundry_attn.attention.dense_functions.by_length`), each alone. On the CPU in calls of at most
     :data:`CPU_SCORES` scores (:func:`per_call`).
 
     Args:

@@ -1,7 +1,7 @@
 """How the documents of one flat row reach attention: the :class:`Documents` object, the keyword every attention
 call carries it under (``foundry_documents``), the ``[1, 1, 1, 1]`` placeholder that stands in for the model's
 L x L mask, and the errors raised when the documents do not arrive or the call carries what the flat row cannot
-honour. :mod:`foundry_attn.flat.forward` builds them; the functions of :mod:`foundry_attn.attention.functions` read
+honour. :mod:`foundry_attn.path.forward` builds them; the functions of :mod:`foundry_attn.attention.functions` read
 them. Core module: torch only.
 """
 

@@ -33,9 +33,9 @@ import torch
 from foundry_attn.attention.backends import SDPA
 from foundry_attn.bench import machine, sync
 from foundry_attn.bench.timing import median, round_robin
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify.llama_shapes import SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench compile --json"

@@ -60,6 +60,9 @@ of 128 with every length scaled by 128/2048, fp32) with the CPU-capable tiers: p
 and stock_unpad_per_layer and ours_torch_varlen on the pure-PyTorch reference kernel standing in for torch's
 ``varlen_attn`` (:func:`reference_varlen_attn`): labelled "reference kernel (not a GPU number)". For tests, not
 for numbers.
+
+The batches and the model live in :mod:`foundry_attn.bench.gpu_workloads`; the loss agreement, the targets and the
+summary in :mod:`foundry_attn.bench.gpu_report`; the tiers and the timed run here.
 Core module: torch and transformers only.
 """
 
@@ -68,9 +71,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 import platform
-import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -80,28 +81,30 @@ import torch
 from foundry_attn.attention.fa2_reference import reference_flash_attn
 from foundry_attn.attention.torch_varlen import torch_varlen_kernel
 from foundry_attn.bench import machine
+from foundry_attn.bench.gpu_report import BASELINE, REFERENCE, agreement, targets
+from foundry_attn.bench.gpu_report import OURS as OURS
+from foundry_attn.bench.gpu_report import TARGETS as TARGETS
+from foundry_attn.bench.gpu_report import summary as summary
+from foundry_attn.bench.gpu_workloads import CPU_WIDTH as CPU_WIDTH
+from foundry_attn.bench.gpu_workloads import MIX_MIN as MIX_MIN
+from foundry_attn.bench.gpu_workloads import REPORT_LENGTHS as REPORT_LENGTHS
+from foundry_attn.bench.gpu_workloads import ROWS as ROWS
+from foundry_attn.bench.gpu_workloads import SEED, Settings, Workload, build_model, workloads
+from foundry_attn.bench.gpu_workloads import WIDTH as WIDTH
+from foundry_attn.bench.gpu_workloads import mix_lengths as mix_lengths
+from foundry_attn.bench.gpu_workloads import scaled as scaled
 from foundry_attn.bench.reference_kernels import (
     flash_attn_func_via_sdpa,
     flash_varlen_from_torch,
     reference_varlen_attn,
 )
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
-from foundry_attn.flat.packing import IGNORE_INDEX
-from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
+
+# the ``X as X`` imports: names of the batches and the report kept importable here, where they were before
 
 COMMAND = "foundry-attn bench gpu --json"
-REPORT_LENGTHS = BLOG_LENGTHS
-ROWS, WIDTH, CPU_WIDTH, CPU_VOCAB = 6, 2048, 128, 512
-PAD_ID, SEED = 0, 0
-MIX_MEDIAN, MIX_SIGMA, MIX_MIN = 0.15, 1.0, 64  # lognormal: median 15% of a row, clipped to 64..width (at 2048)
-BASELINE, REFERENCE = "padded_dense", "sdpa_per_document"
-OURS = ("ours_torch_varlen", "ours_flash_attn")
-TARGETS: dict[str, tuple[str, float]] = {
-    "a_report": ("ours_vs_padded_dense_a_report", 3.0),
-    "b_no_padding": ("ours_vs_padded_dense_b_no_padding", 0.97),
-}
 REFERENCE_LABEL = "reference kernel (not a GPU number)"
 NEEDS_CUDA = (
     "foundry-attn bench gpu needs a CUDA GPU (torch.cuda.is_available() is False here); "
@@ -115,11 +118,11 @@ NEEDS_CUDA = (
 @contextlib.contextmanager
 def reference_torch_varlen() -> Iterator[None]:
     """Our ``torch_varlen`` adapter on :func:`reference_varlen_attn` instead of torch's CUDA kernel (CPU runs)."""
-    from foundry_attn.attention import functions
+    from foundry_attn.attention import varlen_functions
     from foundry_attn.patching import patch_attribute
 
     patches = [
-        patch_attribute(functions, "torch_varlen_kernel", replace=lambda: reference_varlen_attn),
+        patch_attribute(varlen_functions, "torch_varlen_kernel", replace=lambda: reference_varlen_attn),
     ]
     try:
         yield
@@ -132,123 +135,6 @@ def flash_attn_version() -> str | None:
     from foundry_attn.selection.capability import probe_flash_attn
 
     return probe_flash_attn()[0]
-
-
-# ---- workloads ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Workload:
-    """One batch: ``rows`` x ``width`` token ids, per row its documents' lengths (real tokens first)."""
-
-    name: str
-    title: str
-    doc_lens: list[list[int]]
-    width: int
-    ids: torch.Tensor
-
-    @property
-    def real_tokens(self) -> int:
-        return sum(sum(row) for row in self.doc_lens)
-
-    @property
-    def positions(self) -> int:
-        return self.ids.numel()
-
-    @property
-    def one_document_per_row(self) -> bool:
-        return all(len(row) <= 1 for row in self.doc_lens)
-
-    def _labels(self, starts_too: bool) -> torch.Tensor:
-        labels = torch.full_like(self.ids, IGNORE_INDEX)
-        for r, row in enumerate(self.doc_lens):
-            used = sum(row)
-            labels[r, :used] = self.ids[r, :used]
-            if starts_too:  # the targets ours has: no document predicts the next one's first token
-                start = 0
-                for n in row:
-                    labels[r, start] = IGNORE_INDEX
-                    start += n
-        return labels
-
-    def real_mask(self) -> torch.Tensor:
-        used = torch.tensor([sum(row) for row in self.doc_lens])
-        return (torch.arange(self.width)[None, :] < used[:, None]).long()
-
-    def batches(self, device: torch.device) -> dict[str, dict[str, Any]]:
-        """``padded``: stock, no mask; ``masked``: stock with a 2-D mask; ``documents``: ours (``doc_lens``)."""
-        ids, labels = self.ids.to(device), self._labels(starts_too=True).to(device)
-        return {
-            "padded": {"input_ids": ids, "labels": labels},
-            "masked": {"input_ids": ids, "attention_mask": self.real_mask().to(device), "labels": labels},
-            "documents": {
-                "input_ids": ids,
-                "labels": self._labels(starts_too=False).to(device),
-                "doc_lens": [list(row) for row in self.doc_lens],
-            },
-        }
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "title": self.title,
-            "rows": len(self.doc_lens),
-            "width": self.width,
-            "doc_lens": self.doc_lens,
-            "documents": sum(len(row) for row in self.doc_lens),
-            "real_tokens": self.real_tokens,
-            "positions": self.positions,
-            "fill": self.real_tokens / self.positions,
-            "limit_vs_padded_dense": self.positions / self.real_tokens,
-        }
-
-
-def scaled(lengths: tuple[int, ...], width: int) -> list[int]:
-    """Lengths at 2048 scaled to rows of ``width`` (the CPU run's shorter rows keep the same fill)."""
-    return [max(1, round(n * width / WIDTH)) for n in lengths]
-
-
-def mix_lengths(width: int, rows: int = ROWS, seed: int = SEED) -> list[list[int]]:
-    """Seeded lognormal lengths packed in order into ``rows`` rows of ``width``; a row closes (padded) when the
-    next document does not fit, and the document that does not fit the last row ends the batch."""
-    rng = random.Random(seed)
-    out: list[list[int]] = [[]]
-    used = 0
-    shortest = scaled((MIX_MIN,), width)[0]
-    while True:
-        n = int(min(width, max(shortest, round(rng.lognormvariate(math.log(MIX_MEDIAN * width), MIX_SIGMA)))))
-        if used + n > width:
-            if len(out) == rows:
-                return out
-            out.append([])
-            used = 0
-        out[-1].append(n)
-        used += n
-
-
-def workloads(width: int, vocab: int, seed: int = SEED) -> list[Workload]:
-    """The three batches, token ids seeded (1..vocab-1, padding 0); rows shorter than 2048 (the CPU run) get the
-    report's lengths scaled to them."""
-    report = scaled(REPORT_LENGTHS, width)
-    layouts = {
-        "a_report": (
-            f"(a) the public report: 6 rows x {width}, one document each, real "
-            f"{', '.join(map(str, report))}" + ("" if width == WIDTH else " (scaled from 2048)"),
-            [[n] for n in report],
-        ),
-        "b_no_padding": ("(b) no padding: 6 documents of a full row each", [[width] for _ in range(ROWS)]),
-        "c_mix": (
-            "(c) a realistic mix: seeded lognormal lengths packed in order, rows padded",
-            mix_lengths(width, ROWS, seed),
-        ),
-    }
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for name, (title, doc_lens) in layouts.items():
-        ids = torch.full((ROWS, width), PAD_ID, dtype=torch.long)
-        for r, row in enumerate(doc_lens):
-            ids[r, : sum(row)] = torch.randint(1, vocab, (sum(row),), generator=gen)
-        out.append(Workload(name, title, doc_lens, width, ids))
-    return out
 
 
 # ---- tiers --------------------------------------------------------------------------------------------------
@@ -380,55 +266,6 @@ def make_tiers(device: torch.device) -> list[Tier]:
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    device: str
-    dtype: str
-    layers: int
-    width: int
-    vocab: int
-    rounds: int
-    warmup: int
-    quick: bool
-
-    @classmethod
-    def make(cls, device: torch.device, quick: bool, layers: int | None, rounds: int | None) -> Settings:
-        cuda = device.type == "cuda"
-        shape = SMOLLM2_135M_SHAPE if cuda else TINY_SHAPE
-        default_rounds = (3 if cuda else 2) if quick else (20 if cuda else 5)
-        return cls(
-            device=str(device),
-            dtype="bfloat16" if cuda else "float32",
-            layers=layers or shape["num_hidden_layers"],
-            width=WIDTH if cuda else CPU_WIDTH,
-            vocab=SMOLLM2_VOCAB if cuda else CPU_VOCAB,
-            rounds=rounds or default_rounds,
-            warmup=1 if quick else 2,
-            quick=quick,
-        )
-
-    @property
-    def shape(self) -> dict[str, Any]:
-        base = SMOLLM2_135M_SHAPE if self.device.startswith("cuda") else TINY_SHAPE
-        return {
-            **base,
-            "num_hidden_layers": self.layers,
-            "max_position_embeddings": max(base["max_position_embeddings"], self.width),
-        }
-
-
-def build_model(settings: Settings) -> torch.nn.Module:
-    """Random init (seed 0) on the CPU in fp32, then moved and cast; train mode, dropout 0."""
-    from transformers import LlamaForCausalLM
-
-    config = llama_config(
-        settings.vocab, **settings.shape, attention_dropout=0.0, use_cache=False, attn_implementation="sdpa"
-    )
-    torch.manual_seed(SEED)
-    model: Any = LlamaForCausalLM(config)
-    return model.to(device=settings.device, dtype=getattr(torch, settings.dtype)).train()
-
-
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -445,26 +282,6 @@ def _warm(
     with PeakMemory(device) as memory:
         loss = tier.step(model, batch)
     return float(loss), memory.peak
-
-
-def agreement(losses: Mapping[str, float], exact: Mapping[str, bool], dtype: str) -> dict[str, Any]:
-    """Every tier's loss against the reference tier's (relative); only document-exact tiers are checked."""
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    ref = REFERENCE if REFERENCE in losses else next((n for n in losses if exact[n]), None)
-    if ref is None:
-        return {"ok": False, "reference": None, "tolerance": tol, "rel_diff": {}, "checked": []}
-    rel = {n: abs(loss - losses[ref]) / max(abs(losses[ref]), 1e-12) for n, loss in losses.items()}
-    checked = [n for n in losses if exact[n] and n != ref]
-    return {
-        "ok": all(math.isfinite(rel[n]) and rel[n] <= tol for n in checked) and math.isfinite(losses[ref]),
-        "reference": ref,
-        "tolerance": tol,
-        "rel_diff": rel,
-        "checked": checked,
-        "not_checked": {
-            n: "attends across documents in a row (stock 2-D mask / no mask)" for n in losses if not exact[n]
-        },
-    }
 
 
 def bench_workload(
@@ -522,31 +339,6 @@ def bench_workload(
     ran = {n: r["loss"] for n, r in result.items() if "loss" in r}
     _free(device)
     return {**workload.describe(), "tiers": result, "loss_agreement": agreement(ran, exact, settings.dtype)}
-
-
-def targets(batches: Mapping[str, Any], gpu: bool) -> dict[str, Any]:
-    """Ours (the faster ours tier that agrees) against padded_dense, with stock_unpad_per_layer beside it."""
-    out = {}
-    for batch_name, (name, target) in TARGETS.items():
-        batch = batches[batch_name]
-        agree = batch["loss_agreement"]
-        values = {t: batch["tiers"][t].get("ratio_vs_padded_dense") for t in OURS}
-        ok = {
-            t: v
-            for t, v in values.items()
-            if v is not None and t in agree["checked"] and agree["rel_diff"][t] <= agree["tolerance"]
-        }
-        best = max(ok, key=ok.__getitem__) if ok else None
-        out[name] = {
-            "target": target,
-            "value": ok[best] if best else None,
-            "tier": best,
-            "values": values,
-            "stock_unpad_per_layer": batch["tiers"]["stock_unpad_per_layer"].get("ratio_vs_padded_dense"),
-            "limit": batch["limit_vs_padded_dense"],
-            "met": (best is not None and ok[best] >= target) if gpu else None,
-        }
-    return out
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -635,53 +427,3 @@ def run(
         "all_targets_met": all(met) if gpu else None,
         "elapsed_s": time.perf_counter() - started,
     }
-
-
-def summary(result: Mapping[str, Any]) -> str:
-    """The human-readable report (without ``--json``)."""
-    if "skipped" in result:
-        return result["skipped"]
-    m = result["machine"]
-    s = result["settings"]
-    lines = [
-        f"foundry-attn bench gpu: {m['device_name']}, torch {result['torch']}, transformers "
-        f"{result['transformers']}, {s['dtype']}, {s['layers']} layers, vocab {s['vocab']}, "
-        f"{s['rounds']} rounds"
-    ]
-    if result["note"]:
-        lines.append(f"NOTE: {result['note']}")
-    for name, tier in result["tiers"].items():
-        lines.append(f"  {name:<22} {tier['kernel'] if tier['runs'] else 'skipped: ' + tier['skipped']}")
-    for batch in result["batches"].values():
-        lines.append("")
-        lines.append(
-            f"{batch['title']}: {batch['real_tokens']} real tokens of {batch['positions']} "
-            f"(fill {batch['fill']:.1%}, limit {batch['limit_vs_padded_dense']:.2f}x)"
-        )
-        lines.append(f"  {'tier':<22} {'tokens/s':>10} {'step ms':>9} {'peak MB':>9} {'vs padded':>9} {'loss':>9}")
-        for name, r in batch["tiers"].items():
-            if "skipped" in r:
-                lines.append(f"  {name:<22} skipped: {r['skipped'][:100]}")
-                continue
-            ratio = r["ratio_vs_padded_dense"]
-            shown = f"{ratio:>8.2f}x" if ratio is not None else f"{'n/a':>9}"
-            lines.append(
-                f"  {name:<22} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} {r['peak_mem_mb']:>9.0f} "
-                f"{shown} {r['loss']:>9.4f}{'' if r['document_exact'] else ' (cross-doc)'}"
-            )
-        agree = batch["loss_agreement"]
-        worst = max((agree["rel_diff"][n] for n in agree["checked"]), default=0.0)
-        lines.append(
-            f"  losses vs {agree['reference']}: {'agree' if agree['ok'] else 'DISAGREE'} "
-            f"(worst relative diff {worst:.1e}, tolerance {agree['tolerance']:g})"
-        )
-    lines.append("")
-    for name, t in result["targets"].items():
-        verdict = "n/a (not a GPU run)" if t["met"] is None else ("PASS" if t["met"] else "FAIL")
-        value = f"{t['value']:.2f}x ({t['tier']})" if t["value"] is not None else "no ours tier agreed"
-        stock = t["stock_unpad_per_layer"]
-        lines.append(
-            f"{name}: {value} >= {t['target']}x: {verdict}; stock_unpad_per_layer "
-            f"{f'{stock:.2f}x' if stock is not None else 'n/a'}; limit {t['limit']:.2f}x"
-        )
-    return "\n".join(lines)

@@ -4,8 +4,8 @@
 
 A Llama of tiny width (hidden 64, 4 heads, 30 layers: the host's work per layer, not the arithmetic, sets the
 pace), 6 documents of 8 tokens, forward + backward. Stock dense: the six documents as six full rows, no mask (the
-least a step can do on these tokens). Ours: the same model attached (:func:`~foundry_attn.flat.attach.attach`) and
-the same tokens as a packed batch through :func:`~foundry_attn.flat.forward.forward_documents` (one flat row).
+least a step can do on these tokens). Ours: the same model attached (:func:`~foundry_attn.path.attach.attach`) and
+the same tokens as a packed batch through :func:`~foundry_attn.path.forward.forward_documents` (one flat row).
 Round-robin medians of ``rounds`` steps each; aten ops and host syncs (``aten::_local_scalar_dense``) counted on one
 step of each. Both losses are checked equal. Beside the targets, six documents of six lengths (3-13 tokens) against
 stock's rows padded to the longest with a mask. Core module: torch and transformers only.
@@ -83,8 +83,8 @@ def _target(value: float, most: float) -> dict[str, Any]:
 def _cell(impl: str, layers: int, rounds: int, dev: torch.device, lengths: tuple[int, ...]) -> dict[str, Any]:
     import transformers
 
-    from foundry_attn.flat.attach import attach
-    from foundry_attn.flat.forward import forward_documents
+    from foundry_attn.path.attach import attach
+    from foundry_attn.path.forward import forward_documents
     from foundry_attn.verify.llama_shapes import llama_config
 
     config = llama_config(

@@ -29,11 +29,11 @@ import torch
 
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, round_robin
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.layout_cost import MEMORY_SHARE, MOST_FORWARDS, ModelShape, free_memory, layout_costs
-from foundry_attn.flat.state import path_of
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
+from foundry_attn.path.state import path_of
 
 COMMAND = "foundry-attn bench layouts --json"
 #: families whose attention our documents cannot reach: (name, model type, implementation)
@@ -186,8 +186,8 @@ def _cell(
         "variants": measured,
         "skipped": skipped,
         "stock_mask": state.stock_mask,
-        "chosen_layout": cstate.layout if cstate else None,
-        "chosen_reason": cstate.layout_reason if cstate else None,
+        "chosen_layout": cstate.choice.layout if cstate else None,
+        "chosen_reason": cstate.choice.reason if cstate else None,
         "chosen_vs_best": measured["chosen"]["step_ms"] / best if "chosen" in measured else None,
         "losses_agree": max(losses) - min(losses) <= tol * max(1.0, abs(losses[0])),
     }

@@ -69,10 +69,10 @@ import torch
 from foundry_attn.attention.backends import FA2, SDPA
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.packing import IGNORE_INDEX, PaddingCollator
-from foundry_attn.flat.state import path_of
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents, repad_logits
+from foundry_attn.path.state import path_of
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE
 
 if TYPE_CHECKING:

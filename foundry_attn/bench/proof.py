@@ -29,12 +29,13 @@ import torch
 from foundry_attn.attention.backends import EAGER, FA2, FLEX, SDPA
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median, round_robin
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
-from foundry_attn.flat.state import PROOF_INTERVAL, ceil2
-from foundry_attn.flat.step_proof import step_blocker
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
+from foundry_attn.path.proven import prove
+from foundry_attn.path.schedule import PROOF_INTERVAL, ceil2
+from foundry_attn.proof.step_proof import step_blocker
 from foundry_attn.selection.capability import flex_backward_error
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
 
@@ -97,23 +98,23 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
     in_step: dict[str, list[float]] = {"full": [], "interval": []}  # what each proof took inside its step
 
     def proven_step() -> None:  # a step on which a full proof is due (the first batch, a change, a longer batch)
-        state.proven_on_batch = False
+        state.schedule.proven_on_batch = False
         step()
         in_step["full"].append(state.proofs[-1][1].ms)
 
     def interval_step() -> None:  # a step on which the interval's forward-only proof is due
-        state.batches = PROOF_INTERVAL - 1
+        state.schedule.batches = PROOF_INTERVAL - 1
         step()
         in_step["interval"].append(state.proofs[-1][1].ms)
 
     def standalone() -> None:  # the full proof with its own forward (compile, checkpointing, FSDP2, dropout)
-        state.prove(model, inputs, "bench")
+        prove(state, model, inputs, "bench")
 
     def standalone_interval() -> None:
-        state.prove(model, inputs, "bench", grads=False)
+        prove(state, model, inputs, "bench", grads=False)
 
     def fingerprint() -> None:
-        state.fingerprint()
+        state.schedule.fingerprint(state.names)
 
     step()  # warm-up (and the first-batch proof)
     fns = {

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median, paired_ratio_median, round_robin
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS
 
 COMMAND = "foundry-attn bench rows --json"

@@ -44,9 +44,9 @@ def run(quick: bool = False, device: str | None = None, rounds: int = 4, **_: An
     """
     import transformers
 
-    from foundry_attn.flat.attach import attach
-    from foundry_attn.flat.forward import forward_documents
     from foundry_attn.flat.packing import PaddingCollator
+    from foundry_attn.path.attach import attach
+    from foundry_attn.path.forward import forward_documents
     from foundry_attn.verify.llama_shapes import TINY_SHAPE, llama_config
 
     dev = torch.device(device or "cpu")

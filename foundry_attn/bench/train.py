@@ -61,23 +61,24 @@ before the step and the batch kept by reference, and the truth is computed after
 For stock packing this is the leak, reported, not judged.
 
 Host work (ours, per timed batch, as a fraction of the median timed step): the collator (the loader's
-``collate_fn``: tokenized turns to a batch), ``prepare_documents`` (``foundry_attn.flat.forward``, called by the model)
+``collate_fn``: tokenized turns to a batch), ``prepare_documents`` (``foundry_attn.path.forward``, called by the model)
 and every one of our callbacks (each ``run_event``), plus each callback's sampled first batch (warm-up) spread over
 its interval (``attention_inspector``: 50): ``host_fraction`` <= 0.02 is the target.
 
 Targets, printed with pass or fail (a failed variant fails its targets): ``ours_pack`` >= 3x ``stock_padded``
 real tokens/s on CPU at the blog mix; ``ours_pack`` >= 0.95x ``stock_packing`` at each mix; ``ours_*`` loss within
 1e-5 of the truth in fp32 (bf16: 2e-2); host work < 2% of a step.
+
+The settings, the assets and each variant's config live in :mod:`foundry_attn.bench.train_config`; a worker in
+:mod:`foundry_attn.bench.train_worker`; the schedule, the numbers and the targets here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import multiprocessing
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -85,8 +86,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from foundry_attn.bench.train_config import (
+    MAX_SEQ_LEN,
+    MIXES,
+    ROWS,
+    SEED,
+    VARIANTS,
+    Settings,
+    stock_attention,
+    variant_config,
+    write_assets,
+)
 from foundry_attn.bench.train_worker import OUR_CALLBACKS, worker
-from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE
 
 COMMAND = "foundry-attn bench train --json"
 TARGETS: dict[str, float] = {
@@ -96,12 +107,6 @@ TARGETS: dict[str, float] = {
     "host_fraction": 0.02,
 }
 BF16_LOSS_TOL = 2e-2
-VARIANTS = ("stock_padded", "stock_packing", "ours_mask", "ours_pack")
-MIXES: dict[str, tuple[int, ...]] = {"blog": tuple(BLOG_LENGTHS), "long": (2000, 1536, 1024, 700, 420, 180)}
-MAX_SEQ_LEN = 2048
-ROWS = 6  # examples per device batch: the blog's batch
-SEED = 17
-EXAMPLES = 600  # per mix: enough for stock packing's profile and every batch
 PRELOAD = [
     "torch",
     "transformers",
@@ -111,159 +116,6 @@ PRELOAD = [
     "foundry_attn.integrations.llm_foundry",
 ]
 SAMPLE_INTERVAL = {"attention_inspector": 50, "upad_tracer": 50, "attn_decision": 0}  # their defaults (0: once)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """How big and how long one run is."""
-
-    hidden_size: int = SMOLLM2_135M_SHAPE["hidden_size"]  # SmolLM2-135M's layer shapes
-    intermediate_size: int = SMOLLM2_135M_SHAPE["intermediate_size"]
-    num_attention_heads: int = SMOLLM2_135M_SHAPE["num_attention_heads"]
-    num_key_value_heads: int = SMOLLM2_135M_SHAPE["num_key_value_heads"]
-    layers: int = 4
-    vocab: int = 8192
-    warmup: int = 1  # batches before timing (the first step of a process is ~1.4x slower on CPU)
-    timed: int = 2  # every batch, warm-up and timed, has its loss checked against the truth
-    mixes: tuple[str, ...] = ("blog", "long")
-    device: str = "cpu"
-    precision: str = "fp32"
-
-    @classmethod
-    def make(cls, quick: bool, device: str | None = None) -> Settings:
-        dev = device or "cpu"
-        precision = "fp32" if dev == "cpu" else "amp_bf16"
-        if quick:  # a toy model: the smoke test checks the plumbing, not the numbers
-            return cls(
-                hidden_size=32,
-                intermediate_size=64,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                layers=1,
-                vocab=512,
-                warmup=1,
-                timed=2,
-                mixes=("blog",),
-                device=dev,
-                precision=precision,
-            )
-        return cls(device=dev, precision=precision)
-
-
-# ---- assets ---------------------------------------------------------------------------------------------------
-
-
-def write_assets(root: Path, settings: Settings) -> dict[str, Path]:
-    """Tokenizer, model config and one jsonl per mix under ``root``; nothing downloaded."""
-    from foundry_attn.integrations.llm_foundry.assets import WORDS, build_tokenizer
-    from foundry_attn.verify.llama_shapes import llama_config
-
-    build_tokenizer(root / "tokenizer")
-    s = settings
-    config = llama_config(
-        s.vocab,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads,
-        head_dim=s.hidden_size // s.num_attention_heads,
-        max_position_embeddings=MAX_SEQ_LEN,
-        rope_theta=100000.0,
-        attention_dropout=0.0,
-    )
-    config.save_pretrained(root / "model")
-    paths = {"tokenizer": root / "tokenizer", "model": root / "model"}
-    words = [w for w in WORDS if w != "<|endoftext|>"]
-    for mix in s.mixes:
-        rng = random.Random(SEED)
-        folder = root / "data" / mix
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "train.jsonl", "w") as f:
-            for i in range(EXAMPLES):
-                n = MIXES[mix][i % len(MIXES[mix])]  # tokens, EOS included (LLM-Foundry appends it)
-                prompt = max(1, n // 5)
-                text = [rng.choice(words) for _ in range(n - 1)]
-                f.write(json.dumps({"prompt": " ".join(text[:prompt]), "response": " ".join(text[prompt:])}) + "\n")
-        paths[mix] = folder
-    return paths
-
-
-def _stock_attention(device: str) -> str:
-    if device.startswith("cuda"):
-        try:
-            import flash_attn  # noqa: F401
-        except Exception:  # any failure: no FA2 for stock
-            return "sdpa"
-        return "flash_attention_2"
-    return "sdpa"
-
-
-def variant_config(variant: str, mix: str, paths: Mapping[str, Path], settings: Settings, root: Path) -> dict:
-    """The LLM-Foundry train config of one variant (a plain dict; the worker makes it an OmegaConf config)."""
-    dataset: dict[str, Any] = {
-        "hf_name": str(paths[mix]),
-        "split": "train",
-        "max_seq_len": MAX_SEQ_LEN,
-        "decoder_only_format": True,
-        "shuffle": False,
-    }
-    if variant == "stock_packing":
-        dataset["packing_ratio"] = "auto"
-    loader: dict[str, Any] = {
-        "dataset": dataset,
-        "drop_last": True,
-        "num_workers": 0,
-        "prefetch_factor": None,
-        "persistent_workers": False,
-        "pin_memory": False,
-    }
-    callbacks: dict[str, Any] = {
-        "speed_monitor": {"window_size": settings.timed},  # exactly the timed batches (see the docstring)
-        "foundry_attn_bench_probe": {"truth_batches": settings.warmup},  # then the timed ones, after each step
-    }
-    run = f"bench-train-{mix}-{variant}"
-    if variant.startswith("stock"):
-        model: dict[str, Any] = {
-            "name": "hf_causal_lm",
-            "pretrained_model_name_or_path": str(paths["model"]),
-            "pretrained": False,
-            "attn_implementation": _stock_attention(settings.device),
-        }
-        loader["name"] = "finetuning"
-    else:
-        model = {
-            "name": "foundry_attn_causal_lm",
-            "pretrained_model_name_or_path": str(paths["model"]),
-            "pretrained": False,
-            "attn_implementation": "auto",
-            "events_dir": str(root / "events" / run),
-        }
-        loader["name"] = "foundry_attn_finetuning"
-        loader["padding"] = variant.split("_")[1]
-        callbacks = {**{name: {} for name in OUR_CALLBACKS}, **callbacks}
-    return {
-        "run_name": run,
-        "seed": SEED,
-        "max_seq_len": MAX_SEQ_LEN,
-        "model": model,
-        "tokenizer": {"name": str(paths["tokenizer"]), "kwargs": {"model_max_length": MAX_SEQ_LEN}},
-        "train_loader": loader,
-        "scheduler": {"name": "constant_with_warmup", "t_warmup": "0ba"},
-        "optimizer": {"name": "decoupled_adamw", "lr": 1.0e-3, "betas": [0.9, 0.95], "eps": 1.0e-8},
-        "max_duration": f"{settings.warmup}ba",
-        "eval_interval": 1,
-        "global_train_batch_size": ROWS,
-        "device_train_microbatch_size": ROWS,
-        "device_eval_batch_size": ROWS,
-        "precision": settings.precision,
-        "progress_bar": False,
-        "log_to_console": False,
-        "python_log_level": "error",
-        "spin_dataloaders": False,
-        "callbacks": callbacks,
-        "loggers": {"foundry_attn_bench_metrics": {}},
-    }
 
 
 # ---- the parent: one mix, four workers, round-robin ---------------------------------------------------------------
@@ -508,7 +360,7 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
             "lengths": {m: list(MIXES[m]) for m in settings.mixes},
             "padded_fill": {m: sum(MIXES[m]) / (len(MIXES[m]) * MAX_SEQ_LEN) for m in settings.mixes},
             "seed": SEED,
-            "stock_attn_implementation": _stock_attention(settings.device),
+            "stock_attn_implementation": stock_attention(settings.device),
             "schedule": "one worker process per variant; built one at a time; then round-robin, one batch "
             "(trainer.fit(duration='1ba')) per variant per round, order rotated, one worker running at a time",
             **machine(),

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from foundry_attn.bench import machine
 from foundry_attn.bench.timing import median
-from foundry_attn.flat.comparison import alone_inputs
 from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.proof.runs import alone_inputs
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench trainer --json"
@@ -201,8 +201,8 @@ def _speed_model(quick: bool) -> torch.nn.Module:
 
 
 def speed(quick: bool) -> dict[str, Any]:
-    from foundry_attn.flat.attach import attach
     from foundry_attn.integrations import hf_trainer
+    from foundry_attn.path.attach import attach
 
     repeats, timed = (1, 2) if quick else (REPEATS, TIMED)
     steps = WARMUP + timed
@@ -244,7 +244,7 @@ def speed(quick: bool) -> dict[str, Any]:
 def family(model_type: str, backend: str, setting: str = "fp32") -> dict[str, Any]:
     """One step of stock and of attached on the same padding-free batch, trained as ``setting`` (:data:`SETTINGS`):
     the loss TRL trains on against the truth (:func:`truth`)."""
-    from foundry_attn.flat.attach import attach
+    from foundry_attn.path.attach import attach
     from foundry_attn.verify import zoo
 
     if model_type not in zoo.model_types():

@@ -1,13 +1,10 @@
-"""The flat path and its proof: a packed batch unpadded once, every document honoured, proven exact.
+"""The flat row: a batch read, laid out flat or one document per row, and the model's own forwards.
 
-The collator that makes packed and padded batches (``packing``); the one reader of a batch (``layout``); the
-forward that lays a batch out flat or one document per row (``forward``); :func:`~foundry_attn.flat.attach.attach`
-(``attach``) and the path it keeps on the model (``state``); which proven layout a batch runs, the cheapest within
-the free memory (``layout_cost``); the one writer of the model's implementation
-(``implementation``); the forwards attach installs and the model's own a check runs (``model_forward``); the proof
-against stock on each document alone (``proof``, ``comparison``, ``step_proof``, ``synthetic``), whose forwards the
-callbacks leave out (``proving``); a forward's autocast and embeddings (``forward_probe``); finding the HF model
-inside training's wrappers (``unwrap``).
+The collator that makes packed and padded batches (``packing``); the one reader of a batch (``layout``); the inputs
+each layout takes (``inputs``); what a layout costs, so the cheapest proven one runs (``layout_cost``); the one
+writer of the model's implementation (``implementation``); the forwards attach installs and the model's own a check
+runs (``model_forward``); finding the HF model inside training's wrappers (``unwrap``). No state, no decision: the
+path (:mod:`foundry_attn.path`) decides, the proof (:mod:`foundry_attn.proof`) checks.
 
 May import: torch, transformers, :mod:`foundry_attn.attention`, :mod:`foundry_attn.selection`.
 """

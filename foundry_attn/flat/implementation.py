@@ -6,7 +6,7 @@
 
 The name is ours while the path is flat, the stock stand-in of the backend table while rows
 (:func:`foundry_attn.attention.backends.rows_name`), and a proof's stock backend for the block it runs in. When each
-applies is the :class:`~foundry_attn.flat.state.PathState`'s decision (flat, rows, stock's packed mask); the proof
+applies is the :class:`~foundry_attn.path.state.PathState`'s decision (flat, rows, stock's packed mask); the proof
 runs stock inside :func:`running`; attach puts the model's own back on a refusal. Core module: torch and transformers
 only.
 """
@@ -88,7 +88,7 @@ def running(model: Any, name: str) -> Iterator[None]:
 def point(model: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
     """Point ``model``'s attention at our function for ``backend`` (default: its current one), unproven.
 
-    Low level: :func:`foundry_attn.flat.attach.attach` points, proves the flat path against stock and records the
+    Low level: :func:`foundry_attn.path.attach.attach` points, proves the flat path against stock and records the
     path; ``forward_documents`` runs a model that was only pointed one document per row.
 
     Args:

@@ -6,7 +6,7 @@
 
 Pure functions of the batch, its :class:`~foundry_attn.flat.layout.Layout` and the HF model's config (the model
 itself, not a wrapper: callers unwrap once): no state, no decision (which layout a batch gets is
-:meth:`foundry_attn.flat.state.PathState.plan`'s). Core module: torch and transformers only.
+:meth:`foundry_attn.path.state.PathState.plan`'s). Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def flat_inputs(
     even: bool = False,
 ) -> tuple[dict[str, Any], Placed]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
-    (:mod:`foundry_attn.flat.proof`) runs these very inputs: the layout that trains. With ``even``, documents all of
+    (:mod:`foundry_attn.proof.prove`) runs these very inputs: the layout that trains. With ``even``, documents all of
     one length are laid out as rows of it, one each (the same tokens, no padding): sdpa and eager then attend each row
     as it is, where the flat row would regroup the documents in every layer.
 
@@ -280,7 +280,7 @@ def one_per_row(
     right padding) or, with ``left``, left-padded, with each document's positions counted from its first token where
     the model takes ``position_ids`` (a model that assumes left padding: CPM-Ant). Each document's first label is
     ignored (no document predicts its first token), except with ``first_targets``: a model whose loss does not shift
-    its labels reads it as a target of its own (CPM-Ant; :func:`foundry_attn.flat.comparison.loss_shifts`).
+    its labels reads it as a target of its own (CPM-Ant; :func:`foundry_attn.proof.runs.loss_shifts`).
 
     Args:
         hf: the HF model (not a wrapper), read for its pad token and ``forward``'s parameters.

@@ -1,5 +1,5 @@
 """Which proven layout a batch runs: the cheapest, within the memory the device has free. The one owner of that
-choice; :class:`foundry_attn.flat.state.PathState` asks it once per batch, among the layouts proven exact.
+choice; :class:`foundry_attn.path.state.PathState` asks it once per batch, among the layouts proven exact.
 
     shape = ModelShape.of(hf_model)
     choice = cheapest(shape, lengths=[256] * 16, layouts=("flat", "rows"), stock_mask=True)

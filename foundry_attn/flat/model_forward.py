@@ -6,7 +6,7 @@ proven path), and the model's own, which proofs and verdicts run.
     logits = own_forward(hf_model, input_ids=ids).logits # what stock computes, without what replaced forward
 
 Nothing else in the package sets or takes off an instance's ``forward``. The routes are
-:mod:`foundry_attn.flat.forward`'s (what a packed call does), handed in by attach: this module knows only how a call
+:mod:`foundry_attn.path.forward`'s (what a packed call does), handed in by attach: this module knows only how a call
 reaches them. Core module: torch and transformers only.
 """
 
@@ -32,7 +32,7 @@ class FlattenedForward:
     """An attached model's ``forward``: a batch the ecosystem packed into one row (transformers'
     ``DataCollatorWithFlattening``, TRL's ``padding_free``: restarting ``position_ids``, ``cu_seq_lens_*``,
     ``seq_idx``; :func:`foundry_attn.flat.layout.flattened_lengths`) runs the proven path, flat or rows, with the
-    proof, exactly as :func:`~foundry_attn.flat.forward.forward_documents` runs ours; every other call (a 2-D mask,
+    proof, exactly as :func:`~foundry_attn.path.forward.forward_documents` runs ours; every other call (a 2-D mask,
     generation, our own flat inputs) runs the model's own ``forward`` unchanged, a plain one read first (``plain``:
     left-padded rows are said once).
 
@@ -109,9 +109,9 @@ def replace_forwards(hf: Any, route: Route, backbone_route: Route, plain: Plain 
 
     Args:
         hf: the transformers causal LM (not a wrapper).
-        route: what a packed call of the model runs (:func:`foundry_attn.flat.forward.packed_model`).
-        backbone_route: what a packed call of its base model runs (:func:`foundry_attn.flat.forward.packed_backbone`).
-        plain: what reads a plain call first (:func:`foundry_attn.flat.forward.plain_call`), or None.
+        route: what a packed call of the model runs (:func:`foundry_attn.path.forward.packed_model`).
+        backbone_route: what a packed call of its base model runs (:func:`foundry_attn.path.forward.packed_backbone`).
+        plain: what reads a plain call first (:func:`foundry_attn.path.forward.plain_call`), or None.
 
     Returns:
         The forwards they replaced, to :meth:`Forwards.restore`.
@@ -137,7 +137,7 @@ def own_forward(hf: Any, **inputs: Any) -> Any:
     head, :class:`FlattenedForward`), which is put back after. A check's forward runs inside the step's own call;
     calling accelerate's wrapper from there re-enters its one ``torch.autocast`` object, whose outer exit then leaves
     autocast on for the rest of the process. The precision is the caller's: the step's autocast, or
-    :meth:`~foundry_attn.flat.forward_probe.ForwardProbe.context`.
+    :meth:`~foundry_attn.proof.forward_probe.ForwardProbe.context`.
 
     Args:
         hf: the transformers model (not a wrapper).

@@ -122,7 +122,7 @@ class PaddingCollator:
     Returns:
         A callable: examples in, a batch out: ``input_ids`` and ``labels``; with ``mask`` the ``attention_mask``;
         with ``pack`` the ``position_ids``, ``sequence_id`` and ``doc_lens`` (the document lengths of each row,
-        which :func:`~foundry_attn.flat.forward.forward_documents` reads).
+        which :func:`~foundry_attn.path.forward.forward_documents` reads).
 
     Example::
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from foundry_attn.attention.backends import backend_of
-from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import clean_name
+from foundry_attn.path.state import path_of
 from foundry_attn.selection.policy import Decision
 
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
@@ -144,7 +144,7 @@ def discover_modules(model: nn.Module, attention_selector: str | None = None) ->
 
 def decision_of(hf: Any) -> dict[str, Any]:
     """The ``attn_impl`` event fields of ``hf`` (the decision callbacks' core), built by
-    :meth:`~foundry_attn.selection.policy.Decision.as_dict` alone: what :func:`foundry_attn.flat.attach.attach` decided,
+    :meth:`~foundry_attn.selection.policy.Decision.as_dict` alone: what :func:`foundry_attn.path.attach.attach` decided,
     with the path and proof as they are now, or the implementation the model runs, set by the model.
 
     Args:

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from foundry_attn.attention import fa2_reference
-from foundry_attn.flat.proving import proving
 from foundry_attn.observe.flash_symbols import (
     DENSE,
     KERNEL_ROLES,
@@ -39,6 +38,7 @@ from foundry_attn.observe.flash_symbols import (
     from_reference,
 )
 from foundry_attn.patching import Patch, patch_attribute
+from foundry_attn.proof.proving import proving
 
 _lock = threading.RLock()  # a tracer's attach depth
 

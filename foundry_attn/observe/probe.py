@@ -32,8 +32,8 @@ from torch import nn
 
 from foundry_attn.attention.documents import is_placeholder
 from foundry_attn.flat.layout import Layout
-from foundry_attn.flat.proving import proving
 from foundry_attn.observe.discovery import ModuleMap, attn_implementation, discover_modules
+from foundry_attn.proof.proving import proving
 
 __all__ = [
     "ATTENTION",

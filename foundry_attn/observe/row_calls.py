@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from foundry_attn.flat.comparison import alone_inputs, differs, embeddings, half, limits_for, run
 from foundry_attn.flat.implementation import current
 from foundry_attn.flat.inputs import base_parameters
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.proof.runs import alone_inputs, embeddings, run
+from foundry_attn.proof.tolerance import differs, half, limits_for
 
 
 def packed_slice(values: torch.Tensor, batch: Mapping, row: int, start: int, n: int) -> torch.Tensor | None:
@@ -104,10 +105,10 @@ def against_alone(
 ) -> tuple[float, bool]:
     """The last of the row's first documents (``first``: row, start, tokens; ``last``: its span among them) alone,
     no grad, in the model's own mode, against its ``packed`` logits: the difference, and whether it is beyond
-    :func:`foundry_attn.flat.comparison.differs`' limit. Judged where rounding cannot pass for a difference: fp32 as
+    :func:`foundry_attn.proof.tolerance.differs`' limit. Judged where rounding cannot pass for a difference: fp32 as
     the run is; under autocast with fp32 weights, both sides again with autocast off (``rerun``: stock's own forward
     of the row); else (half weights, or a model on our path) per token against limits measured at the comparison's
-    own shape and precision (:func:`foundry_attn.flat.comparison.limits_for`, as the proof's). The document alone
+    own shape and precision (:func:`foundry_attn.proof.tolerance.limits_for`, as the proof's). The document alone
     gets the batch's own keys for its tokens (its positions, MPT's ``sequence_id``), or in half precision is
     right-padded to the batch's width, so both sides round as one shape does.
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from foundry_attn.attention.backends import FA2
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
 from foundry_attn.observe.events import EventLog
@@ -37,6 +36,7 @@ from foundry_attn.observe.flash_symbols import (
     symbol_label,
 )
 from foundry_attn.observe.probe import COMPILED
+from foundry_attn.path.state import path_of
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class TracerCore:
     def resolve(self, model: Any, hf: Any) -> None:
         """Whether there is anything to trace in ``model`` (the HF model ``hf`` inside it, or None): flash
         attention (transformers' FA2, MPT's ``flash``), uncompiled, with its symbols found; whether attach put FA2
-        on the pure-PyTorch reference kernel (its :class:`~foundry_attn.flat.state.PathState` says).
+        on the pure-PyTorch reference kernel (its :class:`~foundry_attn.path.state.PathState` says).
 
         Args:
             model: what the trainer calls (a wrapper, compiled or not).

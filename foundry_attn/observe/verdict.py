@@ -5,7 +5,7 @@
     verdict = structural(hf_model, Features.of(batch))      # where neither a gradient nor a forward is possible
     verdict.line()  # 'documents isolated (measured: ...)' | 'documents LEAK (...)' | 'not packed (...)'
 
-The measurement is the proof's judgement of isolation (:func:`foundry_attn.flat.comparison.influence`): the gradient
+The measurement is the proof's judgement of isolation (:func:`foundry_attn.proof.comparison.influence`): the gradient
 of the second document's next-token loss with respect to the first document's input embeddings, in the row with
 the most documents. Isolated documents give exactly zero at any precision; a leak through attention, an SSM or
 convolution state, or a token shift gives a non-zero block, however small: no noise floor, one answer in fp32 and
@@ -30,18 +30,16 @@ import transformers
 
 from foundry_attn.attention.backends import backend_of
 from foundry_attn.attention.config_values import config_value
-from foundry_attn.flat.comparison import (
-    influence,
-    next_token_loss,
-    training_noise,
-)
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.layout import DocumentRow, packed_rows
-from foundry_attn.flat.proving import hidden
-from foundry_attn.flat.state import path_of
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.observe.discovery import mpt_attn_impl
 from foundry_attn.observe.row_calls import against_alone, packed_slice, row_forward
+from foundry_attn.path.state import path_of
+from foundry_attn.proof.comparison import influence
+from foundry_attn.proof.proving import hidden
+from foundry_attn.proof.runs import next_token_loss
+from foundry_attn.proof.tolerance import training_noise
 
 ISOLATED, LEAKS, NOT_PACKED, UNKNOWN = "isolated", "leaks", "not packed", "unknown"
 MEASURED, STRUCTURAL = "measured", "structural"
@@ -244,7 +242,7 @@ def active_dropout(hf: Any) -> str | None:
         hf: the HF model.
 
     Returns:
-        Where the randomness comes from (:func:`foundry_attn.flat.comparison.training_noise`), or None.
+        Where the randomness comes from (:func:`foundry_attn.proof.tolerance.training_noise`), or None.
 
     Example::
 
@@ -266,9 +264,9 @@ def measure(
 ) -> Verdict:
     """Does the last of the first ``documents`` documents of the row with the most documents reach the ones before
     it? The gradient of its next-token loss with respect to their input embeddings
-    (:func:`foundry_attn.flat.comparison.influence`): exactly zero when they are isolated, at any precision.
+    (:func:`foundry_attn.proof.comparison.influence`): exactly zero when they are isolated, at any precision.
     Differentiated through the training forward itself where its ``logits`` and input ``embeds`` (a
-    :class:`~foundry_attn.flat.forward_probe.ForwardProbe`'s) are given with their graph, which is kept for the step's
+    :class:`~foundry_attn.proof.forward_probe.ForwardProbe`'s) are given with their graph, which is kept for the step's
     backward; else through a forward of those documents of their own, as the batch gives them, in the model's own
     mode (an eval switch can change a model: RWKV rescales its weights in place) and ``context`` (the run's
     precision), hidden from the tracers, the global RNG untouched; without ``rerun`` (a model on foundry_attn's path,

@@ -73,7 +73,7 @@ class Decision:
     compute_dtype: str = "float32"
     proof: str = ""  # the flat-path proof at build: "passed in N ms (...)", "failed (...)", "off", "first batch"
     where: str = ""  # "<device> (<sm>) on <host>", for error messages
-    path: str = ""  # "flat" | "rows" (foundry_attn.flat.attach), empty before the model is attached
+    path: str = ""  # "flat" | "rows" (foundry_attn.path.attach), empty before the model is attached
     path_reason: str = ""
     layout: str = ""  # what the last batch ran: "flat" | "rows" (the cheaper proven layout, per batch)
     layout_reason: str = ""

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, NAMES, SDPA
 from foundry_attn.attention.fa2_reference import kernel_context
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.packing import IGNORE_INDEX
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 
 MODES = ("pack", "mask")
 CHECKPOINTING = ("plain", "hf_reentrant", "hf_non_reentrant", "checkpoint_wrapper")
@@ -113,7 +113,7 @@ class Cell:
     detail: str = ""
     loss_err: float | None = None
     grad_err: float | None = None
-    path: str = ""  # "flat" | "rows" (foundry_attn.flat.attach), for a cell that ran
+    path: str = ""  # "flat" | "rows" (foundry_attn.path.attach), for a cell that ran
 
 
 def build(family: str, backend: str, seed: int = 0, switch: bool = True) -> torch.nn.Module:

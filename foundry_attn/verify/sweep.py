@@ -22,11 +22,11 @@ import torch
 
 from foundry_attn.attention.backends import EAGER, FA2, SDPA, load_name
 from foundry_attn.attention.fa2_reference import kernel_context
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.comparison import alone_inputs
-from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.inputs import pad_id
-from foundry_attn.flat.state import NoExactPath
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents, repad_logits
+from foundry_attn.path.state import NoExactPath
+from foundry_attn.proof.runs import alone_inputs
 from foundry_attn.verify.conformance import (
     GRAD_TOL,
     LOSS_TOL,
@@ -187,7 +187,7 @@ def raised_by_us(exc: BaseException) -> bool:
 def zoo_cell(model_type: str, requested: str) -> ZooCell:
     """Run ``model_type``'s tiny config under ``requested`` (``auto``: the default chain; a backend: strict) through
     ``attach`` + ``forward_documents`` on packed documents, against stock on each document alone."""
-    from foundry_attn.flat.synthetic import synthetic_documents
+    from foundry_attn.proof.synthetic import synthetic_documents
     from foundry_attn.selection.decision import decide
     from foundry_attn.selection.policy import DEFAULT_FALLBACK, AttentionUnavailableError
     from foundry_attn.verify import zoo
@@ -252,7 +252,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     then ``attach(model, backend)`` (explicit, not strict) and ``forward_documents`` on packed documents, against
     stock on each document alone under ``backend``. ``refused`` only where stock cannot train the pair either
     (``over-refused`` otherwise); an exception out of our code is a ``crash``."""
-    from foundry_attn.flat.synthetic import synthetic_documents
+    from foundry_attn.proof.synthetic import synthetic_documents
     from foundry_attn.selection.policy import AttentionUnavailableError
     from foundry_attn.verify import zoo
 
@@ -317,7 +317,7 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
     of the zoo's documents through stock, then through ``attach(model, backend)`` and ``model(**batch)``."""
     from transformers import DataCollatorWithFlattening
 
-    from foundry_attn.flat.synthetic import synthetic_documents
+    from foundry_attn.proof.synthetic import synthetic_documents
     from foundry_attn.selection.policy import AttentionUnavailableError
     from foundry_attn.verify import zoo
 
@@ -390,8 +390,8 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
 def _judged_stock(stock: Any, batch: dict[str, Any]) -> tuple[Any, str]:
     """Stock's training forward of the flattened ``batch`` (fp32), and the verdict our callbacks give it
     (:func:`foundry_attn.observe.verdict.judge` on the step's own graph)."""
-    from foundry_attn.flat.forward_probe import ForwardProbe
     from foundry_attn.observe.verdict import judge
+    from foundry_attn.proof.forward_probe import ForwardProbe
 
     stock.train()
     probe = ForwardProbe(stock)

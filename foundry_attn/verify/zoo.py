@@ -3,13 +3,14 @@
     config, model_class = tiny("mistral")   # hidden 64, 2 layers, 4 heads of 16, 2 KV heads, sliding_window=WINDOW
     model = model_class(config)
 
-Each config starts from the config class's defaults and is shrunk generically (``_SCALARS``: hidden 64, 2 layers,
+Each config starts from the config class's defaults and is shrunk generically (``SCALARS``: hidden 64, 2 layers,
 4 heads of 16, GQA 2, vocab 128, MoE 4 experts top-2, ...), keeping each family's attention features so that they
 bite on short documents: sliding windows and attention chunks of :data:`WINDOW` tokens, a windowed and a global
 layer, and one layer of every mixer kind a hybrid has (per-layer lists are cut to their distinct kinds, and
-``_KINDS`` adds the kinds a family's default config leaves out). Dropouts are 0; sub-configs (text, vision, ...)
-are shrunk the same way; ``use_cache`` is off (training). ``_FAMILY`` holds the few overrides where the generic
-shrink is not enough, each with its reason. A type that cannot train here raises :class:`Unbuildable` with the
+``KINDS`` adds the kinds a family's default config leaves out). Dropouts are 0; sub-configs (text, vision, ...)
+are shrunk the same way; ``use_cache`` is off (training). ``FAMILY`` holds the few overrides where the generic
+shrink is not enough, each with its reason. These tables live in :mod:`foundry_attn.verify.zoo_tables`; the shrink
+that reads them, and the builds, here. A type that cannot train here raises :class:`Unbuildable` with the
 reason; any other exception out of :func:`tiny` is a shrink this module gets wrong (a new family: extend the
 tables). ``config._attn_implementation`` is left to callers. Works on transformers 4.51 and 5.x.
 Core module: torch and transformers only.
@@ -25,21 +26,31 @@ import itertools
 from typing import Any
 
 import torch
-import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from foundry_attn.attention.backends import EAGER, SDPA
 from foundry_attn.attention.fa2_reference import kernel_context
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.state import PathState
-
-WINDOW = 4
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16
-FFN, EXPERT_FFN, VOCAB, POSITIONS = 64, 32, 128, 128
-EXPERTS, TOP_K = 4, 2
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
+from foundry_attn.path.attach import attach
+from foundry_attn.path.state import PathState
+from foundry_attn.verify.zoo_tables import (
+    DEFAULT_KWARGS,
+    DROPOUT_WORDS,
+    EVEN_IF_NONE,
+    FAMILY,
+    HEAD_DIM,
+    HEADS,
+    KINDS,
+    LAYER_COUNTS,
+    LAYERS,
+    REQUIRES,
+    SCALARS,
+    TOKEN_SUFFIXES,
+    UNBUILDABLE,
+    VOCAB,
+    WINDOW,
+)
 
 
 class Unbuildable(Exception):
@@ -55,170 +66,8 @@ def model_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _names(*names: str, value: Any) -> dict[str, Any]:
-    return dict.fromkeys(names, value)
-
-
-# attribute name -> tiny value, applied where the config class takes the attribute
-_SCALARS: dict[str, Any] = {
-    **_names("hidden_size", "d_model", "n_embd", "embedding_dim", "emb_dim", "lru_width", value=HIDDEN),
-    **_names("word_embed_proj_dim", "backbone_hidden_size", "hidden_size_global", value=HIDDEN),
-    **_names("embedding_size", "input_embedding_size", "output_embedding_size", value=HIDDEN),
-    **_names("adapter_in_dim", "adapter_input_size", "adapter_out_dim", "out_hidden_size", value=HIDDEN),
-    **_names(*_LAYER_COUNTS, "encoder_layers", "num_decoder_layers", "num_encoder_layers", value=LAYERS),
-    **_names("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads", value=HEADS),
-    **_names("decoder_attention_heads", "encoder_attention_heads", "swa_num_attention_heads", value=HEADS),
-    **_names("num_decoder_attention_heads", "num_encoder_attention_heads", value=HEADS),
-    **_names("num_key_value_heads", "num_kv_heads", "swa_num_key_value_heads", "kv_n_heads", value=KV_HEADS),
-    **_names("head_dim", "attention_head_dim", "attention_head_size", "d_head", "dim_head", value=HEAD_DIM),
-    **_names("kv_channels", "swa_head_dim", "v_head_dim", "index_head_dim", "indexer_head_dim", value=HEAD_DIM),
-    **_names("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim", "d_rel", value=HEAD_DIM),
-    **_names("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim", value=HEAD_DIM // 2),
-    **_names("q_lora_rank", "kv_lora_rank", "o_lora_rank", "adapter_rank", "laurel_rank", "hc_lowrank", value=32),
-    **_names("index_n_heads", "linear_num_heads", "linear_num_value_heads", "indexer_n_heads", value=HEADS),
-    **_names("linear_num_key_heads", value=KV_HEADS),
-    **_names("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "d_inner", "dff", value=FFN),
-    **_names("dim_ff", "ffn_hidden_size", "feed_forward_size", "intermediate_size_mlp", value=FFN),
-    **_names("dense_intermediate_size", "prefix_dense_intermediate_size", "router_hidden_size", value=FFN),
-    **_names("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size", value=EXPERT_FFN),
-    **_names("moe_shared_expert_intermediate_size", "shared_experts_intermediate_size", value=EXPERT_FFN),
-    **_names("shared_intermediate_size", "ple_embed_dim", "hidden_size_per_layer_input", value=EXPERT_FFN),
-    **_names("vocab_size", "decoder_vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input", value=VOCAB),
-    **_names("encoder_hash_byte_group_vocab", "pronunciation_vocab_size", "shape_vocab_size", value=VOCAB),
-    # towers a causal LM builds but text never runs through (vision, audio): small, so that they build fast
-    **_names("pronunciation_embed_dim", "shape_embed_dim", "mm_embed_dim", "audio_embed_dim", value=HIDDEN),
-    **_names("output_proj_dims", "mlp_dim", "nemo_conv_channels", "ext_pw_out_channel", value=HIDDEN),
-    **_names("depthwise_separable_out_channel", value=HIDDEN),
-    **_names("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions", value=POSITIONS),
-    **_names("context_length", "model_max_length", "max_source_positions", value=POSITIONS),
-    **_names("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", value=EXPERTS),
-    **_names("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts", value=TOP_K),
-    **_names("n_group", "num_expert_group", value=2),
-    **_names("topk_group", value=1),
-    **_names("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "zero_expert_num", value=1),
-    **_names("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index", value=1),
-    **_names("decoder_sparse_step", "moe_layer_interval", "interleave_moe_layer_step", value=1),
-    # attention windows and chunks, so that they bite on short documents
-    **_names("sliding_window", "attention_chunk_size", "attention_window_size", "window_size", value=WINDOW),
-    **_names("local_attention", "local_attention_window_len", "sliding_window_size", "keep_window_size", value=WINDOW),
-    **_names("index_topk", value=WINDOW),
-    **_names("use_sliding_window", value=True),
-    **_names("max_window_layers", value=1),  # 2 layers: one windowed under either convention (i >= 1 or i < 1)
-    **_names("sliding_window_pattern", "global_attn_every_n_layers", "no_rope_layer_interval", value=2),
-    # hybrids: the other mixer at layer 0, attention (or MoE) at layer 1
-    **_names("attn_layer_period", "expert_layer_period", "layer_group_size", value=2),
-    **_names("attn_layer_offset", "expert_layer_offset", value=1),
-    # state-space / linear mixers (torch paths, no kernels)
-    **_names("state_size", "mamba_d_state", "ssm_state_size", value=8),
-    **_names("mamba_d_head", "mamba_head_dim", "mamba_headdim", value=HEAD_DIM),
-    **_names("mamba_n_heads", "mamba_num_heads", value=2 * HIDDEN // HEAD_DIM),
-    **_names("mamba_n_groups", "n_groups", "mamba_ngroups", value=1),
-    **_names("time_step_rank", "mamba_dt_rank", value=8),
-    **_names("mamba_d_ssm", value=2 * HIDDEN),
-    **_names("chunk_size", "mamba_chunk_size", value=16),
-    **_names("use_mamba_kernels", "use_mem_eff_path", value=False),
-    # training: no KV cache (4.51 Llama4 builds a bf16 HybridChunkedCache from its config otherwise)
-    **_names("use_cache", "output_router_logits", value=False),
-}
-
-# set even where the default is None (None there means "derive it" or "no window": we want one)
-_EVEN_IF_NONE = frozenset(
-    {"head_dim", "sliding_window", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"}
-)
-
-_DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "dropatt", "drop_rate", "dropout_p")
-_TOKEN_SUFFIXES = ("token_id", "token_ids", "token_index", "_index", "_idx")
-
-# layer kinds a family supports that its default config leaves out (the default is all one kind)
-_KINDS: dict[str, dict[str, list[str]]] = {
-    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # default: all mamba
-    "lfm2": {"layer_types": ["conv", "full_attention"]},  # default: all attention
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
-    "ministral": {"layer_types": ["sliding_attention", "full_attention"]},
-    "laguna": {"layer_types": ["sliding_attention", "full_attention"]},
-    "mellum": {"layer_types": ["sliding_attention", "full_attention"]},
-    "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"]},
-    "zaya": {"layer_types": ["hybrid", "hybrid_sliding"]},
-    "minimax_m3_vl_text": {"layer_types": ["minimax_m3_sparse", "full_attention"]},  # default: all full
-    # the hybrid layers share one transformer block: two of them, so that it is shared (5.x ties it)
-    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
-}
-
-_V4 = int(transformers.__version__.split(".")[0]) < 5
-
-# per-family overrides, only where the generic shrink is not enough
-_ROPE_PER_KIND = {"rope_type": "default", "rope_theta": 10000.0}
-_FAMILY: dict[str, dict[str, Any]] = {
-    # the router samples its experts at random in training: no two calls agree, so nothing can be compared
-    "phimoe": {"router_jitter_noise": 0.0},
-    # rope parameters per layer kind; the default's flat dict has no entry for its own layer kinds
-    "cohere_compass_text": {
-        "rope_parameters": {k: dict(_ROPE_PER_KIND) for k in ("sliding_attention", "full_attention")}
-    },
-    "mamba2": {"num_heads": 2 * HIDDEN // HEAD_DIM, "head_dim": HEAD_DIM},  # heads * head_dim == expand * hidden
-    "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
-    # Qwen4-Exp's QSA indexer is off unless all five are set: on, selecting WINDOW tokens in blocks of 2
-    "qwen4_exp_text": dict(
-        indexer_n_heads=HEADS,
-        indexer_kv_heads=1,
-        indexer_head_dim=HEAD_DIM,
-        indexer_budget=WINDOW,
-        indexer_compress_ratio=2,
-    ),
-    "dots3_note_text": {"num_key_value_heads": HEADS},  # MLA: "num_key_value_heads must match num_attention_heads"
-    # DbrxAttention reads attn_config.rope_theta (not a field) and clamps q/k/v with clip_qkv (None fails)
-    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
-    # KV sharing across layers (the last num_kv_shared_layers reuse the last unshared layer of their kind)
-    "gemma3n_text": dict(
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        num_kv_shared_layers=2,
-        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
-    ),
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-    "bamba": {"attn_layer_indices": [LAYERS - 1]},  # default None: every layer Mamba
-    "xmod": {"default_language": "en_XX"},
-    "mllama_text_model": {"rope_scaling": {"rope_type": "default"}},  # 4.51: None by default, rotary reads it
-    "musicgen_decoder": {"num_codebooks": 1},  # input_ids are [batch * codebooks, seq]: one codebook, one row
-    "musicgen_melody_decoder": {"num_codebooks": 1},
-    "modernbert-decoder": {"local_attention": 2 * WINDOW},  # a total width: sliding_window = local_attention // 2
-    # axial position embeddings train only on rows of exactly prod(axial_pos_shape) tokens: learned ones instead
-    # (chunk lengths stay 64: in training a row longer than a chunk must be a multiple of it)
-    "reformer": {"axial_pos_embds": False},
-    # 4.51: without the cache the RG-LRU keeps its state from the previous forward (a second backward fails);
-    # with it, a row longer than attention_window_size attends to its last keys under the first keys' mask
-    **({"recurrent_gemma": {"use_cache": True, "attention_window_size": POSITIONS}} if _V4 else {}),
-    # block-sparse indexer: WINDOW tokens in blocks of 2
-    "minimax_m3_vl_text": {"index_block_size": 2, "index_topk_blocks": WINDOW // 2},
-}
-
-# types that cannot train alone, whatever the config
-_UNBUILDABLE = {
-    "gemma4_assistant": "a speculative-decoding draft head: forward needs the target model's inputs_embeds and "
-    "shared_kv_states (every layer reuses the target's KV), so it cannot train alone",
-    "gemma4_unified_assistant": "a speculative-decoding draft head: forward needs the target model's inputs_embeds "
-    "and shared_kv_states (every layer reuses the target's KV), so it cannot train alone",
-    "transfo-xl": "deprecated; its forward calls Tensor.type_as(dtype=...), which torch rejects: it fails for any "
-    "config",
-    "speech_to_text_2": "deprecated; its _init_weights reads Speech2Text2SinusoidalPositionalEmbedding.weight, "
-    "which does not exist: construction fails for any config, the default one included",
-}
-
-# optional packages a type cannot be built without (module names)
-_REQUIRES: dict[str, tuple[str, ...]] = {"gemma3n": ("timm",), "qdqbert": ("pytorch_quantization",)}
-
-# keyword arguments without which the config class has no (usable) default, 4.51
-_DEFAULT_KWARGS: dict[str, dict[str, Any]] = {
-    **{
-        name: {"text_encoder": {"model_type": "t5"}, "audio_encoder": {"model_type": "encodec"}, "decoder": {}}
-        for name in ("musicgen", "musicgen_melody")  # MusicgenConfig() raises
-    },
-    "phi4_multimodal": {"vision_config": {}, "audio_config": {}},  # default vision_config None; the model needs it
-}
-
-
 def _is_dropout(name: str) -> bool:
-    return any(w in name for w in _DROPOUT_WORDS) and not name.startswith("use_")
+    return any(w in name for w in DROPOUT_WORDS) and not name.startswith("use_")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -248,7 +97,7 @@ def _attr(config: PretrainedConfig, name: str) -> Any:
 
 
 def _layer_count(found: dict[str, Any]) -> int | None:
-    for name in _LAYER_COUNTS:
+    for name in LAYER_COUNTS:
         if isinstance(found.get(name), int):
             return int(found[name])
     return None
@@ -307,7 +156,7 @@ def _scaled(tiny: int, default_global: Any, default_layer: Any) -> Any:
 def _layer_value(name: str, value: Any, found: dict[str, Any], kwargs: dict[str, Any]) -> Any:
     """One per-layer override: head counts and head_dim keep their ratio to the global value, other sizes
     take the tiny global value (MLA layers must keep ``head_dim == qk_nope_head_dim + qk_rope_head_dim``)."""
-    tiny = kwargs.get(name, _SCALARS.get(name))
+    tiny = kwargs.get(name, SCALARS.get(name))
     if tiny is None:
         return value
     if "heads" in name or name == "head_dim":
@@ -345,23 +194,23 @@ def _overrides(config: PretrainedConfig, model_type: str, top: bool = True) -> d
             out[name] = {"model_type": sub.model_type, **_tiny_kwargs(sub, sub.model_type, top=False)}
             continue
         key = name if name in signature else alias.get(name)
-        if key is None and name in _base_names() and (top or name.endswith(_TOKEN_SUFFIXES) or _is_dropout(name)):
+        if key is None and name in _base_names() and (top or name.endswith(TOKEN_SUFFIXES) or _is_dropout(name)):
             key = name  # 4.51: the base class's keyword arguments (token ids, dropouts)
         if key is None or key.startswith("_") or name in out:
             continue  # derived in __init__ from what we set
-        if key in _EVEN_IF_NONE and not value:
+        if key in EVEN_IF_NONE and not value:
             value = None  # None or 0: "derive it" / "no window"; we want one
         elif value is None:
             value = signature.get(key)
             if value is None or value is inspect.Parameter.empty:
                 continue
-        rule = _SCALARS.get(name, _SCALARS.get(key))
+        rule = SCALARS.get(name, SCALARS.get(key))
         if isinstance(value, float) and _is_dropout(name):
             out[key] = 0.0
         elif rule is not None:
             if isinstance(rule, bool) or value is None or (isinstance(value, int) and value > 0):
                 out[key] = rule
-        elif name.endswith(_TOKEN_SUFFIXES):
+        elif name.endswith(TOKEN_SUFFIXES):
             out[key] = _token_id(value, remap)
         elif isinstance(value, list) and signature.get(key) is not None:  # an explicit default list
             shrunk = _shrink_list(name, value, layers)
@@ -374,11 +223,11 @@ def _overrides(config: PretrainedConfig, model_type: str, top: bool = True) -> d
         out[key] = {**rope, "mrope_section": [3, 3, 2]}  # sums to HEAD_DIM // 2
     if top and "is_decoder" in found and not found.get("is_encoder_decoder"):
         out["is_decoder"] = True  # encoder families in the causal-LM mapping run causally only as decoders
-    for name, kinds in _KINDS.get(model_type, {}).items():
+    for name, kinds in KINDS.get(model_type, {}).items():
         if name in signature:
             out[name] = kinds
             need = max(need, len(kinds))
-    for count in _LAYER_COUNTS:
+    for count in LAYER_COUNTS:
         if count in out:
             out[count] = need
     if found.get("kv_lora_rank"):  # MLA expands keys to every head: no GQA; head_dim is the rope or the q/k part
@@ -386,7 +235,7 @@ def _overrides(config: PretrainedConfig, model_type: str, top: bool = True) -> d
             out["num_key_value_heads"] = HEADS
         if "head_dim" in out and found.get("head_dim") == found.get("qk_rope_head_dim"):
             out["head_dim"] = out.get("qk_rope_head_dim", HEAD_DIM // 2)
-    for name, value in _FAMILY.get(model_type, {}).items():
+    for name, value in FAMILY.get(model_type, {}).items():
         if name in signature or name in found:  # overrides for one stack's fields leave the other alone
             out[name] = {**out[name], **value} if isinstance(value, dict) and isinstance(out.get(name), dict) else value
     return out
@@ -408,7 +257,7 @@ def _fix_kinds(default: dict[str, Any], built: PretrainedConfig | None, kwargs: 
             fixes[name] = _padded(kinds, max(LAYERS, len(kinds)))
     if fixes:
         n = max(len(v) for v in fixes.values())
-        for count in _LAYER_COUNTS:
+        for count in LAYER_COUNTS:
             if count in kwargs:
                 fixes[count] = max(n, kwargs[count])
     return fixes
@@ -417,7 +266,7 @@ def _fix_kinds(default: dict[str, Any], built: PretrainedConfig | None, kwargs: 
 def _tiny_kwargs(default: PretrainedConfig, model_type: str, top: bool = True) -> dict[str, Any]:
     """The keyword arguments of the tiny config of ``default``'s class, checked by building it."""
     config_class = type(default)
-    kwargs = {**_DEFAULT_KWARGS.get(model_type, {}), **_overrides(default, model_type, top)}
+    kwargs = {**DEFAULT_KWARGS.get(model_type, {}), **_overrides(default, model_type, top)}
     found = default.to_dict()
     for attempt in range(4):
         try:
@@ -477,9 +326,9 @@ def _matching(config: PretrainedConfig, model_class: type[PreTrainedModel]) -> P
 def _tiny_cached(model_type: str) -> tuple[PretrainedConfig, type[PreTrainedModel]]:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise Unbuildable(f"{model_type!r} is not in this transformers' causal-LM mapping")
-    if model_type in _UNBUILDABLE:
-        raise Unbuildable(_UNBUILDABLE[model_type])
-    for package in _REQUIRES.get(model_type, ()):
+    if model_type in UNBUILDABLE:
+        raise Unbuildable(UNBUILDABLE[model_type])
+    for package in REQUIRES.get(model_type, ()):
         if importlib.util.find_spec(package) is None:
             raise Unbuildable(f"needs the optional package {package!r}, not installed")
     try:
@@ -487,7 +336,7 @@ def _tiny_cached(model_type: str) -> tuple[PretrainedConfig, type[PreTrainedMode
     except (KeyError, ImportError, AttributeError) as exc:
         raise Unbuildable(f"no config class: {type(exc).__name__}: {_first_line(exc)}") from exc
     try:
-        default = config_class(**copy.deepcopy(_DEFAULT_KWARGS.get(model_type, {})))
+        default = config_class(**copy.deepcopy(DEFAULT_KWARGS.get(model_type, {})))
     except Exception as exc:
         raise Unbuildable(f"{config_class.__name__}() fails: {type(exc).__name__}: {_first_line(exc)}") from exc
     kwargs = _tiny_kwargs(default, model_type)

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from foundry_attn.attention import functions
+from foundry_attn.attention import dense_functions, functions, varlen_functions
 from foundry_attn.attention.backends import BACKENDS, PREFIX, TORCH_VARLEN, ModelNeeds
 from foundry_attn.attention.fa2_reference import flash_attn_varlen_func
 from foundry_attn.attention.torch_varlen import varlen_parameters
 from foundry_attn.bench.reference_kernels import reference_varlen_attn
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.selection.policy import AttentionUnavailableError
 from foundry_attn.verify import conformance
 
@@ -80,7 +80,7 @@ def varlen_noscale(
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     fn = request.param
-    monkeypatch.setattr(functions, "torch_varlen_kernel", lambda: fn)
+    monkeypatch.setattr(varlen_functions, "torch_varlen_kernel", lambda: fn)
     # the backend table as that torch would have it (windows from 2.12)
     windowed = dataclasses.replace(BACKENDS[TORCH_VARLEN], window="window_size" in varlen_parameters(fn))
     monkeypatch.setitem(BACKENDS, TORCH_VARLEN, windowed)
@@ -157,7 +157,7 @@ def test_torch_varlen_without_documents_runs_stock_sdpa_on_the_models_mask(monke
         "scaled_dot_product_attention",
         lambda *a, **k: sdpa_calls.append(1) or stock_sdpa(*a, **k),
     )
-    monkeypatch.setattr(functions, "eager_math", lambda *a, **k: pytest.fail("eager math ran"))
+    monkeypatch.setattr(dense_functions, "eager_math", lambda *a, **k: pytest.fail("eager math ran"))
     ids = torch.randint(1, 60, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0

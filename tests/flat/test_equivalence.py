@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents, repad_logits
 from tests.conftest import make_llama, skip_unless_flex_trains
 
 EOS = 0

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents, prepare_documents, repad_logits
-from foundry_attn.flat.synthetic import synthetic_documents
-from tests.flat.test_judged import _model
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents, prepare_documents, repad_logits
+from foundry_attn.proof.synthetic import synthetic_documents
 from tests.flat.test_left_padded import assert_trains_alone
+from tests.proof.test_judged import _model
 
 
 def _packed(docs: list[torch.Tensor], per_row: int) -> dict:

@@ -17,11 +17,11 @@ import transformers
 from transformers import DataCollatorWithFlattening
 
 from foundry_attn.attention.backends import SDPA, load_name
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.comparison import alone_inputs
 from foundry_attn.flat.layout import flattened_lengths
 from foundry_attn.flat.model_forward import FlattenedForward
-from foundry_attn.flat.synthetic import synthetic_documents
+from foundry_attn.path.attach import attach
+from foundry_attn.proof.runs import alone_inputs
+from foundry_attn.proof.synthetic import synthetic_documents
 from foundry_attn.verify import conformance, sweep, zoo
 
 LENGTHS = (5, 11, 3, 9)

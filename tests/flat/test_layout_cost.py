@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.layout_cost import ModelShape, cheapest, layout_costs
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify import zoo
 
 SHAPE = ModelShape(layers=2, heads=4, head_dim=64, hidden=256, params=2_000_000, element=4)
@@ -58,9 +58,9 @@ def test_each_batch_runs_the_cheaper_exact_layout(model_type: str, impl: str) ->
     assert state.stock_mask and state.rows_proven, state.reason
     for lengths, layout, most in (([16] * 8, "rows", 4), ([100] + [4] * 24, "flat", 1), ([100] + [4] * 24, "rows", 4)):
         batch, docs = _batch(lengths, config.vocab_size)
-        state.most_forwards = most  # 1: rows padded to the longest, dearer than the packed mask; 4: two forwards
+        state.choice.most_forwards = most  # 1: rows padded to the longest, dearer than the packed mask; 4: two forwards
         loss = forward_documents(model, batch).loss
-        assert state.layout == layout, state.layout_reason
+        assert state.choice.layout == layout, state.choice.reason
         assert state.decision_now().as_dict()["layout"] == layout
         with torch.no_grad():
             total = sum(F.cross_entropy(model(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs)

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from foundry_attn.flat import forward, inputs
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
-from foundry_attn.flat.synthetic import synthetic_documents
+from foundry_attn.flat import inputs
+from foundry_attn.path import forward
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
+from foundry_attn.proof.synthetic import synthetic_documents
 from foundry_attn.verify import zoo
-from tests.flat.test_judged import _model, _own_truth
+from tests.proof.test_judged import _model, _own_truth
 
 #: absolute positions (GPT-2, GPT-Neo, OPT, BioGPT, GPT-BigCode; XGLM's sinusoidal) and rotary (Llama)
 FAMILIES = [

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from foundry_attn.flat import layout_cost
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents, joined, prepare_documents, repad_logits
 from foundry_attn.flat.layout_cost import row_groups
-from foundry_attn.flat.synthetic import synthetic_documents
-from tests.flat.test_judged import _model, _own_truth, _rows
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents, joined, prepare_documents, repad_logits
+from foundry_attn.proof.synthetic import synthetic_documents
+from tests.proof.test_judged import _model, _own_truth, _rows
 
 
 def test_one_long_document_among_short_ones_runs_in_its_own_forward() -> None:
@@ -56,7 +56,7 @@ def test_rows_in_several_forwards_train_as_each_document_alone(
             out = forward_documents(model, batch)
             if again:
                 assert len(forwards) == len(row_groups(lengths)), forwards
-            assert state.layout == "rows" and state.proofs[-1][0].startswith("rows at batch"), state.proofs[-1]
+            assert state.choice.layout == "rows" and state.proofs[-1][0].startswith("rows at batch"), state.proofs[-1]
             assert state.proofs[-1][1].ok, state.proofs[-1][1].describe()
             got = torch.autograd.grad(out.loss, params, allow_unused=True)
             truth = _own_truth(model, docs, not state.first_targets)
@@ -66,10 +66,10 @@ def test_rows_in_several_forwards_train_as_each_document_alone(
                 assert (g is None) == (w is None), lengths
                 if g is not None:
                     torch.testing.assert_close(g, w, atol=1e-5 * max(1.0, w.abs().max().item()), rtol=1e-3)
-        state.most_forwards = 1  # the same batch in one forward, padded to the longest: the same logits
+        state.choice.most_forwards = 1  # the same batch in one forward, padded to the longest: the same logits
         with torch.no_grad():
             one = repad_logits(forward_documents(model, batch))
-            state.most_forwards = 4
+            state.choice.most_forwards = 4
             several = repad_logits(forward_documents(model, batch))
         assert several.shape == one.shape == (len(lengths), max(lengths), one.shape[-1])
         torch.testing.assert_close(several, one, atol=1e-4, rtol=1e-4)
@@ -95,6 +95,6 @@ def test_a_model_with_a_router_loss_runs_one_forward(monkeypatch: pytest.MonkeyP
     model = _model("mixtral", "sdpa")
     model.config.output_router_logits = True
     state = attach(model, "sdpa", path="rows")
-    assert state.forwards(model, (60, 3, 3, 3, 30)) == ()
+    assert state.choice.forwards(model, (60, 3, 3, 3, 30)) == ()
     model.config.output_router_logits = False
-    assert len(state.forwards(model, (60, 3, 3, 3, 30))) == 3
+    assert len(state.choice.forwards(model, (60, 3, 3, 3, 30))) == 3

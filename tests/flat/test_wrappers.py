@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify import conformance
 from tests.conftest import REPO, skip_unless_flex_trains
 from tests.flat.wrapped_worker import recorded

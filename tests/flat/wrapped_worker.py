@@ -20,8 +20,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from foundry_attn.attention.documents import DOCS_KEY, is_placeholder
 from foundry_attn.flat import layout_cost
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify import conformance
 
 

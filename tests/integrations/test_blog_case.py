@@ -3,7 +3,7 @@
 The report: a batch of 6 rows padded to max_seq_len 2048 with real lengths 220, 217, 295, 183, 130, 350.
 Through transformers' stock FA2 path the 2-D padding mask makes every layer call ``_upad_input`` (a
 ``nonzero`` and an ``.item()`` host sync each) before ``flash_attn_varlen_func`` and ``pad_input`` after.
-Through our unpad-once path (``foundry_attn.flat.forward.forward_documents``) no layer unpads, and the same
+Through our unpad-once path (``foundry_attn.path.forward.forward_documents``) no layer unpads, and the same
 cu_seqlens reach the varlen kernel directly.
 
     python tests/integrations/test_blog_case.py          # prints the comparison; exits non-zero if it does not hold
@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from foundry_attn.attention.fa2_reference import reference_flash_attn
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.observe.console_table import format_table
 from foundry_attn.observe.flash_calls import FlashCallTracer
 from foundry_attn.observe.flash_symbols import DENSE, PAD, POSIDS, UPAD, VARLEN
 from foundry_attn.observe.probe import BatchInfo, ModelInspector
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents, repad_logits
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS
 
 LENGTHS = BLOG_LENGTHS

@@ -318,7 +318,7 @@ def test_originals_restored_when_training_raises(assets: Path, tokenizer, tmp_pa
     real_forward = layer.forward
 
     def failing_forward(*args, **kwargs):
-        from foundry_attn.flat.proving import proving
+        from foundry_attn.proof.proving import proving
 
         if proving():  # the flat-path proof on the first batch (not traced, not inspected)
             return real_forward(*args, **kwargs)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from foundry_attn.flat.state import FlatPathError
+from foundry_attn.path.state import FlatPathError
 from foundry_attn.verify import conformance, zoo
 from tests.conftest import leaky_attention
 

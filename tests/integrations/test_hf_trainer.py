@@ -22,10 +22,10 @@ import transformers
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from foundry_attn import cli
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.synthetic import synthetic_documents
 from foundry_attn.integrations import hf_trainer
 from foundry_attn.observe.events import event_files, iter_events
+from foundry_attn.path.attach import attach
+from foundry_attn.proof.synthetic import synthetic_documents
 from foundry_attn.verify import conformance, zoo
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
@@ -480,7 +480,7 @@ def test_plain_left_padded_rows_in_a_trainer_run_are_said_once(
 ) -> None:
     """A Trainer on plain padded rows (a tokenizer's ``padding_side="left"``), the model attached: stock trains them,
     and the run says so once, in a path event and by the inspector."""
-    from foundry_attn.flat.forward import LEFT_PADDED
+    from foundry_attn.path.forward import LEFT_PADDED
     from tests.flat.test_left_padded import left_padded
 
     model = _model("gpt2", "sdpa")

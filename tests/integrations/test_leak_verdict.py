@@ -79,7 +79,7 @@ def _collate(loader: str, tokenizer):
 
 
 def _logits(model, batch: dict) -> torch.Tensor:
-    from foundry_attn.flat.forward import repad_logits
+    from foundry_attn.path.forward import repad_logits
 
     out = model(batch)
     logits = out["logits"] if isinstance(out, dict) else out.logits

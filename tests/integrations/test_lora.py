@@ -123,7 +123,7 @@ def step(model: Any, optimizer: torch.optim.Optimizer, batch: dict) -> tuple[flo
 def test_lora_trains_as_stock(
     tokenizer: Any, assets: Path, pretrained: Path, tmp_path: Path, padding: str, attn: str
 ) -> None:
-    from foundry_attn.flat.state import FLAT, path_of
+    from foundry_attn.path.state import FLAT, path_of
 
     stock = build(STOCK, tokenizer, pretrained, tmp_path, attn)
     ours = build(OURS, tokenizer, pretrained, tmp_path, attn)
@@ -156,7 +156,7 @@ def test_lora_trains_as_stock(
         losses.append(got_loss)
     assert losses[-1] < losses[0]  # LoRA trains
     state = path_of(ours.model)  # the proof found the HF model inside the PeftModel, and holds on LoRA
-    assert state is not None and state.path == FLAT and state.proven_on_batch, state
+    assert state is not None and state.path == FLAT and state.schedule.proven_on_batch, state
 
 
 @pytest.mark.slow

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.synthetic import synthetic_documents
 from foundry_attn.integrations import hf_trainer
+from foundry_attn.path.attach import attach
+from foundry_attn.proof.synthetic import synthetic_documents
 from foundry_attn.verify import conformance
 
 

@@ -16,9 +16,9 @@ import importlib.util
 import pytest
 import torch
 
-from foundry_attn.flat.forward_probe import ForwardProbe
-from foundry_attn.flat.synthetic import synthetic_documents
 from foundry_attn.observe.verdict import ISOLATED, LEAKS, judge
+from foundry_attn.proof.forward_probe import ForwardProbe
+from foundry_attn.proof.synthetic import synthetic_documents
 from foundry_attn.verify import zoo
 from foundry_attn.verify.sweep import ZOO_LENGTHS
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
+from foundry_attn.path.attach import attach
 
 
 def _tiny(arch: str) -> torch.nn.Module:
@@ -59,8 +59,8 @@ def test_inspector_finds_layers_and_attention_generically(arch: str) -> None:
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_inspector_sees_the_flat_row(llama, impl: str) -> None:
     """Unpadded once: one flat row of real tokens, no mask, one restart per document boundary."""
-    from foundry_attn.flat.forward import forward_documents
     from foundry_attn.observe.probe import BatchInfo, ModelInspector
+    from foundry_attn.path.forward import forward_documents
 
     model = llama(impl)
     attach(model)

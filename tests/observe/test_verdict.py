@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
-from foundry_attn.flat.forward_probe import ForwardProbe
 from foundry_attn.flat.layout import packed_rows
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.observe.verdict import ISOLATED, LEAKS, NOT_PACKED, Features, Verdict, measure, structural
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
+from foundry_attn.proof.forward_probe import ForwardProbe
 from tests.conftest import make_llama
 
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from foundry_attn.attention.backends import NAMES
-from foundry_attn.flat.attach import attach
+from foundry_attn.path.attach import attach
 from foundry_attn.selection.capability import probe
 from foundry_attn.verify import conformance
 from tests.conftest import leaky_attention

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify import conformance, sweep, zoo
 
 

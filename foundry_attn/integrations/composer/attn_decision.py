@@ -189,7 +189,7 @@ class AttnDecision(Callback):
         logger.log_hyperparameters(hparams)
         self._ours = foundry_model(state.model)
         self._changes = len(self._ours.attn_state.changes)
-        self._layout = self._ours.attn_state.layout
+        self._layout = self._ours.attn_state.choice.layout
 
     def batch_end(self, state: State, logger: Logger) -> None:
         """A proof on a training batch that moved the run to rows (the state's event), or another layout than the last
@@ -206,10 +206,10 @@ class AttnDecision(Callback):
         if self._ours is None:
             return
         state_ = self._ours.attn_state
-        moved, layout = len(state_.changes) != self._changes, state_.layout != self._layout
+        moved, layout = len(state_.changes) != self._changes, state_.choice.layout != self._layout
         if not (moved or layout):
             return
-        self._changes, self._layout = len(state_.changes), state_.layout
+        self._changes, self._layout = len(state_.changes), state_.choice.layout
         hparams = decision_hparams(self._ours)
         keys = ("attn/path",) * moved + ("attn/layout",) * layout
         logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith(keys)})

@@ -17,7 +17,6 @@ from composer.core import State
 from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 
-from foundry_attn.flat.forward_probe import ForwardProbe
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.observe.inspector import InspectorCore
@@ -31,6 +30,7 @@ from foundry_attn.observe.verdict import (
     second_forward_blocked,
     structural,
 )
+from foundry_attn.proof.forward_probe import ForwardProbe
 
 
 def _packing_features(dataloader: Any) -> Features | None:
@@ -137,7 +137,7 @@ class DocumentVerdicts:
 
         Args:
             state: Composer's training state after the forward (its model, batch, outputs and precision).
-            embeds: the forward's input embeddings (a :class:`~foundry_attn.flat.forward_probe.ForwardProbe`'s);
+            embeds: the forward's input embeddings (a :class:`~foundry_attn.proof.forward_probe.ForwardProbe`'s);
                 None: the documents run a forward of their own.
 
         Returns:

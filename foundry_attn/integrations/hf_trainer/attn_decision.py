@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from foundry_attn.flat.state import FLAT, PathState, path_of
 from foundry_attn.integrations.hf_trainer.common import SampledCallback, Session
 from foundry_attn.observe.discovery import decision_of
 from foundry_attn.observe.ranks import announce
+from foundry_attn.path.state import FLAT, PathState, path_of
 
 __all__ = ["AttnDecision"]
 
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class AttnDecision(SampledCallback):
-    """Each rank's attention at train begin: what :func:`~foundry_attn.flat.attach.attach` decided (the backend, why,
+    """Each rank's attention at train begin: what :func:`~foundry_attn.path.attach.attach` decided (the backend, why,
     the path and its proof) or the implementation the model runs, said once per rank and in one line over every rank
     on rank 0 (``attention: 2/2 ranks sdpa; path flat``); a proof that moves the run to rows, at the end of its step.
 

@@ -17,10 +17,10 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from foundry_attn.checks import check_interval
-from foundry_attn.flat.proving import proving
 from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.ranks import launch_id
+from foundry_attn.proof.proving import proving
 
 #: what a Trainer user changes so that packed documents stop seeing each other
 FIX = (

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 
 from foundry_attn.attention.backends import FA2
 from foundry_attn.checks import check_interval
-from foundry_attn.flat.state import AUTO_PATH, PROOF_INTERVAL, check_path
+from foundry_attn.path.schedule import PROOF_INTERVAL
+from foundry_attn.path.state import AUTO_PATH, check_path
 from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, validate_names
 
 RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")

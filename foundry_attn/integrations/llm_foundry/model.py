@@ -20,7 +20,7 @@
       attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
 
 Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches (``doc_lens``)
-and 2-D masks under every backend, on one of two paths (``foundry_attn.flat.attach``): **flat** (one row of real
+and 2-D masks under every backend, on one of two paths (``foundry_attn.path.attach``): **flat** (one row of real
 tokens, unpadded once, the documents passed to every attention call as an argument) where it is proven
 against stock, **rows** (the stock backend, one document per row, a 2-D mask) where it is not. Either way the
 outputs come back in the batch's shape, as stock's do (``[rows, width, vocab]`` logits, zeros at padding), and
@@ -42,12 +42,12 @@ from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
 
 from foundry_attn.attention.backends import FA2, backend_of, load_name
-from foundry_attn.flat.attach import attach_decision
-from foundry_attn.flat.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.observe.ranks import announce, launch_id
+from foundry_attn.path.attach import attach_decision
+from foundry_attn.path.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
 from foundry_attn.selection.capability import probe
 from foundry_attn.selection.decision import decide, model_class_for
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
@@ -124,9 +124,9 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         )
 
     def _attach(self, decision: Decision, reference: bool, at_build: bool) -> None:
-        """Prove the flat path for the choice (:func:`foundry_attn.flat.attach.attach_decision`, the chain walk
+        """Prove the flat path for the choice (:func:`foundry_attn.path.attach.attach_decision`, the chain walk
         ``attach(model, "auto")`` takes too); rows where it does not hold, the next backend where neither path runs.
-        The decision is kept on the model's :class:`~foundry_attn.flat.state.PathState`."""
+        The decision is kept on the model's :class:`~foundry_attn.path.state.PathState`."""
         keys = self.attn_keys
         _, self.attn_state = attach_decision(
             self.model,
@@ -156,7 +156,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         return decision
 
     def _path_changed(self) -> None:
-        """After a batch: a proof that moved the run to rows (the state's :class:`~foundry_attn.flat.state.PathChange`)
+        """After a batch: a proof that moved the run to rows (the state's :class:`~foundry_attn.path.state.PathChange`)
         is an ``attn_impl`` event."""
         if len(self.attn_state.changes) > self._changes_read:
             self._changes_read = len(self.attn_state.changes)

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn.attention.documents import DOCS_KEY
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.inputs import stock_splits_packed_rows
-from foundry_attn.flat.state import FlatPathError, path_of
-from foundry_attn.flat.synthetic import proof_lengths
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
+from foundry_attn.path.state import FlatPathError, path_of
+from foundry_attn.proof.synthetic import proof_lengths
 from foundry_attn.selection.policy import AttentionUnavailableError
 from foundry_attn.verify import conformance
 from tests.conftest import leaky_attention, registered_attention
@@ -164,8 +164,8 @@ def test_an_unknown_path_lists_the_valid_ones() -> None:
 
 
 def test_an_unattached_model_runs_rows_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    from foundry_attn.flat import forward
     from foundry_attn.flat.implementation import point
+    from foundry_attn.path import forward
 
     forward._say_unproven.cache_clear()  # said once per class and process
     model = conformance.build("llama", "sdpa")
@@ -388,7 +388,7 @@ def test_rows_is_proven_on_its_first_batch_and_each_longer_one() -> None:
 
 def _forwards(model) -> list[bool]:
     """Each forward of the base model from now on: whether it was a proof's (``proving()``) or the batch's."""
-    from foundry_attn.flat.proving import proving
+    from foundry_attn.proof.proving import proving
 
     seen: list[bool] = []
     model.model.register_forward_pre_hook(lambda _m, _a: seen.append(proving()))
@@ -409,7 +409,7 @@ def test_a_full_proof_on_a_batch_takes_the_batchs_own_forward() -> None:
 
 def test_where_training_differs_from_eval_the_proof_runs_its_own_forward() -> None:
     """Dropout makes the training forward random: the proof runs its own (eval-mode) flat forward, and says why."""
-    from foundry_attn.flat.step_proof import step_blocker
+    from foundry_attn.proof.step_proof import step_blocker
 
     model = conformance.build("llama", "sdpa")
     model.config.attention_dropout = 0.1

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.flat.proving import proving
+from foundry_attn.proof.proving import proving
 
 
 class ForwardProbe:

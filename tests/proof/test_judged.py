@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.comparison import alone_inputs, loss_shifts, run, stock_noise
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.implementation import running
-from foundry_attn.flat.proof import Proof, undefined_values
-from foundry_attn.flat.synthetic import synthetic_documents
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
+from foundry_attn.path.proven import keep_proof
+from foundry_attn.proof.result import Proof, undefined_values
+from foundry_attn.proof.runs import alone_inputs, loss_shifts, run
+from foundry_attn.proof.synthetic import synthetic_documents
+from foundry_attn.proof.tolerance import stock_noise
 from foundry_attn.verify import zoo
 
 #: real batches of several lengths, a 1-token document and documents past Llama-4's chunk of 8 among them
@@ -100,12 +102,12 @@ def test_a_proof_that_could_not_judge_keeps_the_last_decision() -> None:
     state = attach(model, "sdpa")
     assert state.path == "flat"
     unjudged = Proof(False, reason="stock sdpa cannot compute one document alone here: ...", ran=False, judged=False)
-    state.keep_proof(model, {}, "batch 7 (a longer batch)", unjudged, True, None)
+    keep_proof(state, model, {}, "batch 7 (a longer batch)", unjudged, True, None)
     assert state.path == "flat" and "judged nothing" in state.notes[-1], state.notes
 
 
 def test_non_finite_values_are_named_by_side_and_tokens() -> None:
-    from foundry_attn.flat.comparison import Run
+    from foundry_attn.proof.runs import Run
 
     logits = torch.zeros(5, 4)
     logits[3, 1] = float("nan")

@@ -1,5 +1,5 @@
 """Flat where proven, one document per row where not: :func:`attach` points a model's attention at ours and
-proves the flat path, keeping the :class:`~foundry_attn.flat.state.PathState` on the model.
+proves the flat path, keeping the :class:`~foundry_attn.path.state.PathState` on the model.
 
     from foundry_attn import attach, forward_documents
     state = attach(hf_model, "sdpa")                 # proves the flat path against stock at once
@@ -12,10 +12,10 @@ proves the flat path, keeping the :class:`~foundry_attn.flat.state.PathState` on
       attn_proof_interval: 100     # re-prove every N training batches (0: first batch and changes only)
 
 What ``attach`` changes on the model, all of it here: ``config._attn_implementation`` (our registered name while flat,
-the stock one while rows), ``model.foundry_path`` (the :class:`~foundry_attn.flat.state.PathState`), the instance's
+the stock one while rows), ``model.foundry_path`` (the :class:`~foundry_attn.path.state.PathState`), the instance's
 ``forward`` and its base model's (:class:`~foundry_attn.flat.model_forward.FlattenedForward`, ``FlattenedBackbone``: the
 ecosystem's packed batches take the proven path). When each path runs and when the proof is due again:
-:mod:`foundry_attn.flat.state`. Core module: torch and transformers only.
+:mod:`foundry_attn.path.state`. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -30,25 +30,26 @@ import torch
 
 from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, FLEX, NAMES, SDPA, backend_of, rows_name
 from foundry_attn.checks import check_choice, check_interval
-from foundry_attn.flat.comparison import alone_inputs, evaluating, loss_shifts, run
-from foundry_attn.flat.forward import packed_backbone, packed_model, plain_call
 from foundry_attn.flat.implementation import current, point, running, use
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.model_forward import replace_forwards
-from foundry_attn.flat.proving import hidden
-from foundry_attn.flat.state import (
+from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.path.forward import packed_backbone, packed_model, plain_call
+from foundry_attn.path.proven import prove, prove_rows
+from foundry_attn.path.schedule import PROOF_INTERVAL, Schedule
+from foundry_attn.path.state import (
     AUTO_PATH,
     FLAT,
     PATH_ATTR,
-    PROOF_INTERVAL,
     ROWS,
     FlatPathError,
     PathState,
     check_path,
 )
-from foundry_attn.flat.synthetic import proof_lengths, synthetic_documents, unexercised
-from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.proof.proving import hidden
+from foundry_attn.proof.runs import alone_inputs, evaluating, loss_shifts, run
+from foundry_attn.proof.synthetic import proof_lengths, synthetic_documents, unexercised
 from foundry_attn.selection import policy
 from foundry_attn.selection.backend_checks import model_check
 from foundry_attn.selection.decision import decide
@@ -107,7 +108,7 @@ def attach(
             half, else bf16 on a CUDA device (the Trainer's ``bf16=True`` autocast) and fp32 on a CPU;
             ``bf16``, ``fp16``, ``fp32``).
         path: ``auto`` (flat where proven), ``flat`` (binding with ``strict``: a failed proof raises
-            :class:`~foundry_attn.flat.state.FlatPathError`) or ``rows``.
+            :class:`~foundry_attn.path.state.FlatPathError`) or ``rows``.
         fa2_reference: run FA2 on the pure-PyTorch reference kernel (CPU tests; never chosen by itself).
         strict: with ``path="flat"``, fail instead of falling back to rows.
         interval: re-prove every ``interval`` training batches, forward only (0: first batch and changes only).
@@ -115,7 +116,7 @@ def attach(
             this device cannot run).
 
     Returns:
-        The :class:`~foundry_attn.flat.state.PathState` kept on the model: ``path`` (``flat`` or ``rows``),
+        The :class:`~foundry_attn.path.state.PathState` kept on the model: ``path`` (``flat`` or ``rows``),
         ``reason``, every proof and, for ``auto``, the ``decision`` (each backend of the chain and why not).
 
     Raises:
@@ -256,7 +257,7 @@ def _attach_backend(
         rows,
         reference=fa2_reference,
         binding=strict and path == FLAT,
-        interval=interval,
+        schedule=Schedule(interval=interval),
     )
     dtype = str(next(hf.parameters()).dtype).removeprefix("torch.")
     named = f"attach(model, {backend!r})"  # attach_decision puts the chain's decision in its place
@@ -279,9 +280,9 @@ def _attach_backend(
             state.first_targets = not loss_shifts(hf, docs[0])
         try:
             if path == ROWS:
-                state.prove_rows(hf, inputs, "attach")
+                prove_rows(state, hf, inputs, "attach")
             else:
-                state.prove(hf, inputs, "attach")
+                prove(state, hf, inputs, "attach")
         except AttentionUnavailableError:  # refused: the model as it was before this attach
             use(hf, built)
             if before is None:

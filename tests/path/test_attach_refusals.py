@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_attn.flat.attach import attach
+from foundry_attn.path.attach import attach
 from foundry_attn.selection.decision import decide
 from foundry_attn.selection.policy import AttentionUnavailableError
 from foundry_attn.verify import conformance, zoo

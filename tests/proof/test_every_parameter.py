@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.attention import functions
+from foundry_attn.attention import function_calls
 from foundry_attn.attention.documents import is_placeholder
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents, repad_logits
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.packing import PaddingCollator
-from foundry_attn.flat.proof import prove_flat
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents, repad_logits
+from foundry_attn.proof.prove import prove_flat
 from tests.conftest import make_llama
 
 LENGTHS = (13, 9, 17)
@@ -88,7 +88,7 @@ def test_a_parameter_the_flat_path_leaves_behind_fails_the_proof_by_name(monkeyp
     makes the bias a constant; the parameter A gets no gradient, and the proof names it."""
     model = biased_llama()
     attach(model, "sdpa", prove_now=False)
-    monkeypatch.setattr(functions, "mask_content", lambda mask: None)
+    monkeypatch.setattr(function_calls, "mask_content", lambda mask: None)
     proof = prove_flat(model, _flat(model), "sdpa")
     assert not proof.ok
     assert "model.layers.0.self_attn.A" in proof.reason and "get no gradient" in proof.reason, proof.reason

@@ -1,6 +1,6 @@
 """One forward of a HF causal LM that honours document boundaries under every backend: two paths.
 
-    attach(hf_model, "sdpa")                        # once: foundry_attn.flat.attach (proves the flat path)
+    attach(hf_model, "sdpa")                        # once: foundry_attn.path.attach (proves the flat path)
     out = forward_documents(hf_model, batch)        # batch from foundry_attn.flat.packing, or any 2-D mask
     logits = repad_logits(out)                      # [rows, width, vocab], only if you need them
 
@@ -9,7 +9,7 @@ documents as an argument (``foundry_documents``) to our function for its backend
 FA2 varlen with ``cu_seq_lens``, one causal SDPA call per document, eager math per document, or one flex
 call with a document ``BlockMask``. No L x L mask is built: the model's own mask code gets a ``[1, 1, 1, 1]``
 placeholder, which it passes through unchanged. Only for a model whose flat path was proven
-(:func:`foundry_attn.flat.attach.attach`); the proof is kept on the model and re-checked on the batches that train.
+(:func:`foundry_attn.path.attach.attach`); the proof is kept on the model and re-checked on the batches that train.
 
 **rows**: the stock backend, one document per row, right-padded, with a 2-D mask and the model's own
 position ids: exact for every family that handles right padding, at the cost of padding. Everything else
@@ -42,9 +42,10 @@ from foundry_attn.flat.inputs import (
     stock_packed,
 )
 from foundry_attn.flat.layout import Layout, Truth, padding_side
-from foundry_attn.flat.state import FLAT, ROWS, PathChange, Plan, path_of
-from foundry_attn.flat.step_proof import StepProof
 from foundry_attn.flat.unwrap import compiled, unwrapped
+from foundry_attn.path.proven import prove_batch, step_proof
+from foundry_attn.path.state import FLAT, ROWS, PathChange, Plan, path_of
+from foundry_attn.proof.step_proof import StepProof
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class Prepared:
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
-    """Run ``model`` on ``batch`` so that no document sees another: flat where :func:`~foundry_attn.flat.attach.attach`
+    """Run ``model`` on ``batch`` so that no document sees another: flat where :func:`~foundry_attn.path.attach.attach`
     proved it (one row of real tokens, unpadded once), else one document per row.
 
     Args:
@@ -238,7 +239,7 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
         truth = Truth.of(layout, labels) if plan.at is not None else None
         if plan.path == ROWS and plan.at is not None and state.path == FLAT:  # rows beside the flat row, proven now
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
-            if state.prove_batch(hf, flat, plan, truth) == FLAT:
+            if prove_batch(state, hf, flat, plan, truth) == FLAT:
                 plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
         groups = plan.groups
         if plan.path == FLAT:
@@ -247,13 +248,13 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
             inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout, even)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
             if plan.in_step:
-                return Prepared(inputs, placed, no_targets, state.step_proof(hf, inputs, plan, truth))
-            if plan.at is None or state.prove_batch(hf, inputs, plan, truth) == FLAT:
+                return Prepared(inputs, placed, no_targets, step_proof(state, hf, inputs, plan, truth))
+            if plan.at is None or prove_batch(state, hf, inputs, plan, truth) == FLAT:
                 return Prepared(stock_packed(inputs) if state.stock_mask else inputs, placed, no_targets)
         # rows, proven as flat is: the first batch, changes, longer batches, the interval
         elif plan.at is not None and state.path == ROWS:
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
-            state.prove_batch(hf, flat, plan, truth)
+            prove_batch(state, hf, flat, plan, truth)
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on
     left, first = (state.rows_left, state.first_targets) if state is not None else (False, False)
@@ -360,13 +361,13 @@ def plain_call(model: Any, kwargs: Mapping[str, Any]) -> None:
     state.padding_read = True
     if side == "left":
         state.reason = f"{state.reason}; {LEFT_PADDED}"
-        state.changes.append(PathChange(state.batches, state.path, LEFT_PADDED))
+        state.changes.append(PathChange(state.schedule.batches, state.path, LEFT_PADDED))
 
 
 @functools.cache
 def _say_unproven(class_name: str) -> None:
     log.warning(
-        "foundry_attn: %s was never attached (foundry_attn.flat.attach.attach), so its flat path is not proven: "
+        "foundry_attn: %s was never attached (foundry_attn.path.attach.attach), so its flat path is not proven: "
         "forward_documents runs it one document per row (rows path; under FA2 that is transformers' per-layer "
         "unpad). Call attach(model, backend) once for the flat path.",
         class_name,

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from foundry_attn import attach
-from foundry_attn.flat.attach import attach_decision
-from foundry_attn.flat.forward import forward_documents
 from foundry_attn.flat.packing import PaddingCollator
+from foundry_attn.path.attach import attach_decision
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.selection.policy import AttentionUnavailableError
 from tests.conftest import make_llama
 
@@ -55,7 +55,7 @@ def test_auto_moves_down_the_chain_past_a_backend_attach_refuses(monkeypatch: py
     kept in the decision (here FA2 on the reference kernel, refused as attach refuses a backend whose training
     forward cannot run)."""
     from foundry_attn.attention.backends import FA2, SDPA
-    from foundry_attn.flat import attach as attach_module
+    from foundry_attn.path import attach as attach_module
     from foundry_attn.selection.capability import probe
     from foundry_attn.selection.policy import choose
 

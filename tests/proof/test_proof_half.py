@@ -9,8 +9,8 @@ import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from foundry_attn.attention.documents import DOCS_KEY
-from foundry_attn.flat.attach import attach
-from foundry_attn.flat.forward import forward_documents
+from foundry_attn.path.attach import attach
+from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify import zoo
 from tests.conftest import registered_attention
 
@@ -93,7 +93,7 @@ def test_a_one_token_boundary_leak_is_caught_in_bf16_at_1024_token_documents() -
 
 
 def test_bf16_noise_of_an_exact_path_is_measured_and_below_the_limits() -> None:
-    from foundry_attn.flat.comparison import GRAD_TOKEN_RTOL_HALF, TOKEN_RTOL_HALF
+    from foundry_attn.proof.tolerance import GRAD_TOKEN_RTOL_HALF, TOKEN_RTOL_HALF
 
     model = _model("llama")
     state = attach(model, "sdpa", prove_now=False)

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
 
 from foundry_attn.attention.backends import BACKENDS
 from foundry_attn.attention.documents import DOCS_KEY
-from foundry_attn.flat.comparison import HeadCall, embeddings, head_calls, training_noise
 from foundry_attn.flat.layout import Truth
-from foundry_attn.flat.proof import Proof, passes_kwargs, prove_step
 from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.proof.prove import prove_step
+from foundry_attn.proof.result import Proof
+from foundry_attn.proof.runs import HeadCall, embeddings, head_calls
+from foundry_attn.proof.sides import passes_kwargs
+from foundry_attn.proof.tolerance import training_noise
 
 
 def step_blocker(model: Any) -> str | None:
@@ -62,8 +65,8 @@ def step_blocker(model: Any) -> str | None:
 
 
 class Keeper(Protocol):
-    """What a step proof reads and calls on the path's state (:class:`foundry_attn.flat.state.PathState`, which makes
-    the proof and imports this module: the state is handed in, never imported)."""
+    """What a step proof reads of the path's state (:class:`foundry_attn.path.state.PathState`, handed in, never
+    imported); the proof's outcome goes back through the two calls a :class:`StepProof` is given."""
 
     backend: str
     reference: bool
@@ -83,61 +86,27 @@ class Keeper(Protocol):
         """
         ...
 
-    def keep_proof(
-        self, hf: Any, inputs: Mapping[str, Any], at: str, proof: Proof, grads: bool, truth: Truth | None
-    ) -> Proof:
-        """Keep ``proof`` of the flat path (:meth:`foundry_attn.flat.state.PathState.keep_proof`).
 
-        Args:
-            hf: the transformers model.
-            inputs: the flat row's inputs the proof ran.
-            at: where the proof ran, for the reason.
-            proof: the proof's result.
-            grads: it compared gradients.
-            truth: the documents' positions and labels, read from the batch (None: the model's own).
-
-        Returns:
-            The proof that stands.
-
-        Example::
-
-            >>> state.keep_proof(hf_model, inputs, "batch 1 (the first training batch)", proof, True, None)
-        """
-        ...
-
-    def prove(
-        self, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, truth: Truth | None = None
-    ) -> Proof:
-        """Prove the flat path on ``inputs`` (:meth:`foundry_attn.flat.state.PathState.prove`).
-
-        Args:
-            model: the transformers model, or a wrapper of one.
-            inputs: the flat row's inputs.
-            at: where the proof runs, for the reason.
-            grads: compare gradients too.
-            truth: the documents' positions and labels, read from the batch (None: the model's own).
-
-        Returns:
-            The proof that stands.
-
-        Example::
-
-            >>> state.prove(hf_model, inputs, "batch 1 (the first training batch)").ok
-            True
-        """
-        ...
+#: keep a proof's outcome: ``(hf, inputs, at, proof, grads, truth) -> the proof that stands``
+#: (:func:`foundry_attn.path.proven.keep_proof`)
+Keep = Callable[[Any, Mapping[str, Any], str, Proof, bool, "Truth | None"], Proof]
+#: prove the flat path again with its own forward: ``(hf, inputs, at, *, grads, truth) -> the proof that stands``
+#: (:func:`foundry_attn.path.proven.prove`)
+ProveAgain = Callable[..., Proof]
 
 
 @dataclasses.dataclass
 class StepProof:
     """A proof due on a training batch that takes the batch's own forward as its packed side, so the flat row runs
-    once: :func:`foundry_attn.flat.forward.forward_documents` runs the forward inside :meth:`capturing`, then
+    once: :func:`foundry_attn.path.forward.forward_documents` runs the forward inside :meth:`capturing`, then
     :meth:`settle`. A difference there is judged again by the full proof (its own forward in eval mode): it decides,
     and a difference only training mode shows moves the run to rows too. A training forward that raises on the flat
     row (a model's own loss reading the mask, a layer refusing an argument) moves the run to rows, where the batch
     runs again: never worse than stock."""
 
     state: Keeper
+    keep: Keep
+    again: ProveAgain
     hf: Any
     inputs: Mapping[str, Any]
     at: str
@@ -184,7 +153,7 @@ class StepProof:
             text = str(error).strip().splitlines()
             reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
             failed = Proof(False, reason=reason[:300], tokens=self.inputs[DOCS_KEY].bounds[-1], ran=False)
-            state.keep_proof(hf, self.inputs, self.at, failed, self.grads, self.truth)
+            self.keep(hf, self.inputs, self.at, failed, self.grads, self.truth)
             return False
         proof = None
         if out is not None:
@@ -200,12 +169,12 @@ class StepProof:
                 truth=self.truth,
             )
         if proof is not None and proof.ok:
-            state.keep_proof(hf, self.inputs, self.at, proof, self.grads, self.truth)
+            self.keep(hf, self.inputs, self.at, proof, self.grads, self.truth)
             return True
         mask = state.stock_mask
-        full = state.prove(hf, self.inputs, self.at, grads=self.grads, truth=self.truth)
+        full = self.again(hf, self.inputs, self.at, grads=self.grads, truth=self.truth)
         if state.stock_mask != mask:  # the flat row moved to stock's packed mask: the batch runs again there
             return False
         if full.ok and proof is not None:  # eval mode holds, the training forward does not: never run silently
-            state.keep_proof(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.truth)
+            self.keep(hf, self.inputs, f"{self.at}, in training mode", proof, self.grads, self.truth)
         return state.is_flat

@@ -1,0 +1,319 @@
+"""What a proof's outcome does to the path: kept, the flat row on stock's packed mask, one document per row, or
+refused. The path asks the proof (:mod:`foundry_attn.proof`) and acts on its answer here.
+
+    prove(state, hf_model, inputs, "attach")                 # the flat row, at attach or on a batch
+    prove_rows(state, hf_model, inputs, "attach")            # one document per row (right-, else left-padded)
+    prove_batch(state, hf_model, inputs, plan, truth=None)   # the proof a batch's plan calls for: the path after
+
+Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from foundry_attn.attention.backends import BACKENDS, EAGER, SDPA
+from foundry_attn.attention.documents import DOCS_KEY, Documents
+from foundry_attn.flat.implementation import use
+from foundry_attn.flat.inputs import stock_splits_packed_rows
+from foundry_attn.flat.layout import Truth
+from foundry_attn.flat.layout_cost import FLAT, ROWS
+from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.path.state import NoExactPath, PathState, Plan
+from foundry_attn.proof.prove import prove_flat, prove_packed
+from foundry_attn.proof.prove import prove_rows as rows_proof
+from foundry_attn.proof.result import Proof
+from foundry_attn.proof.sides import rows_train_error
+from foundry_attn.proof.step_proof import StepProof
+
+log = logging.getLogger(__name__)
+
+
+def prove(
+    state: PathState, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, truth: Truth | None = None
+) -> Proof:
+    """Prove the flat path on ``inputs`` (:func:`foundry_attn.flat.inputs.flat_inputs`); a failure moves to rows
+    (or raises, binding).
+
+    Args:
+        state: the path's state.
+        model: the transformers model, or a wrapper of one.
+        inputs: the flat row's inputs, the documents under ``DOCS_KEY``.
+        at: where the proof runs, for the reason (``"attach"``, ``"batch 1 (the first training batch)"``).
+        grads: compare gradients too (False: forward only, the interval's proof).
+        truth: the documents' positions and labels, read from the batch (None: the model's own).
+
+    Returns:
+        The :class:`~foundry_attn.proof.result.Proof` that stands (stock's packed mask's where it took over).
+
+    Raises:
+        FlatPathError: the proof failed and the path is binding (``attn_path: flat``, strict).
+        NoExactPath: the proof failed and the rows path is not exact either.
+
+    Example::
+
+        >>> prove(state, hf_model, inputs, "attach").describe()
+        'passed in 41 ms (documents [28, 13] of a 41-token row, worst |diff| 0.0e+00, gradients 1.8e-07)'
+    """
+    hf = unwrapped(model)
+    use(hf, state.flat_name)
+    side = prove_packed if state.stock_mask else prove_flat
+    stock = BACKENDS[state.backend].truth
+    proof = side(hf, inputs, stock, reference=state.reference, grads=grads, truth=truth)
+    return keep_proof(state, hf, inputs, at, proof, grads, truth)
+
+
+def keep_proof(
+    state: PathState,
+    hf: Any,
+    inputs: Mapping[str, Any],
+    at: str,
+    proof: Proof,
+    grads: bool,
+    truth: Truth | None,
+) -> Proof:
+    """Keep ``proof`` of the flat path: proven lengths and code, or rows from now on (proven there too).
+
+    Args:
+        state: the path's state.
+        hf: the transformers model.
+        inputs: the flat row's inputs the proof ran.
+        at: where the proof ran, for the reason.
+        proof: the flat proof's result.
+        grads: it compared gradients.
+        truth: the documents' positions and labels, read from the batch (None: the model's own).
+
+    Returns:
+        ``proof``, or the proof of stock's packed mask where that holds in its place.
+
+    Example::
+
+        >>> keep_proof(state, hf_model, inputs, "batch 1 (the first training batch)", proof, True, None)
+    """
+    state.proofs.append((at, proof))
+    state.schedule.watch(hf, state.names)
+    if _unjudged(state, hf, at, proof):
+        return proof
+    if not proof.ok and (packed := _stock_mask_holds(state, hf, inputs, at, proof, grads, truth)):
+        return packed
+    if not proof.ok:
+        state.refuse(hf, f"proof at {at} {proof.describe()}", check="proof")
+        prove_rows(state, hf, inputs, at, grads=grads, truth=truth)
+        return proof
+    state.schedule.cover(inputs[DOCS_KEY])
+    if state.path == FLAT:
+        mask = f"stock's packed mask ({state.rows_name}) " if state.stock_mask else ""
+        state.reason = f"{mask}proven at {at}: {proof.describe()}"
+    return proof
+
+
+def _stock_mask_holds(
+    state: PathState,
+    hf: Any,
+    inputs: Mapping[str, Any],
+    at: str,
+    failed: Proof,
+    grads: bool,
+    truth: Truth | None,
+) -> Proof | None:
+    """Where our flat row cannot run (the documents never reach attention: GPT-J's own attention code, a layer
+    that drops ``**kwargs``; an argument or a mask content we cannot honour: ``indices``, sinks, Doge's bias),
+    the flat row with stock's own packed mask (transformers 5.x splits a packed row at restarting
+    ``position_ids``), proven the same way; the run stays flat on it (no padding), or None. Where ours ran and
+    computed something else, the run goes to rows as before."""
+    if (
+        failed.ran
+        or not failed.judged
+        or state.stock_mask
+        or state.backend not in (SDPA, EAGER)
+        or not stock_splits_packed_rows()
+    ):
+        return None  # ours ran and computed otherwise (a leak, a window only the mask knows): rows
+    proof = prove_packed(hf, inputs, state.rows_name, reference=state.reference, grads=grads, truth=truth)
+    state.proofs.append((f"stock's packed mask at {at}", proof))
+    if not proof.ok:
+        return None
+    state.stock_mask, state.flat_name = True, state.rows_name
+    use(hf, state.rows_name)
+    state.schedule.cover(inputs[DOCS_KEY])
+    state.schedule.watch(hf, state.names)
+    state.reason = f"stock's packed mask ({state.rows_name}) proven at {at}: {proof.describe()} (ours: {failed.reason})"
+    log.info("foundry_attn: %s runs its flat rows on %s", type(hf).__name__, state.reason)
+    _rows_candidate(state, hf, inputs, at, grads, truth)
+    return proof
+
+
+def _rows_candidate(
+    state: PathState,
+    hf: Any,
+    inputs: Mapping[str, Any],
+    at: str,
+    grads: bool,
+    truth: Truth | None,
+    groups: tuple[tuple[int, ...], ...] = (),
+) -> bool:
+    """Prove one document per row as a second exact layout beside the flat row on stock's packed mask (whose
+    attention scores the whole row): the cheaper of the two runs each batch. A failure leaves the flat row."""
+    try:
+        proof = prove_rows(state, hf, inputs, at, grads=grads, truth=truth, groups=groups)
+    except NoExactPath as exc:
+        proof = Proof(False, reason=str(exc), rows=True)
+    state.rows_proven = proof.ok
+    if not proof.ok:
+        _note(state, hf, f"rows at {at} not a candidate beside the flat row: {proof.describe()}")
+    return proof.ok
+
+
+def prove_rows(
+    state: PathState,
+    model: Any,
+    inputs: Mapping[str, Any],
+    at: str,
+    *,
+    grads: bool = True,
+    truth: Truth | None = None,
+    groups: tuple[tuple[int, ...], ...] = (),
+) -> Proof:
+    """Prove the rows path on the documents of ``inputs`` (:func:`foundry_attn.proof.prove.prove_rows`):
+    right-padded rows, and where they differ from each document alone, left-padded ones (the run pads on the
+    left from then on). Where neither is exact the model is refused (never trained off its documents alone):
+    :class:`~foundry_attn.path.state.NoExactPath` with each path's cause.
+
+    Args:
+        state: the path's state.
+        model: the transformers model, or a wrapper of one.
+        inputs: the flat row's inputs, whose documents are laid out one per row.
+        at: where the proof runs, for the reason.
+        grads: compare gradients too (False: forward only).
+        truth: the documents' positions and labels, read from the batch (None: the model's own).
+        groups: the documents of each forward where the batch's rows run in several by width (each compared
+            document is laid out as wide as its forward's rows).
+
+    Returns:
+        The rows proof (the left-padded one where that is the exact one).
+
+    Raises:
+        NoExactPath: neither right- nor left-padded rows train as each document alone.
+
+    Example::
+
+        >>> prove_rows(state, hf_model, inputs, "attach").ok
+        True
+    """
+    hf = unwrapped(model)
+    stock = BACKENDS[state.backend].truth
+    proof_of = functools.partial(
+        rows_proof, hf, inputs, state.rows_name, stock, reference=state.reference, grads=grads, truth=truth
+    )
+    proof = proof_of(left=state.rows_left, groups=groups)
+    state.proofs.append((f"rows at {at}", proof))
+    if _unjudged(state, hf, f"rows at {at}", proof):
+        return proof
+    if not proof.ok and not state.rows_left and proof.ran:  # the rows ran and differ: the other side may not
+        left = proof_of(left=True, groups=groups)
+        state.proofs.append((f"rows left-padded at {at}", left))
+        if left.ok:
+            state.rows_left = True
+            right = f"rows at {at}: right-padded rows {proof.describe()}"
+            _note(state, hf, f"{right}; left-padded rows are exact: rows pad left")
+            proof = left
+    docs: Documents = inputs[DOCS_KEY]
+    if proof.ok:
+        state.schedule.cover(docs, rows=state.path == FLAT)
+        state.reason = state.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
+        return proof
+    if not proof.ran and not rows_train_error(hf, inputs, state.rows_name, state.reference, state.rows_left):
+        # the proof's own forwards cannot run (Reformer: no backward in eval mode) but training does: rows, as
+        # stock's padded batches, kept in the notes: unproven, never silent
+        _note(state, hf, f"rows at {at} not proven: {proof.describe()}; one document per row trains here")
+        return proof
+    flat = "" if state.path == ROWS and state.reason.startswith("attn_path: rows") else f"flat: {state.reason}; "
+    sides = "right- and left-padded" if proof.ran else "it does not run here"
+    raise NoExactPath(
+        f"foundry_attn: neither path trains {type(hf).__name__} with {state.backend} as each document alone: "
+        f'{flat}one document per row ({sides}): {proof.describe()}. Fix: attach(model, "auto") (the fastest '
+        "backend that runs here), another backend, or train without packing"
+    )
+
+
+def _unjudged(state: PathState, hf: Any, at: str, proof: Proof) -> bool:
+    """A proof that judged nothing (stock could not compute a document alone: a nan, an error) after one of the
+    same path that did: the run keeps the decision of the last proof that judged, and says so. At attach, or
+    with no such proof, False: nothing stands, so the proof's failure is the reason."""
+    if proof.ok or proof.judged:
+        return False
+    earlier = [p for _, p in state.proofs[:-1] if p.ok and p.judged and p.rows == proof.rows]
+    if not earlier:
+        return False
+    label = at if proof.rows else f"proof at {at}"
+    note = f"{label} judged nothing: {proof.reason}; the decision of the last proof that judged stands"
+    state.notes.append(note)
+    log.warning("foundry_attn: %s %s", type(hf).__name__, note)
+    return True
+
+
+def _note(state: PathState, hf: Any, note: str) -> None:
+    """What the rows path does that the reason does not say, kept in the notes; the first said as a warning."""
+    said = any(n.startswith("rows at ") for n in state.notes)
+    state.notes.append(note)
+    (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)
+
+
+def prove_batch(state: PathState, hf: Any, inputs: Mapping[str, Any], plan: Plan, truth: Truth | None) -> str:
+    """Prove ``plan``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
+    row); the path the batch runs after (a failed flat proof: rows).
+
+    Args:
+        state: the path's state.
+        hf: the transformers model.
+        inputs: the batch's flat inputs.
+        plan: this batch's :class:`~foundry_attn.path.state.Plan`, with a proof due (``plan.at``).
+        truth: the documents' positions and labels, read from the batch (None: the model's own).
+
+    Returns:
+        ``"flat"`` or ``"rows"``.
+
+    Example::
+
+        >>> prove_batch(state, hf_model, inputs, plan, truth=None)
+        'flat'
+    """
+    assert plan.at is not None
+    if plan.path == FLAT:
+        prove(state, hf, inputs, plan.at, grads=plan.grads, truth=truth)
+        return state.path
+    if state.path == FLAT:  # one document per row as the cheaper candidate: a failure leaves the flat row
+        runs = _rows_candidate(state, hf, inputs, plan.at, plan.grads, truth, plan.groups)
+        state.schedule.watch(hf, state.names)
+        if not runs:
+            state.choice.layout, state.choice.reason = FLAT, f"one document per row failed its proof at {plan.at}"
+        return ROWS if runs else FLAT
+    prove_rows(state, hf, inputs, plan.at, grads=plan.grads, truth=truth, groups=plan.groups)
+    state.schedule.watch(hf, state.names)
+    return ROWS
+
+
+def step_proof(state: PathState, hf: Any, inputs: Mapping[str, Any], plan: Plan, truth: Truth | None) -> StepProof:
+    """The proof ``plan`` calls for on the batch's own forward (``plan.in_step``).
+
+    Args:
+        state: the path's state.
+        hf: the transformers model.
+        inputs: the batch's flat inputs.
+        plan: this batch's :class:`~foundry_attn.path.state.Plan`, with ``in_step``.
+        truth: the documents' positions and labels, read from the batch (None: the model's own).
+
+    Returns:
+        The :class:`~foundry_attn.proof.step_proof.StepProof` to run the forward in.
+
+    Example::
+
+        >>> proof = step_proof(state, hf_model, inputs, plan, truth=None)
+    """
+    assert plan.at is not None
+    keep = functools.partial(keep_proof, state)
+    again = functools.partial(prove, state)
+    return StepProof(state, keep, again, hf, inputs, plan.at, plan.grads, truth)

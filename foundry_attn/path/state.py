@@ -1,0 +1,264 @@
+"""The path a model runs, flat or rows, and the one per-batch plan: which layout, and whether a proof is due.
+
+    state = path_of(hf_model)                        # kept on the HF model by attach (foundry_attn.path.attach)
+    state.path, state.reason                         # "flat" | "rows", and why
+    plan = state.plan(hf_model, tokens, longest, in_step=True)   # what forward_documents does with a batch
+
+**flat** (unpad once, the documents as an argument of every attention call) is used only while the proof
+(:mod:`foundry_attn.proof`: the flat row that trains against stock on each document alone, logits and gradients)
+holds. **rows** (the stock backend, one document per row, a 2-D mask) is used otherwise: a failed proof moves the run
+there, from the batch it failed on, with one warning (or, binding, raises with the reason and the batch). The state
+holds the path and asks the owners of the rest: when a proof is due (:mod:`~foundry_attn.path.schedule`), which
+proven layout runs (:mod:`~foundry_attn.path.layout_choice`), what a proof's outcome does to the path
+(:mod:`~foundry_attn.path.proven`). :mod:`foundry_attn.path.forward` asks :meth:`PathState.plan` once per batch and
+acts on the answer. Core module: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from foundry_attn.checks import check_choice
+from foundry_attn.flat.implementation import current, use
+from foundry_attn.flat.layout_cost import FLAT, ROWS
+from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.path.layout_choice import LayoutChoice
+from foundry_attn.path.schedule import Schedule
+from foundry_attn.proof.result import Proof
+from foundry_attn.proof.step_proof import step_blocker
+from foundry_attn.selection.policy import AttentionUnavailableError, Decision
+
+log = logging.getLogger(__name__)
+
+PATH_ATTR = "foundry_path"  # the PathState :func:`foundry_attn.path.attach.attach` keeps on the HF model
+AUTO_PATH = "auto"  # flat where proven, else rows (attn_path: auto); the backend's "auto" is policy.AUTO
+PATHS = (AUTO_PATH, FLAT, ROWS)
+
+
+class NoExactPath(AttentionUnavailableError):
+    """Neither path trains the model as each document alone here (the flat row and one document per row, right- and
+    left-padded, each failed its proof, or cannot run): refused at attach, or on the batch that shows it."""
+
+
+class FlatPathError(AttentionUnavailableError):
+    """``attn_path: flat`` with ``attn_strict: true`` on a model whose flat path is not proven."""
+
+
+def check_path(path: str) -> str:
+    """``path`` if it is one of :data:`PATHS`, else the ValueError that lists them.
+
+    Args:
+        path: ``attn_path`` as the user gave it.
+
+    Returns:
+        ``path``.
+
+    Example::
+
+        >>> check_path("flatt")
+        ValueError: attn_path: unknown value 'flatt'; valid values: auto, flat, rows
+    """
+    return check_choice("attn_path", path, PATHS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a batch runs (:meth:`PathState.plan`): its ``path``, and the proof due on it, if any: why (``at``),
+    with gradients or forward only, and whether it takes the batch's own forward (``in_step``); on rows, the
+    documents of each forward where they run in several by width (``groups``:
+    :func:`~foundry_attn.flat.layout_cost.row_groups`)."""
+
+    path: str
+    at: str | None = None
+    grads: bool = True
+    in_step: bool = False
+    groups: tuple[tuple[int, ...], ...] = ()  # rows in several forwards: each one's documents (empty: one forward)
+
+
+@dataclasses.dataclass(frozen=True)
+class PathChange:
+    """The run moved to ``path`` on training batch ``batch`` (0: at attach), and why: an event of the
+    :class:`PathState` (``state.changes``) that the glues read after a batch and log."""
+
+    batch: int
+    path: str
+    reason: str
+
+
+@dataclasses.dataclass
+class PathState:
+    """The path a model runs and why, kept on the HF model (``model.foundry_path``) by :func:`attach`."""
+
+    backend: str
+    path: str
+    reason: str
+    flat_name: str  # ours, in config._attn_implementation while flat
+    rows_name: str  # stock, in config._attn_implementation while rows
+    reference: bool = False  # FA2 on the pure-PyTorch reference kernel
+    rows_left: bool = False  # the rows path pads on the left (a model that assumes it: CPM-Ant)
+    first_targets: bool = False  # the model's loss does not shift its labels: each first token is a target (CPM-Ant)
+    stock_mask: bool = False  # the flat row runs stock's own packed mask (rows_name), not our documents
+    binding: bool = False  # attn_path: flat + strict: a failed proof raises
+    proofs: list[tuple[str, Proof]] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    decision: Decision | None = None  # what attach ran: the chain and why not each (auto, the builder), or the name
+    changes: list[PathChange] = dataclasses.field(default_factory=list)  # every move to rows, in order: the glues read
+    rows_proven: bool = False  # one document per row is proven too, a candidate while the flat row is stock's mask
+    padding_read: bool = False  # a plain padded call's side was read (forward.plain_call: left-padded rows said once)
+    schedule: Schedule = dataclasses.field(default_factory=Schedule)  # when a proof is due
+    choice: LayoutChoice = dataclasses.field(default_factory=LayoutChoice)  # the layout each batch runs
+
+    def __deepcopy__(self, memo: dict) -> PathState:
+        """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch."""
+        return dataclasses.replace(
+            self,
+            proofs=list(self.proofs),
+            notes=list(self.notes),
+            changes=list(self.changes),
+            schedule=self.schedule.fresh(),
+            choice=dataclasses.replace(self.choice),
+        )
+
+    @property
+    def is_flat(self) -> bool:
+        """Whether the run is on the flat path now.
+
+        Returns:
+            ``path == "flat"``.
+
+        Example::
+
+            >>> attach(model, "sdpa").is_flat
+            True
+        """
+        return self.path == FLAT
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The implementations the path runs: ours (or stock's packed mask) while flat, stock's while rows.
+
+        Returns:
+            ``(flat_name, rows_name)``.
+
+        Example::
+
+            >>> attach(model, "sdpa").names
+            ('foundry_sdpa', 'sdpa')
+        """
+        return self.flat_name, self.rows_name
+
+    def decision_now(self) -> Decision | None:
+        """What attach decided, with the path, its reason and the last proof as they are now: the one source of the
+        ``attn_impl`` fields (:meth:`~foundry_attn.selection.policy.Decision.as_dict`).
+
+        Returns:
+            The decision (None for a state made without one).
+
+        Example::
+
+            >>> path_of(model).decision_now().as_dict()["path"]
+            'flat'
+        """
+        if self.decision is None:
+            return None
+        proof = self.proofs[-1][1].describe() if self.proofs else self.decision.proof
+        layout, reason = self.choice.layout or self.path, self.choice.reason
+        return dataclasses.replace(
+            self.decision, proof=proof, path=self.path, path_reason=self.reason, layout=layout, layout_reason=reason
+        )
+
+    def plan(
+        self,
+        hf: Any,
+        tokens: int,
+        longest: int,
+        in_step: bool = False,
+        lengths: Sequence[int] = (),
+        grouped: bool = False,
+    ) -> Plan:
+        """The one per-batch plan, for a batch of ``tokens`` real tokens whose longest document is ``longest``:
+        its layout (flat while proven and in place, else rows), and for a training batch the proof due on it, if
+        any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
+        uncompiled, so a flat proof may take that forward as its packed side where
+        :func:`foundry_attn.proof.step_proof.step_blocker` allows.
+
+        Args:
+            hf: the transformers model.
+            tokens: the batch's real tokens.
+            longest: its longest document.
+            in_step: the caller runs the forward itself, uncompiled.
+            lengths: every document's length, for the choice of layout (empty: the path).
+            grouped: the caller runs rows in several forwards by width where that costs less.
+
+        Returns:
+            The batch's :class:`Plan`.
+
+        Example::
+
+            >>> state.plan(hf_model, layout.real_tokens, layout.max_length, in_step=True)
+            Plan(path='flat', at='batch 1 (the first training batch)', grads=True, in_step=True)
+        """
+        if self.path == FLAT and current(hf) != self.flat_name:
+            return Plan(ROWS)  # someone set another implementation: stock runs it, one document per row
+        training = hf.training and torch.is_grad_enabled()
+        grouped = grouped and self.choice.splits(hf, training)
+        candidates = self.path == FLAT and self.stock_mask and self.rows_proven
+        layout, groups = self.choice.choose(hf, lengths, self.path, candidates, grouped)
+        if not training:
+            return Plan(layout, groups=groups)
+        candidate = layout == ROWS and self.path == FLAT
+        due = self.schedule.due(hf, tokens, longest, self.names, rows=candidate)
+        if due is None:
+            return Plan(layout, groups=groups)
+        at = f"batch {self.schedule.batches} ({due[0]})"
+        in_step = in_step and layout == FLAT and not self.stock_mask and step_blocker(hf) is None
+        return Plan(layout, at, due[1], in_step, groups)
+
+    def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:
+        """Flat is refused for this model: rows from now on, one warning; binding: the error.
+
+        Args:
+            hf: the transformers model.
+            reason: why, kept as ``state.reason`` and in ``state.changes``.
+            check: the failed check, named in the binding error.
+
+        Raises:
+            FlatPathError: the path is binding (``attn_path: flat``, strict).
+
+        Example::
+
+            >>> state.refuse(hf_model, "proof at attach failed (documents [28, 13] of a 41-token row): ...")
+            >>> state.path
+            'rows'
+        """
+        if self.binding:
+            raise FlatPathError(
+                f"attn_path: flat cannot run {type(hf).__name__} with {self.backend}: check '{check}' failed: "
+                f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
+            )
+        self.path, self.reason = ROWS, reason
+        use(hf, self.rows_name)
+        log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
+        self.changes.append(PathChange(self.schedule.batches, ROWS, reason))
+
+
+def path_of(model: Any) -> PathState | None:
+    """The :class:`PathState` of ``model`` (or of the HF model inside a wrapper), or None if never attached.
+
+    Args:
+        model: a transformers model, or a wrapper of one (DDP, FSDP, ``torch.compile``, PEFT).
+
+    Returns:
+        The state :func:`~foundry_attn.path.attach.attach` kept on it, or None.
+
+    Example::
+
+        >>> path_of(model).path, path_of(model).reason
+        ('flat', 'proven at attach: passed in 41 ms (...)')
+    """
+    return getattr(unwrapped(model), PATH_ATTR, None)

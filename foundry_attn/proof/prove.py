@@ -1,0 +1,354 @@
+"""The proof that a packed row trains as its documents alone: the flat row **that trains** against **stock** on
+each document alone, in its logits and in its gradients.
+
+    inputs, _ = flat_inputs(hf_model, ids, positions, None, layout)     # the forward's own flat row
+    proof = prove_flat(hf_model, inputs, stock="sdpa", compare=(0, 2))
+    proof.ok, proof.worst, proof.reason
+
+The packed side is the flat row the forward built for the batch (its full length, its ``position_ids``, every row
+of the batch flattened into one), so the proof runs the layout that trains. The truth is the model's own forward
+on one document, with its own (stock) backend and none of our arguments. Anything the flat path drops (attention
+sinks, a position bias, a window that lives only in the mask, state an SSM layer carries from one document to the
+next, position ids counted from ``padding_idx``) shows up as a difference, the first document included.
+
+With ``grads`` the proof also compares the gradient of each compared document's next-token loss with respect to the
+input embeddings (packed slice against the document alone), and checks that no other document's embeddings
+receive any of it: an attention whose forward is right and whose backward is wrong is caught too.
+
+The comparison and its limits (fp32 max |diff|; half precision per token, raised to stock's own noise) are
+:mod:`foundry_attn.proof.comparison`'s, shared with the inspector's verdict. Eval mode, no global RNG: it changes
+nothing the training run sees. Where training mode computes what eval mode does, a proof due on a training batch takes
+the batch's own forward as its packed side (:func:`prove_step`): the flat row runs once. Core module: torch and
+transformers only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from foundry_attn.attention.documents import DOCS_KEY, Documents
+from foundry_attn.attention.fa2_reference import kernel_context
+from foundry_attn.flat.implementation import running
+from foundry_attn.flat.layout import Truth
+from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.proof.comparison import against_alone, influence, params_differ, summed
+from foundry_attn.proof.proving import hidden
+from foundry_attn.proof.result import NO_CALLS, NotRun, Proof, StockFailed, pick, pick_rows, undefined_values
+from foundry_attn.proof.runs import (
+    HeadCall,
+    Run,
+    alone_inputs,
+    documents_grad,
+    evaluating,
+    flat_tokens,
+    run,
+    token_embeddings,
+    trainable,
+)
+from foundry_attn.proof.sides import (
+    PackedSide,
+    dropped_in_training,
+    flat_side,
+    row_labels,
+    rows_side,
+    short_error,
+    state_kept,
+    stock_packed_run,
+)
+from foundry_attn.proof.tolerance import limits_for, limits_note, worse
+
+
+def prove_flat(
+    model: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    truth: Truth | None = None,
+) -> Proof:
+    """Run ``inputs`` (the flat row of :func:`foundry_attn.flat.inputs.flat_inputs`, with its documents) through the
+    flat path (the model's current ``config._attn_implementation``, ours) and the documents in ``compare`` (default:
+    :func:`pick`) alone through ``stock``; compare logits and, with ``grads``, input-embedding gradients.
+    ``truth``: what each document alone is given, read from the batch (a user's positions, the batch's labels);
+    never the row's own, so whatever the row that trains does otherwise is judged.
+
+    Raises nothing the stock forward on one document does not raise; a failure of the flat forward (a layer
+    that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a failed proof.
+
+    Args:
+        model: the transformers model, or a wrapper of one, pointed at our implementation.
+        inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
+        stock: the stock implementation that runs each document alone (``sdpa``, ``eager``, ...).
+        compare: the indices of the documents to run alone (None: :func:`pick`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too (input embeddings and every parameter that trains).
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
+
+    Returns:
+        The :class:`Proof`.
+
+    Example::
+
+        >>> proof = prove_flat(hf_model, inputs, "sdpa")
+        >>> proof.ok, proof.worst, proof.compared
+        (True, 0.0, (0, 1))
+    """
+    return _prove(model, inputs, stock, compare, reference, grads, truth, None)
+
+
+def prove_packed(
+    model: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    truth: Truth | None = None,
+) -> Proof:
+    """The flat row with stock's own packed mask (:func:`foundry_attn.flat.inputs.stock_packed`: no documents, no
+    mask, restarting ``position_ids``, under the stock implementation ``stock``) against each document alone under
+    ``stock``: the limits of :func:`prove_flat`. For a model whose attention our documents cannot reach.
+
+    Args:
+        model: the transformers model, or a wrapper of one.
+        inputs: the flat row's forward arguments (:func:`~foundry_attn.flat.inputs.flat_inputs`).
+        stock: the stock implementation, for the packed row and for each document alone.
+        compare: the indices of the documents to run alone (None: :func:`pick`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too.
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
+
+    Returns:
+        The :class:`Proof`.
+
+    Example::
+
+        >>> prove_packed(hf_model, inputs, "sdpa").ok     # transformers 5.x: stock splits the row at its positions
+        True
+    """
+    side: PackedSide = lambda hf, spans, grads: stock_packed_run(hf, inputs, spans, grads, stock)  # noqa: E731
+    return _prove(model, inputs, stock, compare, reference, grads, truth, None, side, ours=False)
+
+
+def prove_rows(
+    model: Any,
+    inputs: Mapping[str, Any],
+    rows_name: str,
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    reference: bool = False,
+    grads: bool = True,
+    truth: Truth | None = None,
+    left: bool = False,
+    groups: Sequence[Sequence[int]] = (),
+) -> Proof:
+    """The rows path as it trains (:func:`foundry_attn.flat.inputs.one_per_row`: the documents in ``compare``, one per
+    row, right-padded or with ``left`` left-padded, a 2-D mask, under ``rows_name``; each as wide as the rows of its
+    forward where ``groups`` splits the batch's rows by width, else as the longest document) against each document alone
+    under ``stock``: logits and gradients (input embeddings and every parameter), the limits of :func:`prove_flat`.
+    A failure says the model's padded rows differ from its documents alone.
+
+    Args:
+        model: the transformers model, or a wrapper of one.
+        inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
+        rows_name: the stock implementation the padded rows run under (``PathState.rows_name``).
+        stock: the stock implementation that runs each document alone.
+        compare: the indices of the documents to run (None: :func:`pick`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too.
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
+        left: left-pad the rows (default: right).
+        groups: the documents of each forward the batch's rows run in (:meth:`PathState.forwards`; empty: one).
+
+    Returns:
+        The :class:`Proof` of the rows path.
+
+    Example::
+
+        >>> prove_rows(hf_model, inputs, "sdpa", "sdpa").describe()
+        'passed in 167 ms (documents [28, 13] of a 41-token row, worst |diff| 4.5e-08, gradients 1.9e-07)'
+    """
+    side = rows_side(inputs, rows_name, reference, truth, left, groups)
+    return _prove(model, inputs, stock, compare, reference, grads, truth, rows_name, side)
+
+
+def prove_step(
+    model: Any,
+    inputs: Mapping[str, Any],
+    out: Any,
+    captured: Sequence[torch.Tensor],
+    stock: str,
+    compare: Sequence[int] | None = None,
+    *,
+    head: Sequence[HeadCall] = (),
+    reference: bool = False,
+    grads: bool = True,
+    truth: Truth | None = None,
+) -> Proof:
+    """:func:`prove_flat` with the batch's own training forward as the packed side: ``out`` is what the model
+    returned for ``inputs`` (the flat row, in training mode), ``captured`` its input embeddings
+    (:func:`embeddings`) and ``head`` its output layer's calls (:func:`head_calls`). With ``grads`` the compared
+    documents' loss is differentiated through the training graph (:func:`documents_grad`), which is kept for the
+    training backward. Only the documents alone run here: the forward is paid once.
+    Valid where training mode computes what eval mode does (:func:`foundry_attn.proof.step_proof.step_blocker`).
+
+    Args:
+        model: the model the training forward ran, or a wrapper of one.
+        inputs: the flat row that forward took, its documents under ``DOCS_KEY``.
+        out: what the forward returned (its ``logits`` are read).
+        captured: its input embeddings (:func:`~foundry_attn.proof.runs.embeddings`).
+        stock: the stock implementation that runs each document alone.
+        compare: the indices of the documents to run alone (None: :func:`pick`).
+        head: its output layer's calls (:func:`~foundry_attn.proof.runs.head_calls`).
+        reference: run FA2 on the pure-PyTorch reference kernel.
+        grads: compare gradients too.
+        truth: the documents' positions and labels from the batch (None: the model's own, every next token).
+
+    Returns:
+        The :class:`Proof` (``ran`` False where the forward gave no logits or no attention call saw the documents).
+
+    Example::
+
+        >>> with embeddings(hf_model, True) as captured, head_calls(hf_model, True) as head:
+        ...     out = hf_model(**inputs)
+        >>> prove_step(hf_model, inputs, out, captured, "sdpa", head=head).ok
+        True
+    """
+
+    def packed(hf: Any, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
+        if inputs[DOCS_KEY].calls == 0:
+            return None, NO_CALLS
+        logits = getattr(out, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.shape[:2] != inputs["input_ids"].shape:
+            return None, "the training forward returned no logits for the flat row"
+        embeds = token_embeddings(captured, inputs["input_ids"])
+        if not (grads and logits.requires_grad):
+            return Run(flat_tokens(logits).detach()), ""
+        ids = inputs["input_ids"].reshape(-1)
+        grads_ = documents_grad(
+            logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf), labels=row_labels(inputs)
+        )
+        return Run(flat_tokens(logits).detach(), *grads_), ""
+
+    return _prove(model, inputs, stock, compare, reference, grads, truth, None, packed)
+
+
+def _prove(
+    model: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: Sequence[int] | None,
+    reference: bool,
+    grads: bool,
+    truth: Truth | None,
+    rows_name: str | None,
+    packed: PackedSide | None = None,
+    ours: bool = True,
+) -> Proof:
+    start = time.perf_counter()
+    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
+    docs: Documents = inputs[DOCS_KEY]
+    compare = (pick(docs) if rows_name is None else pick_rows(docs)) if compare is None else tuple(compare)
+    if packed is None:
+        packed = flat_side(inputs) if rows_name is None else rows_side(inputs, rows_name, reference, truth)
+    with hidden(), state_kept(hf):
+        worst, worst_grad, reason = _compare(
+            hf, inputs, stock, compare, reference, grads, truth, rows_name, packed, ours
+        )
+    lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
+    ms = (time.perf_counter() - start) * 1e3
+    ran, judged = not isinstance(reason, NotRun), not isinstance(reason, StockFailed)
+    tokens = docs.bounds[-1]
+    return Proof(
+        not reason, worst, str(reason), ms, lengths, compare, tokens, worst_grad, ran, judged, rows_name is not None
+    )
+
+
+def _compare(
+    hf: Any,
+    inputs: Mapping[str, Any],
+    stock: str,
+    compare: tuple[int, ...],
+    reference: bool,
+    grads: bool,
+    truth: Truth | None,
+    rows_name: str | None,
+    side: PackedSide,
+    ours: bool = True,
+) -> tuple[float, float | None, str]:
+    """The worst logits and gradient differences, and why the flat path (with ``rows_name``: the rows path) fails
+    (empty when it holds)."""
+    docs: Documents = inputs[DOCS_KEY]
+    ids = inputs["input_ids"].reshape(1, -1)  # a flat row, or even rows token after token
+    order = list(dict.fromkeys(compare))  # a row of one document compares it once
+    spans = [docs.spans[i] for i in order]
+
+    given = truth or Truth()
+
+    def alone(span: tuple[int, int]) -> dict[str, Any]:
+        return alone_inputs(ids[:, span[0] : span[1]], given.alone(span).positions)
+
+    def labels(span: tuple[int, int]) -> torch.Tensor | None:
+        mine = given.alone(span).labels
+        return None if mine is None else mine[0]
+
+    with evaluating(hf, grad=grads):
+        with running(hf, stock), kernel_context(stock, ids.device, reference):
+            try:
+                runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads, labels(span)) for span in spans]
+            except Exception as exc:
+                return 0.0, None, StockFailed(f"stock {stock} cannot run one document alone here: {short_error(exc)}")
+            undefined = undefined_values(runs, spans)
+            if undefined:  # a nan is the comparison breaking, never "the model differs"
+                return 0.0, None, StockFailed(f"stock {stock} cannot compute one document alone here: {undefined}")
+            limits = limits_for(hf, alone(spans[-1]), runs[-1], stock)
+        packed, why = side(hf, spans, grads)
+    if packed is None:
+        return 0.0, None, NotRun(why)
+    undefined = undefined_values([packed], spans, packed=True)
+    if undefined:
+        side_name = "the flat path" if rows_name is None else f"one document per row ({rows_name})"
+        return math.nan, None, f"{side_name} computes {undefined}, where stock {stock} on each alone is finite"
+    result = against_alone(packed, spans, runs, limits)
+    worst, worst_grad = result.worst, result.worst_grad
+    if result.differ:
+        grad_note = "" if worst_grad is None else f" (gradients {worst_grad:.2e})"
+        where = "of a packed row" if rows_name is None else f"one per row ({rows_name})"
+        what = (
+            "the flat path does not compute what stock computes for this model"
+            if rows_name is None
+            else "this model's padded rows differ from its documents alone, as in stock's own padded batches"
+        )
+        return (
+            worst,
+            worst_grad,
+            f"document(s) {[order[i] for i in result.differ]} {where} differ from stock {stock} on each alone by "
+            f"{worst:.2e}{grad_note}{limits_note(limits)}: {what}",
+        )
+    alone_params = summed(runs)
+    if packed.params is not None and alone_params is not None:
+        worst_param, wrong = params_differ(packed.params, alone_params, limits)
+        worst_grad = worse(worst_grad or 0.0, worst_param)
+        if wrong:
+            return worst, worst_grad, f"{wrong}: the {'flat' if rows_name is None else 'rows'} path trains otherwise"
+    if rows_name is not None:
+        return worst, worst_grad, ""
+    if packed.grad is not None:
+        reach = influence(packed.grad, spans)
+        if reach.leaks:
+            return (
+                worst,
+                worst_grad,
+                f"the compared documents of the packed row: {reach.describe()}: the flat path's backward mixes "
+                "documents",
+            )
+    return worst, worst_grad, (dropped_in_training(hf, inputs) if ours else None) or ""
