@@ -49,8 +49,9 @@ MODELS = {"tiny": (64, TINY_SHAPE), "smollm2_135m": (SMOLLM2_VOCAB, SMOLLM2_135M
 
 
 def proofs_in_run(tokens: list[int], interval: int = PROOF_INTERVAL) -> tuple[int, int]:
-    """How many proofs a run whose batches have these flat-row lengths gets from :meth:`PathState.due` (no change
-    of code): with gradients (the first batch, each longer batch), and forward only (the interval)."""
+    """How many proofs a run whose batches have these flat-row lengths gets from
+    :meth:`~foundry_attn.path.schedule.Schedule.due` (no change of code): with gradients (the first batch, each longer
+    batch), and forward only (the interval)."""
     full, forward_only, covered = 0, 0, 0
     for batch, n in enumerate(tokens, start=1):
         if batch == 1 or n > covered:

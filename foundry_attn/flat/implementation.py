@@ -21,11 +21,11 @@ from foundry_attn.attention.backends import BACKENDS, FA2, FA2_REFERENCE, PREFIX
 from foundry_attn.checks import check_choice
 
 
-def current(model: Any) -> str:
-    """The implementation ``model`` runs now.
+def current(hf: Any) -> str:
+    """The implementation the HF model runs now.
 
     Args:
-        model: a transformers model (not a wrapper).
+        hf: the transformers model (not a wrapper).
 
     Returns:
         Its ``config._attn_implementation`` (``foundry_sdpa`` while flat, ``sdpa`` while rows).
@@ -35,25 +35,25 @@ def current(model: Any) -> str:
         >>> current(hf_model)
         'foundry_sdpa'
     """
-    return model.config._attn_implementation
+    return hf.config._attn_implementation
 
 
-def use(model: Any, name: str) -> None:
+def use(hf: Any, name: str) -> None:
     """Set ``name`` on the model's config and on every config its text decoder reads: the text config, and the copy a
     multimodal model's language model holds (Gemma3, GOT-OCR2 in 4.51).
 
     Args:
-        model: a transformers model (not a wrapper).
+        hf: the transformers model (not a wrapper).
         name: ours (``foundry_sdpa``) or a stock name (``sdpa``).
 
     Example::
 
         >>> use(hf_model, "sdpa")     # the rows path's stock stand-in
     """
-    config = model.config
+    config = hf.config
     config._attn_implementation = name
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for module in model.modules():
+    for module in hf.modules():
         held = getattr(module, "config", None)
         if held is not None and held is not config and type(held) is type(text):
             held._attn_implementation = name
@@ -62,11 +62,11 @@ def use(model: Any, name: str) -> None:
 
 
 @contextlib.contextmanager
-def running(model: Any, name: str) -> Iterator[None]:
+def running(hf: Any, name: str) -> Iterator[None]:
     """``name`` for the block (a proof's stock side), the model's own restored after, even when the block raises.
 
     Args:
-        model: a transformers model (not a wrapper).
+        hf: the transformers model (not a wrapper).
         name: the implementation the block runs.
 
     Returns:
@@ -77,22 +77,22 @@ def running(model: Any, name: str) -> Iterator[None]:
         >>> with running(hf_model, "sdpa"):
         ...     alone = hf_model(input_ids=doc[None]).logits
     """
-    before = current(model)
-    use(model, name)
+    before = current(hf)
+    use(hf, name)
     try:
         yield
     finally:
-        use(model, before)
+        use(hf, before)
 
 
-def point(model: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
-    """Point ``model``'s attention at our function for ``backend`` (default: its current one), unproven.
+def point(hf: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
+    """Point the HF model's attention at our function for ``backend`` (default: its current one), unproven.
 
     Low level: :func:`foundry_attn.path.attach.attach` points, proves the flat path against stock and records the
     path; ``forward_documents`` runs a model that was only pointed one document per row.
 
     Args:
-        model: a transformers model (not a wrapper).
+        hf: the transformers model (not a wrapper).
         backend: one of the backend table's names; None: the one it runs now.
         fa2_reference: FA2 on the pure-PyTorch reference kernel (CPU tests).
 
@@ -107,7 +107,7 @@ def point(model: Any, backend: str | None = None, fa2_reference: bool = False) -
     from foundry_attn.attention.functions import register  # transformers' interface: only where a model is pointed
 
     register()
-    backend = check_choice("attention backend", backend or backend_of(current(model)), BACKENDS)
+    backend = check_choice("attention backend", backend or backend_of(current(hf)), BACKENDS)
     name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
-    use(model, name)
+    use(hf, name)
     return name

@@ -147,9 +147,7 @@ def attach(
             config=hf.config,
             model_class=type(hf),
         )
-        decision, state = attach_decision(
-            model, decision, path, fa2_reference=fa2_reference, strict=strict, interval=interval, prove_now=prove_now
-        )
+        decision, state = _chain(hf, decision, path, fa2_reference, strict, interval, prove_now)
         level = logging.WARNING if decision.fell_back else logging.INFO
         log.log(
             level,
@@ -161,7 +159,7 @@ def attach(
             state.reason,
         )
         return state
-    return _attach_backend(model, backend, path, fa2_reference, strict, interval, prove_now)
+    return _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
 
 
 def _compute_dtype(hf: Any, named: str) -> str:
@@ -207,7 +205,13 @@ def attach_decision(
         >>> decision.chosen, state.path
         ('sdpa', 'flat')
     """
-    hf = unwrapped(model)
+    return _chain(unwrapped(model), decision, path, fa2_reference, strict, interval, prove_now)
+
+
+def _chain(
+    hf: Any, decision: Decision, path: str, fa2_reference: bool, strict: bool, interval: int, prove_now: bool
+) -> tuple[Decision, PathState]:
+    """:func:`attach_decision` on the HF model."""
     while True:
         chosen = decision.chosen
         device = next(hf.parameters()).device
@@ -216,7 +220,7 @@ def attach_decision(
             prove_now and device.type != "meta" and not (chosen == FA2 and not fa2_reference and device.type != "cuda")
         )
         try:
-            state = _attach_backend(model, chosen, path, fa2_reference, strict, interval, now)
+            state = _attach_backend(hf, chosen, path, fa2_reference, strict, interval, now)
         except FlatPathError:
             raise
         except AttentionUnavailableError as exc:
@@ -231,7 +235,7 @@ def attach_decision(
 
 
 def _attach_backend(
-    model: Any,
+    hf: Any,
     backend: str | None,
     path: str,
     fa2_reference: bool,
@@ -239,8 +243,7 @@ def _attach_backend(
     interval: int,
     prove_now: bool,
 ) -> PathState:
-    """:func:`attach` for one named backend; a refusal leaves the model as it was."""
-    hf = unwrapped(model)
+    """:func:`attach` for one named backend, on the HF model; a refusal leaves the model as it was."""
     before = getattr(hf, PATH_ATTR, None)
     built = before.rows_name if before is not None else current(hf)
     backend = check_choice("attention backend", backend or backend_of(built) or EAGER, BACKENDS)

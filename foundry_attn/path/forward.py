@@ -119,7 +119,7 @@ def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = F
     """The outputs of a batch's rows run in several forwards by width as one: the logits of every real token in
     batch order (``[1, tokens, vocab]``), the loss the batch's targets give in one forward (each forward's mean
     weighted by its targets; ``summed``: added up). Per-row fields (hidden states, router logits) are not joined:
-    :meth:`PathState.forwards` runs such a model in one forward.
+    :meth:`~foundry_attn.path.layout_choice.LayoutChoice.forwards` runs such a model in one forward.
 
     Args:
         outs: each forward's output, in the order of ``forwards``.

@@ -21,7 +21,6 @@ from foundry_attn.flat.implementation import use
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.layout import Truth
 from foundry_attn.flat.layout_cost import FLAT, ROWS
-from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.path.state import NoExactPath, PathState, Plan
 from foundry_attn.proof.prove import prove_flat, prove_packed
 from foundry_attn.proof.prove import prove_rows as rows_proof
@@ -33,14 +32,14 @@ log = logging.getLogger(__name__)
 
 
 def prove(
-    state: PathState, model: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, truth: Truth | None = None
+    state: PathState, hf: Any, inputs: Mapping[str, Any], at: str, *, grads: bool = True, truth: Truth | None = None
 ) -> Proof:
     """Prove the flat path on ``inputs`` (:func:`foundry_attn.flat.inputs.flat_inputs`); a failure moves to rows
     (or raises, binding).
 
     Args:
         state: the path's state.
-        model: the transformers model, or a wrapper of one.
+        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`).
         inputs: the flat row's inputs, the documents under ``DOCS_KEY``.
         at: where the proof runs, for the reason (``"attach"``, ``"batch 1 (the first training batch)"``).
         grads: compare gradients too (False: forward only, the interval's proof).
@@ -58,7 +57,6 @@ def prove(
         >>> prove(state, hf_model, inputs, "attach").describe()
         'passed in 41 ms (documents [28, 13] of a 41-token row, worst |diff| 0.0e+00, gradients 1.8e-07)'
     """
-    hf = unwrapped(model)
     use(hf, state.flat_name)
     side = prove_packed if state.stock_mask else prove_flat
     stock = BACKENDS[state.backend].truth
@@ -169,7 +167,7 @@ def _rows_candidate(
 
 def prove_rows(
     state: PathState,
-    model: Any,
+    hf: Any,
     inputs: Mapping[str, Any],
     at: str,
     *,
@@ -184,7 +182,7 @@ def prove_rows(
 
     Args:
         state: the path's state.
-        model: the transformers model, or a wrapper of one.
+        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`).
         inputs: the flat row's inputs, whose documents are laid out one per row.
         at: where the proof runs, for the reason.
         grads: compare gradients too (False: forward only).
@@ -203,7 +201,6 @@ def prove_rows(
         >>> prove_rows(state, hf_model, inputs, "attach").ok
         True
     """
-    hf = unwrapped(model)
     stock = BACKENDS[state.backend].truth
     proof_of = functools.partial(
         rows_proof, hf, inputs, state.rows_name, stock, reference=state.reference, grads=grads, truth=truth

@@ -35,7 +35,6 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.implementation import running
 from foundry_attn.flat.layout import Truth
-from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.proof.comparison import against_alone, influence, params_differ, summed
 from foundry_attn.proof.proving import hidden
 from foundry_attn.proof.result import NO_CALLS, NotRun, Proof, StockFailed, pick, pick_rows, undefined_values
@@ -64,7 +63,7 @@ from foundry_attn.proof.tolerance import limits_for, limits_note, worse
 
 
 def prove_flat(
-    model: Any,
+    hf: Any,
     inputs: Mapping[str, Any],
     stock: str,
     compare: Sequence[int] | None = None,
@@ -83,7 +82,7 @@ def prove_flat(
     that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a failed proof.
 
     Args:
-        model: the transformers model, or a wrapper of one, pointed at our implementation.
+        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`), pointed at our implementation.
         inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
         stock: the stock implementation that runs each document alone (``sdpa``, ``eager``, ...).
         compare: the indices of the documents to run alone (None: :func:`pick`).
@@ -100,11 +99,11 @@ def prove_flat(
         >>> proof.ok, proof.worst, proof.compared
         (True, 0.0, (0, 1))
     """
-    return _prove(model, inputs, stock, compare, reference, grads, truth, None)
+    return _prove(hf, inputs, stock, compare, reference, grads, truth, None)
 
 
 def prove_packed(
-    model: Any,
+    hf: Any,
     inputs: Mapping[str, Any],
     stock: str,
     compare: Sequence[int] | None = None,
@@ -118,7 +117,7 @@ def prove_packed(
     ``stock``: the limits of :func:`prove_flat`. For a model whose attention our documents cannot reach.
 
     Args:
-        model: the transformers model, or a wrapper of one.
+        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`).
         inputs: the flat row's forward arguments (:func:`~foundry_attn.flat.inputs.flat_inputs`).
         stock: the stock implementation, for the packed row and for each document alone.
         compare: the indices of the documents to run alone (None: :func:`pick`).
@@ -135,11 +134,11 @@ def prove_packed(
         True
     """
     side: PackedSide = lambda hf, spans, grads: stock_packed_run(hf, inputs, spans, grads, stock)  # noqa: E731
-    return _prove(model, inputs, stock, compare, reference, grads, truth, None, side, ours=False)
+    return _prove(hf, inputs, stock, compare, reference, grads, truth, None, side, ours=False)
 
 
 def prove_rows(
-    model: Any,
+    hf: Any,
     inputs: Mapping[str, Any],
     rows_name: str,
     stock: str,
@@ -158,7 +157,7 @@ def prove_rows(
     A failure says the model's padded rows differ from its documents alone.
 
     Args:
-        model: the transformers model, or a wrapper of one.
+        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`).
         inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
         rows_name: the stock implementation the padded rows run under (``PathState.rows_name``).
         stock: the stock implementation that runs each document alone.
@@ -167,7 +166,8 @@ def prove_rows(
         grads: compare gradients too.
         truth: the documents' positions and labels from the batch (None: the model's own, every next token).
         left: left-pad the rows (default: right).
-        groups: the documents of each forward the batch's rows run in (:meth:`PathState.forwards`; empty: one).
+        groups: the documents of each forward the batch's rows run in
+            (:meth:`~foundry_attn.path.layout_choice.LayoutChoice.forwards`; empty: one).
 
     Returns:
         The :class:`Proof` of the rows path.
@@ -178,11 +178,11 @@ def prove_rows(
         'passed in 167 ms (documents [28, 13] of a 41-token row, worst |diff| 4.5e-08, gradients 1.9e-07)'
     """
     side = rows_side(inputs, rows_name, reference, truth, left, groups)
-    return _prove(model, inputs, stock, compare, reference, grads, truth, rows_name, side)
+    return _prove(hf, inputs, stock, compare, reference, grads, truth, rows_name, side)
 
 
 def prove_step(
-    model: Any,
+    hf: Any,
     inputs: Mapping[str, Any],
     out: Any,
     captured: Sequence[torch.Tensor],
@@ -202,7 +202,7 @@ def prove_step(
     Valid where training mode computes what eval mode does (:func:`foundry_attn.proof.step_proof.step_blocker`).
 
     Args:
-        model: the model the training forward ran, or a wrapper of one.
+        hf: the transformers model the training forward ran (:func:`~foundry_attn.flat.unwrap.unwrapped`).
         inputs: the flat row that forward took, its documents under ``DOCS_KEY``.
         out: what the forward returned (its ``logits`` are read).
         captured: its input embeddings (:func:`~foundry_attn.proof.runs.embeddings`).
@@ -239,11 +239,11 @@ def prove_step(
         )
         return Run(flat_tokens(logits).detach(), *grads_), ""
 
-    return _prove(model, inputs, stock, compare, reference, grads, truth, None, packed)
+    return _prove(hf, inputs, stock, compare, reference, grads, truth, None, packed)
 
 
 def _prove(
-    model: Any,
+    hf: Any,
     inputs: Mapping[str, Any],
     stock: str,
     compare: Sequence[int] | None,
@@ -255,7 +255,6 @@ def _prove(
     ours: bool = True,
 ) -> Proof:
     start = time.perf_counter()
-    hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))  # the eager module under torch.compile
     docs: Documents = inputs[DOCS_KEY]
     compare = (pick(docs) if rows_name is None else pick_rows(docs)) if compare is None else tuple(compare)
     if packed is None:

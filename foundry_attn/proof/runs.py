@@ -25,11 +25,11 @@ from foundry_attn.proof.proving import hidden
 
 
 @contextlib.contextmanager
-def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
+def evaluating(hf: Any, grad: bool = False) -> Iterator[None]:
     """Eval mode for the block (no dropout), without grad unless ``grad``; the mode is restored after.
 
     Args:
-        model: the module to put in eval mode.
+        hf: the module to put in eval mode.
         grad: keep autograd on inside the block (a proof with gradients).
 
     Returns:
@@ -40,13 +40,13 @@ def evaluating(model: Any, grad: bool = False) -> Iterator[None]:
         >>> with evaluating(hf_model, grad=True):
         ...     alone = run(hf_model, alone_inputs(doc[None]), [(0, len(doc))], grads=True)
     """
-    was_training = model.training
-    model.eval()
+    was_training = hf.training
+    hf.eval()
     try:
         with torch.set_grad_enabled(grad):
             yield
     finally:
-        model.train(was_training)
+        hf.train(was_training)
 
 
 @contextlib.contextmanager
