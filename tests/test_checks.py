@@ -24,6 +24,13 @@ def test_attn_proof_interval_is_checked_where_the_keys_are_parsed(bad: object) -
     assert AttnKeys.parse(0, attn_proof_interval=0).proof_interval == 0
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, "4096", False])
+def test_attn_capacity_is_checked_where_the_keys_are_parsed(bad: object) -> None:
+    with pytest.raises(ValueError, match="foundry_attn_causal_lm: attn_capacity must be an integer >= 0"):
+        AttnKeys.parse(0, attn_capacity=bad)  # type: ignore[arg-type]
+    assert AttnKeys.parse(0, attn_capacity=4096).capacity == 4096 and AttnKeys.parse(0).capacity == 0
+
+
 def test_attach_checks_its_interval_before_it_points_anything() -> None:
     model = make_llama("sdpa")
     with pytest.raises(ValueError, match="attach: interval must be an integer >= 0; got -5"):

@@ -30,7 +30,9 @@ class Backend:
     """What one backend's document-aware function can honour, per layer (causal and grouped KV heads: all), and
     the stock backends that stand in for it: ``truth``, what its proof compares against (each document alone), and
     ``rows``, what runs one document per row where the flat path does not. ``regroups``: its function regroups the
-    flat row's documents in every layer (sdpa, eager), so documents of one length run as even rows instead."""
+    flat row's documents in every layer (sdpa, eager), so documents of one length run as even rows instead.
+    ``static``: its kernel reads the documents' bounds on the device (varlen), so a flat row padded to a capacity
+    runs in a few fixed shapes with no host sync (:mod:`foundry_attn.flat.capacity`)."""
 
     name: str
     softcap: bool
@@ -39,13 +41,14 @@ class Backend:
     rows: str
     window: bool = True
     regroups: bool = False
+    static: bool = False
 
 
 #: every backend, in the order the fallback chain prefers them (the one list of backend names: :data:`NAMES`), and
 #: the one table of stock stand-ins: torch_varlen is proven against sdpa (its window convention) and runs sdpa's rows;
 #: flex is proven against eager (the exact math: stock flex cannot run everywhere) and runs stock flex's rows
 BACKENDS: dict[str, Backend] = {
-    FA2: Backend(FA2, softcap=True, dropout=True, truth=FA2, rows=FA2),
+    FA2: Backend(FA2, softcap=True, dropout=True, truth=FA2, rows=FA2, static=True),
     # torch.nn.attention.varlen.varlen_attn: causal only, no softcap, no dropout; windows from torch 2.12
     TORCH_VARLEN: Backend(
         TORCH_VARLEN,
@@ -54,6 +57,7 @@ BACKENDS: dict[str, Backend] = {
         truth=SDPA,
         rows=SDPA,
         window="window_size" in varlen_parameters(torch_varlen_kernel()),
+        static=True,
     ),
     # softcap as a flex score_mod gives nan gradients under non-reentrant checkpoint recompute (eager flex,
     # torch 2.7): refused until it is proven exact

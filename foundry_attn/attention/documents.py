@@ -28,6 +28,11 @@ class Documents:
     ``bounds``, in every form. Under ``torch.compile`` only the tensors
     are read, so a new layout is new data for the same graph, not a new graph. (A plain class, not a dataclass:
     Dynamo guards every field of a dataclass it meets, and only the attributes read of a plain object.)
+
+    A row padded to a capacity (:mod:`foundry_attn.flat.capacity`) keeps its ``real`` documents first: ``bounds``
+    are what the kernel reads (the padding one more document, then zero-length ones up to the document capacity),
+    ``spans``, ``lengths`` and ``max_length`` the real documents only, and ``pinned`` the ``max_seqlen`` the kernel
+    is given (the capacity: one shape for every batch of the bucket).
     """
 
     def __init__(
@@ -35,8 +40,12 @@ class Documents:
         bounds: tuple[int, ...],
         device_bounds: torch.Tensor | None = None,
         host_bounds: torch.Tensor | None = None,
+        real: int | None = None,
+        pinned: int | None = None,
     ) -> None:
         self.bounds, self.device_bounds, self.host_bounds = tuple(bounds), device_bounds, host_bounds
+        self.real = len(self.bounds) - 1 if real is None else real  # the real documents, first in the row
+        self.pinned = pinned  # the max_seqlen a kernel is given, where the row is padded to a capacity
         self.calls = 0  # attention calls that received these documents (uncompiled; the proof reads it)
         self._groups: dict[str, LengthGroups] = {}  # per kind of device (length_groups.groups_for)
         self._masks: dict[tuple, torch.Tensor] = {}  # eager's additive masks, per length, window, dtype and device
@@ -45,12 +54,20 @@ class Documents:
         return f"Documents(bounds={self.bounds})"
 
     @classmethod
-    def of(cls, bounds: tuple[int, ...] | list[int], device: torch.device | str = "cpu") -> Documents:
+    def of(
+        cls,
+        bounds: tuple[int, ...] | list[int],
+        device: torch.device | str = "cpu",
+        real: int | None = None,
+        pinned: int | None = None,
+    ) -> Documents:
         """The documents at ``bounds``, with their int32 bounds made once: on ``device`` and on the CPU.
 
         Args:
             bounds: where the documents start and end in the flat row, ``(0, l0, l0 + l1, ..., T)``.
             device: the model's device, for ``device_bounds``.
+            real: how many documents are real, first in the row (None: all; a capacity pads the rest).
+            pinned: the ``max_seqlen`` a kernel is given (None: the longest document).
 
         Returns:
             The :class:`Documents`, ``device_bounds`` on ``device`` and ``host_bounds`` on the CPU.
@@ -62,11 +79,11 @@ class Documents:
             tensor([ 0, 17, 40], device='cuda:0', dtype=torch.int32)
         """
         host = torch.tensor(bounds, dtype=torch.int32)
-        return cls(tuple(bounds), host.to(device, non_blocking=True), host)
+        return cls(tuple(bounds), host.to(device, non_blocking=True), host, real, pinned)
 
     @functools.cached_property
     def spans(self) -> list[tuple[int, int]]:
-        """Each document's ``(start, end)`` in the flat row.
+        """Each real document's ``(start, end)`` in the flat row.
 
         Returns:
             One ``(start, end)`` pair per document.
@@ -76,11 +93,11 @@ class Documents:
             >>> Documents.of([0, 17, 40]).spans
             [(0, 17), (17, 40)]
         """
-        return list(itertools.pairwise(self.bounds))
+        return list(itertools.pairwise(self.bounds[: self.real + 1]))
 
     @functools.cached_property
     def lengths(self) -> list[int]:
-        """Each document's length in tokens.
+        """Each real document's length in tokens.
 
         Returns:
             One length per document.
@@ -94,7 +111,7 @@ class Documents:
 
     @functools.cached_property
     def max_length(self) -> int:
-        """The longest document's length (FA2's ``max_seqlen``).
+        """The longest real document's length (FA2's ``max_seqlen``, unless ``pinned``).
 
         Returns:
             The length in tokens; 0 without documents.
@@ -184,8 +201,8 @@ class Documents:
             >>> Documents.of([0, 3, 5]).document_ids(torch.device("cpu"))
             tensor([0, 0, 0, 1, 1])
         """
-        lengths = torch.tensor([e - s for s, e in self.spans])
-        return torch.repeat_interleave(torch.arange(len(self.spans)), lengths).to(device)
+        lengths = torch.tensor([e - s for s, e in itertools.pairwise(self.bounds)])
+        return torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """Each token's position within its document (the ``position_ids`` FA2's varlen path takes).
@@ -201,7 +218,7 @@ class Documents:
             >>> Documents.of([0, 3, 5]).positions(torch.device("cpu"))
             tensor([[0, 1, 2, 0, 1]])
         """
-        return torch.cat([torch.arange(e - s) for s, e in self.spans]).to(device)[None]
+        return torch.cat([torch.arange(e - s) for s, e in itertools.pairwise(self.bounds)]).to(device)[None]
 
 
 def is_placeholder(mask: Any) -> bool:

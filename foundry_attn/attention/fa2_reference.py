@@ -34,17 +34,18 @@ from foundry_attn.patching import Patch, patch_attribute
 REFERENCE_NAME = "fa2-reference (pure PyTorch, not flash-attn)"
 
 
-def _segment_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: Sequence[int]) -> torch.Tensor:
-    """[total_q, total_k] bool: may query i see key j (same sequence, causal/window as flash-attn)."""
-    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+def _segment_mask(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, causal: bool, window: Sequence[int]
+) -> torch.Tensor:
+    """[tq, tk] bool: may query i see key j (same sequence, causal/window as flash-attn). Made on the bounds' device
+    from the row lengths ``tq``/``tk`` (the tensors' own shapes): no host sync; zero-length sequences are skipped."""
     lens_q, lens_k = cu_q.diff().long(), cu_k.diff().long()
-    n = lens_q.numel()
-    seg_q = torch.repeat_interleave(torch.arange(n, device=cu_q.device), lens_q, output_size=tq)
-    seg_k = torch.repeat_interleave(torch.arange(n, device=cu_k.device), lens_k, output_size=tk)
-    pos_q = torch.arange(tq, device=cu_q.device) - cu_q[:-1].long()[seg_q]
-    pos_k = torch.arange(tk, device=cu_k.device) - cu_k[:-1].long()[seg_k]
+    seg_q = torch.searchsorted(cu_q[1:], torch.arange(tq, device=cu_q.device, dtype=cu_q.dtype), right=True)
+    seg_k = torch.searchsorted(cu_k[1:], torch.arange(tk, device=cu_k.device, dtype=cu_k.dtype), right=True)
+    pos_q = torch.arange(tq, device=cu_q.device) - cu_q.long()[seg_q]
+    pos_k = torch.arange(tk, device=cu_k.device) - cu_k.long()[seg_k]
     # flash-attn >= 2.1 aligns the causal diagonal bottom-right: query i sits at key i + (len_k - len_q)
-    shift = (lens_k - lens_q)[seg_q]
+    shift = torch.cat([lens_k - lens_q, lens_k.new_zeros(1)])[seg_q]  # a token past the last bound: no shift
     rel = pos_k[None, :] - (pos_q + shift)[:, None]  # key offset relative to the query's diagonal
     allowed = seg_q[:, None] == seg_k[None, :]
     left, right = window
@@ -139,7 +140,7 @@ def flash_attn_varlen_func(
         torch.Size([7, 4, 8])
     """
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
-    allowed = _segment_mask(cu_seqlens_q, cu_seqlens_k, causal, tuple(window_size))
+    allowed = _segment_mask(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal, tuple(window_size))
     return _attend(q, k, v, allowed, softmax_scale, softcap)
 
 
@@ -186,7 +187,7 @@ def flash_attn_func(
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
-    allowed = _segment_mask(cu_q, cu_k, causal, tuple(window_size))
+    allowed = _segment_mask(cu_q, cu_k, b * sq, b * sk, causal, tuple(window_size))
     out = _attend(
         q.reshape(b * sq, *q.shape[2:]),
         k.reshape(b * sk, *k.shape[2:]),

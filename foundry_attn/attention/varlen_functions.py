@@ -31,9 +31,9 @@ _FA_TOP_LEFT = _fa_utils.flash_attn_supports_top_left_mask()  # flash-attn < 2.1
 
 
 def _longest(docs: Documents, query: torch.Tensor) -> int:
-    """The longest document; compiled, the row length: it bounds every document and is already a (dynamic)
-    shape, so the graph guards on no layout."""
-    return query.shape[2] if torch.compiler.is_compiling() else docs.max_length
+    """The longest document, or the capacity it is pinned to; compiled, the row length: it bounds every document and
+    is already a shape, so the graph guards on no layout."""
+    return query.shape[2] if torch.compiler.is_compiling() else docs.pinned or docs.max_length
 
 
 def padding_of(mask: Any) -> torch.Tensor | None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, FLEX, NAMES, SDPA, backend_of, rows_name
+from foundry_attn.attention.config_values import config_value
 from foundry_attn.checks import check_choice, check_interval
 from foundry_attn.flat.implementation import current, point, running, use
 from foundry_attn.flat.inputs import flat_inputs
@@ -93,6 +94,7 @@ def attach(
     strict: bool = False,
     interval: int = PROOF_INTERVAL,
     prove_now: bool = True,
+    capacity: int = 0,
 ) -> PathState:
     """Point ``model``'s attention at our function for ``backend`` and prove the flat path against stock on two
     synthetic documents; a model it does not hold for runs one document per row, with the reason.
@@ -114,6 +116,9 @@ def attach(
         interval: re-prove every ``interval`` training batches, forward only (0: first batch and changes only).
         prove_now: False leaves the proof to the first training batch (weights not materialised yet, or a kernel
             this device cannot run).
+        capacity: pad each flat row to a few fixed shapes, up to this many tokens (:mod:`foundry_attn.flat.capacity`:
+            a step a CUDA graph can capture, no host sync), where the backend reads the bounds on the device
+            (flash_attention_2, torch_varlen); 0: each row at its own length.
 
     Returns:
         The :class:`~foundry_attn.path.state.PathState` kept on the model: ``path`` (``flat`` or ``rows``),
@@ -134,6 +139,7 @@ def attach(
     """
     check_path(path)
     check_interval("attach", "interval", interval, minimum=0)
+    check_interval("attach", "capacity", capacity, minimum=0)
     if backend is not None:
         check_choice("attention backend", backend, (policy.AUTO, *BACKENDS))
     hf = unwrapped(model)
@@ -158,8 +164,43 @@ def attach(
             state.path,
             state.reason,
         )
+        return with_capacity(state, hf, capacity)
+    return with_capacity(_attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now), hf, capacity)
+
+
+def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
+    """Pad the flat row to ``capacity`` where the backend reads the documents' bounds on the device; else the run
+    says why not, once, and each flat row runs at its own length.
+
+    Args:
+        state: the attached path's state.
+        hf: the transformers model.
+        capacity: the most tokens of a padded row (0: off).
+
+    Returns:
+        ``state``, its ``capacity`` set (0 where it cannot apply).
+
+    Example::
+
+        >>> with_capacity(attach(model, "flash_attention_2"), model, 4096).capacity
+        4096
+    """
+    state.capacity = 0
+    if not capacity:
         return state
-    return _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
+    why = ""
+    if not BACKENDS[state.backend].static:
+        why = f"{state.backend} reads the documents' lengths on the host (flash_attention_2 and torch_varlen read "
+        why += "their bounds on the device)"
+    elif config_value(hf.config, "output_router_logits", False):
+        why = "the router's loss counts every token of the row, the padding's too"
+    if why:
+        note = f"capacity {capacity} not applied: {why}; each flat row runs at its own length"
+        state.notes.append(note)
+        log.warning("foundry_attn: %s %s", type(hf).__name__, note)
+    else:
+        state.capacity = capacity
+    return state
 
 
 def _compute_dtype(hf: Any, named: str) -> str:

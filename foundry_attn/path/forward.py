@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from foundry_attn.attention.backends import BACKENDS
+from foundry_attn.attention.documents import DOCS_KEY, Documents
+from foundry_attn.flat.capacity import at_capacity, capacity_for
 from foundry_attn.flat.inputs import (
     Placed,
     RowForward,
@@ -44,10 +46,12 @@ from foundry_attn.flat.inputs import (
 from foundry_attn.flat.layout import Layout, Truth, padding_side
 from foundry_attn.flat.unwrap import compiled, unwrapped
 from foundry_attn.path.proven import prove_batch, step_proof
-from foundry_attn.path.state import FLAT, ROWS, PathChange, Plan, path_of
+from foundry_attn.path.state import FLAT, ROWS, PathChange, PathState, Plan, path_of
 from foundry_attn.proof.step_proof import StepProof
 
 log = logging.getLogger(__name__)
+
+PAST_CAPACITY = "a batch past the capacity of"
 
 
 @dataclasses.dataclass
@@ -193,6 +197,19 @@ def finish_documents(out: Any, placed: Placed, no_targets: bool, shaped: bool = 
     return out
 
 
+def _at_capacity(state: PathState, hf: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The flat row padded to its bucket of ``state.capacity``; a row past it runs at its own length, said once."""
+    docs: Documents = inputs[DOCS_KEY]
+    sizes = capacity_for(docs.bounds[-1], len(docs.lengths), state.capacity)
+    if sizes is not None:
+        return at_capacity(inputs, sizes)
+    if not any(n.startswith(PAST_CAPACITY) for n in state.notes):
+        note = f"{PAST_CAPACITY} {state.capacity} tokens (a row of {docs.bounds[-1]}): it runs at its own length"
+        state.notes.append(note)
+        log.warning("foundry_attn: %s: %s (said once)", type(hf).__name__, note)
+    return inputs
+
+
 @torch.compiler.disable
 def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped: bool | None = None) -> Prepared:
     """The model's inputs for ``batch`` (:class:`Prepared`). Host-side work on Python ints, so never traced: under
@@ -246,6 +263,8 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
             # documents of one length as even rows where the function would regroup them in every layer (uncompiled)
             even = in_step and (state.stock_mask or BACKENDS[state.backend].regroups)
             inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout, even)
+            if state.capacity and not state.stock_mask:  # a few fixed shapes: the kernel reads the bounds on the device
+                inputs = _at_capacity(state, hf, inputs)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
             if plan.in_step:
                 return Prepared(inputs, placed, no_targets, step_proof(state, hf, inputs, plan, truth))

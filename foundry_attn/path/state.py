@@ -110,6 +110,7 @@ class PathState:
     changes: list[PathChange] = dataclasses.field(default_factory=list)  # every move to rows, in order: the glues read
     rows_proven: bool = False  # one document per row is proven too, a candidate while the flat row is stock's mask
     padding_read: bool = False  # a plain padded call's side was read (forward.plain_call: left-padded rows said once)
+    capacity: int = 0  # each flat row padded to a few fixed shapes up to this many tokens (flat/capacity.py); 0: off
     schedule: Schedule = dataclasses.field(default_factory=Schedule)  # when a proof is due
     choice: LayoutChoice = dataclasses.field(default_factory=LayoutChoice)  # the layout each batch runs
 

@@ -146,7 +146,7 @@ def _flat_run(
         base = type(getattr(hf, "base_model", hf)).__name__
         return None, f"{base}.forward takes no **kwargs: the documents cannot reach attention"
     docs: Documents = inputs[DOCS_KEY]
-    fresh = Documents(docs.bounds, docs.device_bounds, docs.host_bounds)
+    fresh = Documents(docs.bounds, docs.device_bounds, docs.host_bounds, docs.real, docs.pinned)
     try:
         flat = run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads, row_labels(inputs))
     except DocumentsDropped as exc:

@@ -9,6 +9,7 @@
       attn_path: auto                    # auto | flat | rows
       attn_proof_interval: 100
       attn_prove_at_build: true          # the proof at build (false: on the first training batch)
+      attn_capacity: 0                   # pad each flat row to a few fixed shapes up to N tokens (varlen backends)
       fa2_reference_kernel: false
       attn_rank_overrides: {1: {attn_implementation: sdpa}}
 
@@ -72,6 +73,7 @@ class AttnKeys:
     proof_interval: int = PROOF_INTERVAL
     prove_at_build: bool = True
     fa2_reference: bool = False
+    capacity: int = 0
 
     @classmethod
     def parse(
@@ -84,6 +86,7 @@ class AttnKeys:
         attn_path: str = AUTO_PATH,
         attn_proof_interval: int = PROOF_INTERVAL,
         attn_prove_at_build: bool = True,
+        attn_capacity: int = 0,
         fa2_reference_kernel: bool = False,
         attn_rank_overrides: Mapping | None = None,
         use_flash_attention_2: bool = False,
@@ -99,6 +102,8 @@ class AttnKeys:
             attn_path: ``auto``, ``flat`` or ``rows``.
             attn_proof_interval: re-prove every N training batches (0: first batch and changes only).
             attn_prove_at_build: prove at build (False: on the first training batch).
+            attn_capacity: pad each flat row to a few fixed shapes up to this many tokens (0: off;
+                :mod:`foundry_attn.flat.capacity`).
             fa2_reference_kernel: run FA2 on the pure-PyTorch reference kernel.
             attn_rank_overrides: per rank, the keys it sets otherwise (:func:`rank_override`).
             use_flash_attention_2: LLM-Foundry's old key; under ``auto``, asks for ``flash_attention_2``.
@@ -107,7 +112,8 @@ class AttnKeys:
             The validated keys.
 
         Raises:
-            ValueError: an unknown backend, path or override key, or a bad ``attn_proof_interval``.
+            ValueError: an unknown backend, path or override key, or a bad ``attn_proof_interval`` or
+                ``attn_capacity``.
 
         Example::
 
@@ -128,6 +134,7 @@ class AttnKeys:
             check_interval(OWNER, "attn_proof_interval", attn_proof_interval, minimum=0),
             bool(attn_prove_at_build),
             bool(fa2_reference_kernel),
+            check_interval(OWNER, "attn_capacity", attn_capacity, minimum=0),
         )
 
 

@@ -14,6 +14,7 @@
       attn_proof_interval: 100             # prove flat again every N training batches (and on the first, and
                                            # whenever the attention code changes); 0: first batch and changes only
       attn_prove_at_build: true            # the proof at build on two synthetic documents (false: first batch only)
+      attn_capacity: 0                     # N: each flat row padded to a few fixed shapes up to N tokens (varlen)
       attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
         1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
     callbacks:
@@ -46,7 +47,7 @@ from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.observe.ranks import announce, launch_id
-from foundry_attn.path.attach import attach_decision
+from foundry_attn.path.attach import attach_decision, with_capacity
 from foundry_attn.path.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
 from foundry_attn.selection.capability import probe
 from foundry_attn.selection.decision import decide, model_class_for
@@ -137,6 +138,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             interval=keys.proof_interval,
             prove_now=at_build,
         )
+        with_capacity(self.attn_state, self.model, keys.capacity)
         self._changes_read = len(self.attn_state.changes)
 
     @property
