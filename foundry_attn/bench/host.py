@@ -8,7 +8,9 @@ least a step can do on these tokens). Ours: the same model attached (:func:`~fou
 the same tokens as a packed batch through :func:`~foundry_attn.path.forward.forward_documents` (one flat row).
 Round-robin medians of ``rounds`` steps each; aten ops and host syncs (``aten::_local_scalar_dense``) counted on one
 step of each. Both losses are checked equal. Beside the targets, six documents of six lengths (3-13 tokens) against
-stock's rows padded to the longest with a mask. Core module: torch and transformers only.
+stock's rows padded to the longest with a mask. And ours on the FA2 code path (the pure-PyTorch reference kernel
+on a CPU) with each flat row at its own length against padded to a capacity (``capacity``: host syncs counted from
+the batch to the optimizer step, the target 0). Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -72,12 +74,78 @@ def run(quick: bool = False, device: str | None = None, rounds: int = 15, **_: A
         mixed = _cell(impl, layers, rounds, dev, MIXED)  # reported beside, not a target: rows padded with a mask
         correct = correct and mixed.pop("same_loss")
         result[f"{impl}_mixed"] = mixed
+    static = _capacity_cell(layers, rounds, dev)
+    correct = correct and static.pop("same_loss")
+    result["capacity"] = static
+    targets["capacity_syncs_at_most_0"] = _target(static["padded"]["syncs"], 0)
     result.update(correct=correct, targets=targets, all_targets_met=all(t["met"] for t in targets.values()))
     return result
 
 
 def _target(value: float, most: float) -> dict[str, Any]:
     return {"value": round(value, 3), "target": f"<= {most}", "met": value <= most}
+
+
+def _capacity_cell(layers: int, rounds: int, dev: torch.device) -> dict[str, Any]:
+    """Ours on the FA2 code path (the reference kernel on a CPU), unpadded against padded to a capacity of 64: step
+    ms, aten ops and host syncs over forward, backward and ``optimizer.step()`` (no ``.item()``)."""
+    import transformers
+
+    from foundry_attn.path.attach import attach
+    from foundry_attn.path.forward import forward_documents
+    from foundry_attn.verify.llama_shapes import llama_config
+
+    config = llama_config(
+        VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS
+    )
+    reference = dev.type != "cuda"
+    models, optimizers = {}, {}
+    for name, capacity in (("unpadded", 0), ("padded", 64)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dev).train()
+        attach(model, "flash_attention_2", fa2_reference=reference, capacity=capacity)
+        models[name], optimizers[name] = model, torch.optim.SGD(model.parameters(), lr=0.0)
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in MIXED]
+    ids = torch.cat(docs)[None].to(dev)
+    batch = {"input_ids": ids, "labels": ids, "doc_lens": [list(MIXED)], "loss_generating_tokens": [sum(MIXED) - 6]}
+    losses: dict[str, torch.Tensor] = {}
+
+    def stepper(name: str) -> Any:
+        def step() -> None:
+            loss = forward_documents(models[name], batch).loss
+            loss.backward()
+            optimizers[name].step()
+            losses[name] = loss.detach()  # read after the clock: a read is a host sync
+
+        return step
+
+    steps = {name: stepper(name) for name in models}
+    for step in steps.values():  # warm-up; the first batch is proven
+        step()
+    counts = {}
+    for name, step in steps.items():
+        with OpCounter() as counter:
+            step()
+        counts[name] = counter.ops
+
+    def zero(name: str) -> None:
+        models[name].zero_grad(set_to_none=True)
+
+    timings = round_robin(steps, rounds, device=dev, before=zero)
+    cell: dict[str, Any] = {
+        name: {
+            "ms": round(median(timings.seconds[name]) * 1e3, 2),
+            "ops": sum(counts[name].values()),
+            "syncs": counts[name][SYNC],
+        }
+        for name in steps
+    }
+    cell["kernel"] = "fa2-reference (pure PyTorch, not flash-attn)" if reference else "flash_attention_2"
+    cell["time_ratio"] = round(paired_ratio_median(timings.seconds["padded"], timings.seconds["unpadded"]), 3)
+    got, want = float(losses["padded"]), float(losses["unpadded"])
+    cell["same_loss"] = abs(got - want) <= 1e-5 * max(1.0, abs(want))
+    return cell
 
 
 def _cell(impl: str, layers: int, rounds: int, dev: torch.device, lengths: tuple[int, ...]) -> dict[str, Any]:

@@ -19,3 +19,5 @@ def test_the_host_bench_runs_stock_and_ours_and_counts_their_ops(capsys: pytest.
         cell = result[impl]
         assert cell["stock"]["ops"] > 0 and cell["ours"]["ops"] > 0, cell
         assert f"{impl}_ops_ratio_at_most_1.0" in result["targets"]
+    static = result["capacity"]  # the FA2 code path padded to a capacity: no host sync in the step
+    assert static["padded"]["syncs"] == 0 and result["targets"]["capacity_syncs_at_most_0"]["met"], static
