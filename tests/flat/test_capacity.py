@@ -84,6 +84,7 @@ def test_a_padded_row_trains_as_each_document_alone(family: str) -> None:
     except AttentionUnavailableError as exc:  # 4.51's OPT builds a class that calls flash-attn itself
         pytest.skip(str(exc)[:160])
     assert state.capacity == CAPACITY and state.path == "flat", state.reason
+    assert state.decision_now().layout_reason == "flat rows padded to 32-token buckets up to 256"
     for lengths in ((47, 17), (30, 9, 22)):
         docs = synthetic_documents(model.config, lengths, torch.device("cpu"))
         batch = _packed(docs)
