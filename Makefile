@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE := disabled
 
-.PHONY: help demo demo-fa2-reference blog-case test test-fast test-latest chromium lint doctor bench clean
+.PHONY: help demo demo-fa2-reference blog-case test test-fast test-latest test-axolotl chromium lint doctor bench clean
 
 ## this list: every target and the first line of what it does
 help:
@@ -28,6 +28,16 @@ $(LATEST)/.installed: pyproject.toml constraints-latest.txt
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
 	$(LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[dev,hf,report]'
+	touch $@
+
+# axolotl 0.19.0 with every package it pins (constraints-axolotl.txt); torch first: the CPU wheel on this disk (a plain
+# `torch` requirement resolves to a CUDA build of several GB)
+AXOLOTL := .venv-axolotl
+$(AXOLOTL)/.installed: pyproject.toml constraints-axolotl.txt
+	test -x $(AXOLOTL)/bin/python || $(PYTHON) -m venv $(AXOLOTL)
+	$(AXOLOTL)/bin/python -m pip install -q --upgrade pip
+	$(AXOLOTL)/bin/python -m pip install -q -c constraints-axolotl.txt torch==2.13.0
+	$(AXOLOTL)/bin/python -m pip install -q -c constraints-axolotl.txt axolotl==0.19.0 -e '.[dev]'
 	touch $@
 
 $(ASSETS)/.done: $(STAMP)
@@ -73,6 +83,11 @@ test-fast: $(STAMP)
 ## (tests marked `foundry` skip there and say why)
 test-latest: $(LATEST)/.installed
 	$(LATEST)/bin/python -m pytest -q
+
+## the axolotl plugin on real axolotl 0.19 (torch 2.13 CPU, transformers 5.16, TRL 1.9) in .venv-axolotl (about 2 minutes);
+## its sample-packed batches, sdpa and eager, sdpa_varlen on and off, against each document alone and beside stock
+test-axolotl: $(AXOLOTL)/.installed
+	$(AXOLOTL)/bin/python -m pytest -q tests/axolotl
 
 ## headless Chromium for the report test (apt-get; .ci/run calls it); never fails: without it, that test skips
 chromium:

@@ -3,8 +3,8 @@
     attention < selection < flat < proof < path < observe < verify < integrations   (a folder imports only leftwards)
     guard, patching: importable by all; cli and bench (the tools) import anything but are imported by nothing
 
-Only ``integrations/`` (and the benches that measure it) import Composer, LLM-Foundry, accelerate, TRL or PEFT: the
-rest runs on a bare GPU box or for a plain transformers user.
+Only ``integrations/`` (and the benches that measure it) import Composer, LLM-Foundry, accelerate, TRL, PEFT or
+axolotl: the rest runs on a bare GPU box or for a plain transformers user.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FOLDERS = ("attention", "selection", "flat", "proof", "path", "observe", "verify
 BASE = frozenset({"guard", "patching", "checks"})  # importable by every folder; they import nothing of ours
 TOOLS = frozenset({"cli", "bench"})  # entry points: import anything, imported by nothing of the runtime
 TOP_LEVEL = BASE | {"__init__", "cli"}
-GLUE = frozenset({"composer", "llmfoundry", "accelerate", "trl", "peft", "streaming", "omegaconf"})
+GLUE = frozenset({"composer", "llmfoundry", "accelerate", "trl", "peft", "streaming", "omegaconf", "axolotl"})
 
 
 def _modules() -> list[tuple[str, Path]]:

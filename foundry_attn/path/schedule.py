@@ -151,7 +151,7 @@ class Schedule:
             (64, 32)
         """
         before = self.rows_covered if rows else self.covered
-        after = max(before[0], ceil2(docs.bounds[-1])), max(before[1], ceil2(docs.max_length))
+        after = max(before[0], ceil2(docs.bounds[docs.real])), max(before[1], ceil2(docs.max_length))  # real tokens
         if rows:
             self.rows_covered = after
         else:

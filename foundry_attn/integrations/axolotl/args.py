@@ -1,0 +1,66 @@
+"""The plugin's YAML keys, merged into axolotl's config before it is validated (``BasePlugin.get_input_args``).
+
+    foundry_attn_backend: auto          # auto | flash_attention_2 | torch_varlen | flex_attention | sdpa | eager
+    foundry_attn_strict: false
+    foundry_attn_proof_interval: 100
+    foundry_attn_events_dir: ./out/attn_events
+    foundry_attn_log_interval: 50
+    foundry_attn_verdict_interval: 100
+
+pydantic only (axolotl's config is a pydantic model; this class joins it as a base class).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ValidationInfo, field_validator
+
+from foundry_attn.attention.backends import NAMES
+from foundry_attn.checks import check_choice, check_interval
+
+#: what ``foundry_attn_backend`` accepts: ``auto`` (the fallback chain) or one backend
+BACKEND_CHOICES: tuple[str, ...] = ("auto", *NAMES)
+OWNER = "foundry_attn (axolotl plugin)"
+
+
+class FoundryAttnArgs(BaseModel):
+    """The ``foundry_attn_*`` keys of an axolotl YAML (every one optional).
+
+    Attributes:
+        foundry_attn_backend: ``auto`` (on each rank the fastest backend of ``flash_attention_2 -> torch_varlen ->
+            sdpa -> eager`` whose checks pass here, and why not the faster ones) or one backend; default: axolotl's
+            ``attn_implementation``.
+        foundry_attn_strict: a backend named here that cannot run, or a flat path that cannot be proven, stops the
+            run at the start instead of falling back (to the next backend, or to one document per row).
+        foundry_attn_proof_interval: re-prove the flat path every N training batches, forward only (0: the first
+            batch and changes of the attention code only).
+        foundry_attn_events_dir: the folder of ``events-rank<r>.jsonl`` (default ``<output_dir>/attn_events``).
+        foundry_attn_log_interval: optimizer steps between inspected steps (the first is always inspected).
+        foundry_attn_verdict_interval: optimizer steps between verdicts on packed documents.
+
+    Example::
+
+        >>> FoundryAttnArgs(foundry_attn_backend="sdpa").foundry_attn_backend
+        'sdpa'
+    """
+
+    foundry_attn_backend: str | None = None
+    foundry_attn_strict: bool = False
+    foundry_attn_proof_interval: int = 100
+    foundry_attn_events_dir: str | None = None
+    foundry_attn_log_interval: int = 50
+    foundry_attn_verdict_interval: int = 100
+
+    @field_validator("foundry_attn_backend")
+    @classmethod
+    def _backend(cls, value: str | None) -> str | None:
+        return None if value is None else check_choice("foundry_attn_backend", value, BACKEND_CHOICES)
+
+    @field_validator("foundry_attn_proof_interval")
+    @classmethod
+    def _proof_interval(cls, value: int) -> int:
+        return check_interval(OWNER, "foundry_attn_proof_interval", value, minimum=0)
+
+    @field_validator("foundry_attn_log_interval", "foundry_attn_verdict_interval")
+    @classmethod
+    def _interval(cls, value: int, info: ValidationInfo) -> int:
+        return check_interval(OWNER, str(info.field_name), value)

@@ -1,0 +1,454 @@
+"""``FoundryAttnPlugin``: foundry_attn in an axolotl run, from one line of YAML.
+
+    plugins:
+      - foundry_attn.integrations.axolotl.FoundryAttnPlugin
+    foundry_attn_backend: auto
+
+axolotl calls, in order: ``register`` (says the plugin loaded), ``pre_model_load`` (refuses what cannot train each
+document as alone, with the cause), ``post_model_load`` (``attach``: the fallback chain and its reason, the flat path
+proven; after LoRA), ``post_trainer_create`` (the Trainer callbacks, the reader of axolotl's packed batches, the
+Trainer's target count), ``post_train`` (what ran). Lines go to axolotl's log (``axolotl.integrations.foundry_attn``,
+shown at axolotl's INFO level); events to ``<output_dir>/attn_events/events-rank<r>.jsonl``. The class is axolotl's
+``BasePlugin`` where axolotl is installed (only axolotl loads it); without axolotl the module still imports (its docs
+and names can be checked), and the class derives from ``object``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from importlib.metadata import version
+from typing import Any
+
+from transformers import TrainerCallback
+
+from foundry_attn.integrations.axolotl.batches import document_targets, read_packed, shaped_back
+from foundry_attn.integrations.hf_trainer import install
+from foundry_attn.path.attach import attach
+from foundry_attn.path.state import AUTO_PATH, FLAT
+
+
+def _axolotl_base() -> type:
+    """axolotl's ``BasePlugin`` (its hooks' defaults), or ``object`` where axolotl is not installed."""
+    try:
+        from axolotl.integrations.base import BasePlugin
+    except ImportError:
+        return object
+    return BasePlugin
+
+
+#: under axolotl's namespace: axolotl's log filter shows ``axolotl.*`` at INFO and other loggers from WARNING only
+LOG = logging.getLogger("axolotl.integrations.foundry_attn")
+ENTRY = "foundry_attn.integrations.axolotl.FoundryAttnPlugin"
+#: axolotl's ``attn_implementation`` values whose attention foundry_attn attaches (the others are axolotl's own patches)
+ATTACHABLE = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
+def refusal(cfg: Any) -> str | None:
+    """Why this axolotl config cannot train each document as alone with foundry_attn, or None.
+
+    Args:
+        cfg: axolotl's validated config (``DictDefault``: a missing key reads None).
+
+    Returns:
+        The cause and what to change, or None.
+
+    Example::
+
+        >>> refusal(DictDefault(attn_implementation="xformers", sample_packing=True))
+        "attn_implementation: 'xformers' is axolotl's own attention patch ..."
+    """
+    impl = cfg.get("attn_implementation")
+    if impl is not None and impl not in ATTACHABLE:
+        return (
+            f"attn_implementation: {impl!r} is axolotl's own attention patch or kernel, which foundry_attn cannot "
+            f"prove or replace; use one of {', '.join(ATTACHABLE)} (foundry_attn_backend: auto picks among them)"
+        )
+    for key in ("context_parallel_size", "sequence_parallel_degree", "tensor_parallel_size"):
+        if (cfg.get(key) or 1) > 1:
+            return (
+                f"{key}: {cfg.get(key)} splits each packed row across ranks (ring attention); foundry_attn proves "
+                f"whole rows only: set {key}: 1 or leave out the plugin"
+            )
+    if cfg.get("s2_attention"):
+        return "s2_attention: shifted sparse attention mixes token groups across documents; set s2_attention: false"
+    if cfg.get("pretraining_dataset") and cfg.get("sample_packing") and cfg.get("pretrain_multipack_attn") is False:
+        return (
+            "pretrain_multipack_attn: false concatenates pretraining documents with positions counting on across "
+            "them, so no batch says where a document ends; set pretrain_multipack_attn: true (or leave it out)"
+        )
+    return None
+
+
+def sdpa_varlen_on() -> bool:
+    """Whether axolotl's ``patch_sdpa_varlen`` re-registered ``sdpa`` for the whole process.
+
+    Returns:
+        True where the registered ``sdpa`` is axolotl's wrapper.
+
+    Example::
+
+        >>> sdpa_varlen_on()
+        False
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return hasattr(ALL_ATTENTION_FUNCTIONS.get("sdpa"), "_axolotl_sdpa_original")
+
+
+def what_ran(state: Any, varlen: bool | None = None) -> str:
+    """The attention that really runs the training batches, in words.
+
+    Args:
+        state: the model's :class:`~foundry_attn.path.state.PathState`.
+        varlen: whether axolotl's sdpa_varlen patch is on (default: read it now, :func:`sdpa_varlen_on`).
+
+    Returns:
+        A line such as ``foundry_sdpa (foundry_attn's sdpa, documents passed to every call); flat row``.
+
+    Example::
+
+        >>> what_ran(attach(model, "sdpa"))
+        "foundry_sdpa (foundry_attn's sdpa per document, the documents an argument of every call); one flat row"
+    """
+    varlen = sdpa_varlen_on() if varlen is None else varlen
+    if state.path == FLAT:
+        line = (
+            f"{state.flat_name} (foundry_attn's {state.backend} per document, the documents an argument of every "
+            "call); one flat row"
+        )
+        if varlen and state.backend == "sdpa":
+            line += "; axolotl's sdpa_varlen wrapper, registered as 'sdpa', is bypassed"
+        return line
+    line = f"{state.rows_name} (stock), one document per row with a 2-D mask"
+    if varlen and state.rows_name == "sdpa":
+        line += " (axolotl's sdpa_varlen wrapper is registered as 'sdpa' and hands masked rows to stock sdpa)"
+    return line
+
+
+class BatchReader:
+    """Hooks on the model the Trainer calls: an axolotl packed batch becomes the one flat row the attached model
+    takes (:func:`~foundry_attn.integrations.axolotl.batches.read_packed`), the logits go back to the batch's shape.
+
+        reader = BatchReader(trainer.model)    # post_trainer_create
+        reader.remove()                        # post_train
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.calls = self.flattened = self.masks = 0
+        self._shapes: dict[int, tuple[int, int]] = {}
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def _before(self, _: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        read = read_packed(kwargs)
+        if read is None:
+            return None
+        out, shape = read
+        self.calls += 1
+        self.masks += "attention_mask" in kwargs
+        if shape is not None:
+            self.flattened += 1
+            self._shapes[id(out["input_ids"])] = shape
+        return args, out
+
+    def _after(self, _: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        shape = self._shapes.pop(id(kwargs.get("input_ids")), None)
+        return output if shape is None else shaped_back(output, shape)
+
+    def remove(self) -> None:
+        """Take the hooks off (idempotent).
+
+        Example::
+
+            >>> reader.remove()
+        """
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def count_documents_targets(trainer: Any) -> bool:
+    """Make the Trainer's ``num_items_in_batch`` count each document's own targets (a document's first token is no
+    target of the previous document), as the attached path trains.
+
+    Args:
+        trainer: the transformers ``Trainer`` axolotl built.
+
+    Returns:
+        False where this transformers has no ``_get_num_items_in_batch`` (nothing changed; said in the log).
+
+    Example::
+
+        >>> count_documents_targets(trainer)
+        True
+    """
+    original: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
+    if original is None:
+        return False
+
+    def counted(batch_samples: list, device: Any) -> Any:
+        return original([document_targets(b) for b in batch_samples], device)
+
+    trainer._get_num_items_in_batch = counted
+    return True
+
+
+class RunReport(TrainerCallback):
+    """After the callbacks of :func:`~foundry_attn.integrations.hf_trainer.install`: an ``attn_axolotl`` event at train
+    begin (axolotl's setting, sdpa_varlen, the attention that runs) and, after the first step, the proof on the
+    training batch in axolotl's log."""
+
+    def __init__(self, plugin: FoundryAttnPlugin, session: Any) -> None:
+        self.plugin, self.session = plugin, session
+        self._said = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write the ``attn_axolotl`` event (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> report.on_train_begin(args, state, control)
+        """
+        events = getattr(self.session, "events", None)
+        if events is not None:
+            events.append("attn_axolotl", **self.plugin.summary())
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After the first step, say what the proof on the training batch found (Trainer event).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: the Trainer's ``TrainerState``.
+            control: the Trainer's ``TrainerControl``.
+            **kwargs: the Trainer's other event keywords, unused.
+
+        Example::
+
+            >>> report.on_step_end(args, state, control)
+        """
+        path = self.plugin.state
+        if self._said or path is None:
+            return
+        self._said = True
+        proof = path.proofs[-1][1].describe() if path.proofs else "none"
+        LOG.info(
+            "foundry_attn: step %d: path %s, proven on the training batch: %s; last proof: %s; packed batches read: %d "
+            "(%d flattened from several rows, %d with a document mask)",
+            state.global_step,
+            path.path,
+            self.plugin.proven_in_training(),
+            proof,
+            self.plugin.reader.calls if self.plugin.reader else 0,
+            self.plugin.reader.flattened if self.plugin.reader else 0,
+            self.plugin.reader.masks if self.plugin.reader else 0,
+        )
+        events = getattr(self.session, "events", None)
+        if events is not None:
+            events.append("attn_axolotl", at="first_step", **self.plugin.summary())
+
+
+class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen at import
+    """foundry_attn for axolotl: the fallback chain and its reason per rank, the flat path proven on the batch that
+    trains, axolotl's packed batches read as they are, and the Trainer callbacks (``attn/*`` in every logger, the
+    inspector's verdict, the events file).
+
+        plugins:
+          - foundry_attn.integrations.axolotl.FoundryAttnPlugin
+        foundry_attn_backend: auto      # keys: foundry_attn.integrations.axolotl.args.FoundryAttnArgs
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: Any = None
+        self.attach_proofs = 0
+        self.varlen = False  # axolotl's sdpa_varlen patch was on when the model was attached
+        self.reader: BatchReader | None = None
+        self.counted = self.reported = False
+        self.cfg: Any = None
+
+    def get_input_args(self) -> str:
+        """The pydantic model of the plugin's YAML keys (axolotl merges it into its config).
+
+        Returns:
+            Its dotted path.
+
+        Example::
+
+            >>> FoundryAttnPlugin().get_input_args()
+            'foundry_attn.integrations.axolotl.args.FoundryAttnArgs'
+        """
+        return "foundry_attn.integrations.axolotl.args.FoundryAttnArgs"
+
+    def register(self, cfg: dict) -> None:
+        """Say the plugin loaded (axolotl skips a plugin whose module fails to import with only an error line).
+
+        Args:
+            cfg: the unvalidated config.
+
+        Example::
+
+            >>> FoundryAttnPlugin().register({})     # axolotl.integrations.foundry_attn: ... plugin loaded
+        """
+        LOG.info("foundry_attn %s: axolotl plugin loaded (%s)", version("foundry-attn"), ENTRY)
+
+    def pre_model_load(self, cfg: Any) -> None:
+        """Refuse, before the model loads, a setting that cannot train each document as alone.
+
+        Args:
+            cfg: axolotl's validated config.
+
+        Raises:
+            ValueError: the cause and the change that makes the run exact.
+
+        Example::
+
+            >>> plugin.pre_model_load(cfg)     # attn_implementation: xformers -> ValueError
+        """
+        self.cfg = cfg
+        why = refusal(cfg)
+        if why is not None:
+            raise ValueError(f"foundry_attn (axolotl plugin): {why}")
+
+    def post_model_load(self, cfg: Any, model: Any) -> None:
+        """``attach`` the loaded model (LoRA included): the chain or the backend named, the flat path proven.
+
+        Args:
+            cfg: axolotl's validated config.
+            model: the model axolotl loaded (a ``PeftModel`` with an adapter).
+
+        Raises:
+            foundry_attn.selection.policy.AttentionUnavailableError: a backend named that cannot run here.
+            foundry_attn.path.state.FlatPathError: ``foundry_attn_strict`` and a flat path that is not proven.
+
+        Example::
+
+            >>> plugin.post_model_load(cfg, model)     # axolotl's log: the backend, why, the path
+        """
+        self.cfg = cfg
+        backend = cfg.get("foundry_attn_backend") or cfg.get("attn_implementation")
+        strict = bool(cfg.get("foundry_attn_strict"))
+        interval = cfg.get("foundry_attn_proof_interval")
+        self.state = attach(
+            model,
+            backend,
+            path=FLAT if strict else AUTO_PATH,
+            strict=strict,
+            interval=100 if interval is None else int(interval),
+        )
+        self.attach_proofs = len(self.state.proofs)
+        self.varlen = sdpa_varlen_on()
+        decision = self.state.decision
+        LOG.log(
+            logging.WARNING if decision is not None and decision.fell_back else logging.INFO,
+            "foundry_attn: attention %s (asked %s%s); path %s (%s)",
+            self.state.backend,
+            backend or "the model's own",
+            f"; {decision.reason}" if decision is not None and decision.reason else "",
+            self.state.path,
+            self.state.reason,
+        )
+        LOG.info(
+            "foundry_attn: axolotl attn_implementation %s, sdpa_varlen patch %s; what runs: %s",
+            cfg.get("attn_implementation"),
+            "on" if self.varlen else "off",
+            what_ran(self.state, self.varlen),
+        )
+
+    def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
+        """The Trainer callbacks, the packed-batch reader and the Trainer's target count.
+
+        Args:
+            cfg: axolotl's validated config.
+            trainer: the Trainer axolotl built.
+
+        Example::
+
+            >>> plugin.post_trainer_create(cfg, trainer)
+        """
+        added = install(
+            trainer,
+            events_dir=cfg.get("foundry_attn_events_dir"),
+            log_interval=cfg.get("foundry_attn_log_interval") or 50,
+            verdict_interval=cfg.get("foundry_attn_verdict_interval") or 100,
+        )
+        trainer.add_callback(RunReport(self, getattr(added[0], "session", None)))
+        if self.state is not None:
+            self.reader = BatchReader(trainer.model)
+            self.counted = count_documents_targets(trainer)
+            if not self.counted:
+                LOG.warning(
+                    "foundry_attn: this transformers has no Trainer._get_num_items_in_batch; the loss divides by "
+                    "axolotl's target count, which counts each document's first token as a target"
+                )
+
+    def post_train(self, cfg: Any, model: Any) -> None:
+        """Take the reader off and say what ran.
+
+        Args:
+            cfg: axolotl's validated config.
+            model: the trained model.
+
+        Example::
+
+            >>> plugin.post_train(cfg, model)
+        """
+        if self.reader is not None:
+            self.reader.remove()
+        if self.state is not None and not self.reported:  # axolotl may call post_train twice
+            self.reported = True
+            LOG.info("foundry_attn: trained with %s; %s", what_ran(self.state, self.varlen), self.summary()["proof"])
+
+    def proven_in_training(self) -> bool:
+        """Whether the path was proven on a training batch (every proof since ``attach`` passed, and there is one).
+
+        Returns:
+            True once a proof ran on a batch that trains and every one of them held.
+
+        Example::
+
+            >>> plugin.proven_in_training()     # after the first step
+            True
+        """
+        proofs = [] if self.state is None else self.state.proofs[self.attach_proofs :]
+        return bool(proofs) and all(proof.ok for _, proof in proofs)
+
+    def summary(self) -> dict[str, Any]:
+        """What the ``attn_axolotl`` event records.
+
+        Returns:
+            axolotl's setting, sdpa_varlen (when the model was attached), the backend, path and proof, what runs,
+            the batches read.
+
+        Example::
+
+            >>> plugin.summary()["ran"]
+            "foundry_sdpa (foundry_attn's sdpa per document, ...); one flat row"
+        """
+        import axolotl
+
+        cfg, state = self.cfg or {}, self.state
+        return {
+            "axolotl": getattr(axolotl, "__version__", "?"),
+            "attn_implementation": cfg.get("attn_implementation"),
+            "foundry_attn_backend": cfg.get("foundry_attn_backend"),
+            "sample_packing": bool(cfg.get("sample_packing")),
+            "sdpa_varlen": self.varlen,
+            "backend": None if state is None else state.backend,
+            "path": None if state is None else state.path,
+            "ran": None if state is None else what_ran(state, self.varlen),
+            "proven_on_batch": self.proven_in_training(),
+            "proof": "no proof" if state is None or not state.proofs else state.proofs[-1][1].describe(),
+            "packed_batches": 0 if self.reader is None else self.reader.calls,
+            "flattened": 0 if self.reader is None else self.reader.flattened,
+            "document_masks": 0 if self.reader is None else self.reader.masks,
+            "targets_counted_per_document": self.counted,
+        }
