@@ -32,8 +32,13 @@ Tiers, each in its own copy of the model (identical weights), timed round-robin 
    :func:`flash_attn_func_via_sdpa`), installed where transformers looks the kernels up
    (``fa2_reference.reference_flash_attn(varlen=, dense=)``); both wrappers live in
    :mod:`foundry_attn.bench.reference_kernels`, which the tests import too.
+2b. ``stock_padding_free``: the same stock FA2 code path on transformers' ``DataCollatorWithFlattening`` row (every
+   document in one row, ``position_ids`` restarting, no mask): transformers finds the bounds from the positions in
+   every layer. What a GPU user picks for packing today.
 3. ``ours_torch_varlen``: ``attach(model, "torch_varlen")`` + ``forward.forward_documents``: the batch is
    unpadded once, every layer calls torch's varlen kernel on the flat row with ``cu_seqlens``.
+3b. ``ours_torch_varlen_capacity``: the same with ``attach(..., capacity=rows x width)``: the flat row padded to a
+   few fixed shapes (:mod:`foundry_attn.flat.capacity`), ``max_seqlen`` pinned, no host sync in the step.
 4. ``ours_flash_attn``: the same on flash-attn (``attach(model, "flash_attention_2")``), when it imports.
 5. ``flex_document_mask``: ``attach(model, "flex_attention")``: one compiled flex call per layer with a
    document ``BlockMask``.
@@ -153,11 +158,12 @@ class Tier:
     stock_impl: str | None = None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     stock_row_layout: bool = False  # attends across documents in a row (stock masks): exact with one per row
+    capacity: int = 0  # ours: each flat row padded to a few fixed shapes up to this many tokens (0: its own length)
 
     def setup(self, model: Any) -> None:
         if self.backend is not None:
             with self.context():  # the proof runs the tier's kernel (a CPU stand-in where there is no GPU)
-                state = attach(model, self.backend)
+                state = attach(model, self.backend, capacity=self.capacity)
             if state.path != "flat":
                 raise RuntimeError(f"{self.name}: the flat path is not proven for this model: {state.reason}")
         else:
@@ -182,8 +188,9 @@ class Tier:
         }
 
 
-def make_tiers(device: torch.device) -> list[Tier]:
-    """Every tier, with what it runs on here or why it is skipped."""
+def make_tiers(device: torch.device, capacity: int = ROWS * WIDTH) -> list[Tier]:
+    """Every tier, with what it runs on here or why it is skipped; ``capacity``: the padded tier's (a batch's
+    positions)."""
     cuda = device.type == "cuda"
     fa_version = flash_attn_version() if cuda else None
     varlen = torch_varlen_kernel() if cuda else None
@@ -221,6 +228,14 @@ def make_tiers(device: torch.device) -> list[Tier]:
             f"neither flash-attn nor torch.nn.attention.varlen (torch >= 2.10) is available (torch {torch.__version__})"
         )
     tiers.append(stock)
+    flattened = dataclasses.replace(
+        stock,
+        name="stock_padding_free",
+        description="stock flash_attention_2 code path on DataCollatorWithFlattening's row: bounds from position_ids",
+        batch="flattened",
+        stock_row_layout=False,
+    )
+    tiers.append(flattened)
     ours = Tier(
         "ours_torch_varlen",
         "attach(model, 'torch_varlen') + forward_documents: unpad once, varlen per layer",
@@ -232,6 +247,14 @@ def make_tiers(device: torch.device) -> list[Tier]:
     elif varlen is None:
         ours.skipped = f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
     tiers.append(ours)
+    tiers.append(
+        dataclasses.replace(
+            ours,
+            name="ours_torch_varlen_capacity",
+            description=f"ours_torch_varlen, each flat row padded to a few fixed shapes up to {capacity} tokens",
+            capacity=capacity,
+        )
+    )
     tiers.append(
         Tier(
             "ours_flash_attn",
@@ -389,7 +412,7 @@ def run(
     if gpu and dev.index is not None:
         torch.cuda.set_device(dev)
     settings = Settings.make(dev, quick, layers, rounds)
-    tiers = make_tiers(dev)
+    tiers = make_tiers(dev, ROWS * settings.width)
     base = build_model(settings)
     models = {}
     for tier in tiers:

@@ -65,9 +65,15 @@ class Workload:
         return (torch.arange(self.width)[None, :] < used[:, None]).long()
 
     def batches(self, device: torch.device) -> dict[str, dict[str, Any]]:
-        """``padded``: stock, no mask; ``masked``: stock with a 2-D mask; ``documents``: ours (``doc_lens``)."""
+        """``padded``: stock, no mask; ``masked``: stock with a 2-D mask; ``documents``: ours (``doc_lens``);
+        ``flattened``: stock padding-free, as transformers' ``DataCollatorWithFlattening`` gives it (every document in
+        one row, ``position_ids`` restarting, each document's first token no target)."""
         ids, labels = self.ids.to(device), self._labels(starts_too=True).to(device)
+        real = labels.new_tensor([sum(row) for row in self.doc_lens])
+        keep = torch.arange(self.width, device=device)[None, :] < real.to(device)[:, None]
+        positions = torch.cat([torch.arange(n) for row in self.doc_lens for n in row]).to(device)
         return {
+            "flattened": {"input_ids": ids[keep][None], "position_ids": positions[None], "labels": labels[keep][None]},
             "padded": {"input_ids": ids, "labels": labels},
             "masked": {"input_ids": ids, "attention_mask": self.real_mask().to(device), "labels": labels},
             "documents": {
