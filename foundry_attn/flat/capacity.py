@@ -87,5 +87,9 @@ def at_capacity(inputs: Mapping[str, Any], sizes: tuple[int, int]) -> dict[str, 
         out["last_cache_position"] = tokens
     bounds = (*docs.bounds[: docs.real + 1], *([tokens] * (slots - docs.real)))
     assert docs.bounds[-1] == total, (docs.bounds, total)
-    out[DOCS_KEY] = Documents.of(bounds, ids.device, real=docs.real, pinned=tokens)
+    out[DOCS_KEY] = padded_docs = Documents.of(bounds, ids.device, real=docs.real, pinned=tokens)
+    # compiled: one graph for every bucket (as the unpadded row's); CUDA graphs then record one per bucket
+    for value in (out["input_ids"], out["position_ids"], out.get("labels"), padded_docs.device_bounds):
+        if value is not None:
+            torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
     return out
