@@ -19,6 +19,7 @@ from foundry_attn.path.forward import PAST_CAPACITY, forward_documents, prepare_
 from foundry_attn.proof.synthetic import synthetic_documents
 from foundry_attn.selection.policy import AttentionUnavailableError
 from tests.flat.test_left_padded import assert_trains_alone
+from tests.flat.test_wrappers import compiled_steps
 from tests.proof.test_judged import _model
 
 CAPACITY = 256
@@ -142,31 +143,6 @@ def test_a_backend_that_reads_lengths_on_the_host_says_why_it_keeps_its_own(impl
 def test_a_compiled_padded_step_is_exact_and_compiles_no_new_graph_per_layout() -> None:
     """``torch.compile`` (aot_eager) over changing layouts, each padded to its bucket: every step equal to the
     uncompiled one; after the first steps (Dynamo marks the row's length dynamic) no layout compiles a new graph."""
-    from foundry_attn.verify import conformance
-
     torch._dynamo.reset()
-    graphs: list[int] = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(len(gm.graph.nodes))
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-    model = conformance.build("qwen2", "flash_attention_2")
-    attach(model, "flash_attention_2", fa2_reference=True, capacity=128)
-    compiled = torch.compile(model, backend=counting)
-    rng = random.Random(0)
-    by_step = []
-    for _ in range(8):
-        docs = [torch.randint(1, conformance.VOCAB, (rng.randint(2, 12),)) for _ in range(rng.randint(2, 5))]
-        batch = conformance.collated(docs, "pack")
-        results = []
-        for runner in (model, compiled):
-            model.zero_grad(set_to_none=True)
-            loss = forward_documents(runner, batch).loss
-            loss.backward()
-            results.append((loss.detach(), conformance.grads_of(model)))
-        (want_loss, want_grad), (loss, grad) = results
-        torch.testing.assert_close(loss, want_loss, atol=conformance.LOSS_TOL, rtol=0)
-        assert ((grad - want_grad).norm() / want_grad.norm()).item() <= conformance.GRAD_TOL
-        by_step.append(len(graphs))
+    by_step, _ = compiled_steps("qwen2", "flash_attention_2", steps=8, fa2_reference=True, capacity=128)
     assert by_step[2] == by_step[-1], by_step

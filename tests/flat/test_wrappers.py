@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,14 +117,15 @@ def test_compiled_layouts_change_the_data_not_the_graph(family: str, backend: st
     torch._dynamo.reset()
     # Gemma2 warns (logger.warning_once) in every training forward not named "eager": a break outside attention
     with torch._dynamo.config.patch(ignore_logger_methods={logging.Logger.warning_once}):
-        compiled_by_step, breaks = _compiled_steps(family, backend, steps=16)
+        compiled_by_step, breaks = compiled_steps(family, backend, steps=16)
     # dynamic shapes from the start: one graph (Gemma2: one more, for its loss frame)
     assert compiled_by_step[-1] <= 2 and compiled_by_step[3] == compiled_by_step[-1], compiled_by_step
     assert not breaks, breaks
 
 
-def _compiled_steps(family: str, backend: str, steps: int) -> tuple[list[int], dict]:
-    """Graphs compiled so far after each step, and the graph breaks."""
+def compiled_steps(family: str, backend: str, steps: int, **attached: Any) -> tuple[list[int], dict]:
+    """Graphs compiled so far after each step, and the graph breaks; each step's loss and gradients checked equal to
+    the uncompiled model's. ``attached``: :func:`attach`'s keywords (``capacity``, ``fa2_reference``)."""
     import random
 
     from torch._dynamo.utils import counters
@@ -136,7 +138,7 @@ def _compiled_steps(family: str, backend: str, steps: int) -> tuple[list[int], d
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     model = conformance.build(family, backend)
-    attach(model, backend)
+    attach(model, backend, **attached)
     compiled = torch.compile(model, backend=counting)
     rng = random.Random(0)
     compiled_by_step = []
