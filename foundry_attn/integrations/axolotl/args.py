@@ -16,9 +16,11 @@ from pydantic import BaseModel, ValidationInfo, field_validator
 
 from foundry_attn.attention.backends import NAMES
 from foundry_attn.checks import check_choice, check_interval
+from foundry_attn.path.schedule import PROOF_INTERVAL
+from foundry_attn.selection.policy import AUTO
 
 #: what ``foundry_attn_backend`` accepts: ``auto`` (the fallback chain) or one backend
-BACKEND_CHOICES: tuple[str, ...] = ("auto", *NAMES)
+BACKEND_CHOICES: tuple[str, ...] = (AUTO, *NAMES)
 OWNER = "foundry_attn (axolotl plugin)"
 
 
@@ -45,7 +47,7 @@ class FoundryAttnArgs(BaseModel):
 
     foundry_attn_backend: str | None = None
     foundry_attn_strict: bool = False
-    foundry_attn_proof_interval: int = 100
+    foundry_attn_proof_interval: int = PROOF_INTERVAL
     foundry_attn_events_dir: str | None = None
     foundry_attn_log_interval: int = 50
     foundry_attn_verdict_interval: int = 100

@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from foundry_attn.integrations.axolotl.batches import document_targets, read_packed, shaped_back
 from foundry_attn.integrations.hf_trainer import install
 from foundry_attn.path.attach import attach
+from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, FLAT
 
 
@@ -131,7 +132,7 @@ class BatchReader:
     takes (:func:`~foundry_attn.integrations.axolotl.batches.read_packed`), the logits go back to the batch's shape.
 
         reader = BatchReader(trainer.model)    # post_trainer_create
-        reader.remove()                        # post_train
+        reader.remove()                        # after trainer.train returns or raises (undone_after_train)
     """
 
     def __init__(self, model: Any) -> None:
@@ -170,7 +171,7 @@ class BatchReader:
             handle.remove()
 
 
-def count_documents_targets(trainer: Any) -> bool:
+def count_documents_targets(trainer: Any) -> Callable[[], None] | None:
     """Make the Trainer's ``num_items_in_batch`` count each document's own targets (a document's first token is no
     target of the previous document), as the attached path trains.
 
@@ -178,22 +179,54 @@ def count_documents_targets(trainer: Any) -> bool:
         trainer: the transformers ``Trainer`` axolotl built.
 
     Returns:
-        False where this transformers has no ``_get_num_items_in_batch`` (nothing changed; said in the log).
+        What undoes it, or None where this transformers has no ``_get_num_items_in_batch`` (nothing changed).
 
     Example::
 
-        >>> count_documents_targets(trainer)
-        True
+        >>> undo = count_documents_targets(trainer)
+        >>> undo()                  # the Trainer's own count again
     """
     original: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
     if original is None:
-        return False
+        return None
+    own = vars(trainer).get("_get_num_items_in_batch")  # an instance's own, put back as it was
 
     def counted(batch_samples: list, device: Any) -> Any:
         return original([document_targets(b) for b in batch_samples], device)
 
+    def undo() -> None:
+        if own is None:
+            vars(trainer).pop("_get_num_items_in_batch", None)
+        else:
+            trainer._get_num_items_in_batch = own
+
     trainer._get_num_items_in_batch = counted
-    return True
+    return undo
+
+
+def undone_after_train(trainer: Any, undo: Callable[[], None]) -> None:
+    """``trainer.train`` calls ``undo`` when it returns or raises, then is the Trainer's own again: what the plugin
+    puts on the model and the Trainer for a run is never left behind by it.
+
+    Args:
+        trainer: the transformers ``Trainer`` axolotl built.
+        undo: takes off what the plugin put on (the batch reader's hooks, the target count).
+
+    Example::
+
+        >>> undone_after_train(trainer, reader.remove)
+        >>> trainer.train()         # the reader's hooks are off after it, even when it raises
+    """
+    train = trainer.train
+
+    def train_then_undo(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        finally:
+            vars(trainer).pop("train", None)
+            undo()
+
+    trainer.train = train_then_undo
 
 
 class RunReport(TrainerCallback):
@@ -342,7 +375,7 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
             backend,
             path=FLAT if strict else AUTO_PATH,
             strict=strict,
-            interval=100 if interval is None else int(interval),
+            interval=PROOF_INTERVAL if interval is None else int(interval),
         )
         self.attach_proofs = len(self.state.proofs)
         self.varlen = sdpa_varlen_on()
@@ -374,21 +407,25 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
 
             >>> plugin.post_trainer_create(cfg, trainer)
         """
-        added = install(
-            trainer,
-            events_dir=cfg.get("foundry_attn_events_dir"),
-            log_interval=cfg.get("foundry_attn_log_interval") or 50,
-            verdict_interval=cfg.get("foundry_attn_verdict_interval") or 100,
-        )
+        options = {key: cfg.get(f"foundry_attn_{key}") for key in ("events_dir", "log_interval", "verdict_interval")}
+        added = install(trainer, **{k: v for k, v in options.items() if v is not None})  # else install's defaults
         trainer.add_callback(RunReport(self, getattr(added[0], "session", None)))
         if self.state is not None:
-            self.reader = BatchReader(trainer.model)
-            self.counted = count_documents_targets(trainer)
-            if not self.counted:
+            reader = self.reader = BatchReader(trainer.model)
+            uncount = count_documents_targets(trainer)
+            self.counted = uncount is not None
+            if uncount is None:
                 LOG.warning(
                     "foundry_attn: this transformers has no Trainer._get_num_items_in_batch; the loss divides by "
                     "axolotl's target count, which counts each document's first token as a target"
                 )
+
+            def undo() -> None:
+                reader.remove()
+                if uncount is not None:
+                    uncount()
+
+            undone_after_train(trainer, undo)
 
     def post_train(self, cfg: Any, model: Any) -> None:
         """Take the reader off and say what ran.
