@@ -27,6 +27,23 @@ BUCKETS = 8
 LEAST_DOCUMENTS = 16
 
 
+def bucket(capacity: int) -> int:
+    """The step a row's length rounds up to: ``capacity / BUCKETS`` tokens (at least 1).
+
+    Args:
+        capacity: the most tokens a padded row holds.
+
+    Returns:
+        The bucket's size in tokens.
+
+    Example::
+
+        >>> bucket(4096)
+        512
+    """
+    return max(1, capacity // BUCKETS)
+
+
 def capacity_for(total: int, documents: int, capacity: int) -> tuple[int, int] | None:
     """The padded sizes of a flat row of ``total`` tokens in ``documents`` documents, or None past ``capacity``.
 
@@ -47,7 +64,7 @@ def capacity_for(total: int, documents: int, capacity: int) -> tuple[int, int] |
     """
     if total > capacity or capacity < 1:
         return None
-    step = max(1, capacity // BUCKETS)
+    step = bucket(capacity)
     tokens = min(capacity, -(-total // step) * step)
     slots = max(LEAST_DOCUMENTS, 1 << documents.bit_length())  # > documents: room for the padding's
     return tokens, slots

@@ -164,8 +164,9 @@ def attach(
             state.path,
             state.reason,
         )
-        return with_capacity(state, hf, capacity)
-    return with_capacity(_attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now), hf, capacity)
+    else:
+        state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
+    return with_capacity(state, hf, capacity)
 
 
 def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:

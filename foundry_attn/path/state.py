@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from foundry_attn.checks import check_choice
-from foundry_attn.flat.capacity import BUCKETS
+from foundry_attn.flat.capacity import bucket
 from foundry_attn.flat.implementation import current, use
 from foundry_attn.flat.layout_cost import FLAT, ROWS
 from foundry_attn.flat.unwrap import unwrapped
@@ -171,7 +171,7 @@ class PathState:
         proof = self.proofs[-1][1].describe() if self.proofs else self.decision.proof
         layout, reason = self.choice.layout or self.path, self.choice.reason
         if self.capacity:  # the flat row's shapes: said with the layout (attn/layout_reason, the attn_impl event)
-            padded = f"flat rows padded to {self.capacity // BUCKETS}-token buckets up to {self.capacity}"
+            padded = f"flat rows padded to {bucket(self.capacity)}-token buckets up to {self.capacity}"
             reason = f"{reason}; {padded}" if reason else padded
         return dataclasses.replace(
             self.decision, proof=proof, path=self.path, path_reason=self.reason, layout=layout, layout_reason=reason
