@@ -16,7 +16,6 @@ from typing import Any
 
 from foundry_attn.attention.backends import FA2
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
-from foundry_attn.flat.unwrap import compiled
 from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.flash_calls import FlashCallTracer
@@ -36,7 +35,7 @@ from foundry_attn.observe.flash_symbols import (
     symbol_label,
 )
 from foundry_attn.observe.probe import COMPILED
-from foundry_attn.path.state import path_of
+from foundry_attn.path.state import path_of, runs_compiled
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ class TracerCore:
         mpt = mpt_attn_impl(hf)
         state = path_of(hf) if hf is not None else None
         self._reference = state is not None and state.reference and state.backend == FA2
-        if compiled(model):
+        if runs_compiled(model):
             self.idle_reason = "the model runs under torch.compile"
             self.say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer"))
         elif hf is None:

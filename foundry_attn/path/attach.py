@@ -36,6 +36,7 @@ from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.model_forward import replace_forwards
 from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.path.execution import EAGER_STEP, check_execution, execution_for
 from foundry_attn.path.forward import packed_backbone, packed_model, plain_call
 from foundry_attn.path.proven import prove, prove_rows
 from foundry_attn.path.schedule import PROOF_INTERVAL, Schedule
@@ -95,6 +96,7 @@ def attach(
     interval: int = PROOF_INTERVAL,
     prove_now: bool = True,
     capacity: int = 0,
+    execution: str = EAGER_STEP,
 ) -> PathState:
     """Point ``model``'s attention at our function for ``backend`` and prove the flat path against stock on two
     synthetic documents; a model it does not hold for runs one document per row, with the reason.
@@ -119,6 +121,9 @@ def attach(
         capacity: pad each flat row to a few fixed shapes, up to this many tokens (:mod:`foundry_attn.flat.capacity`:
             a step a CUDA graph can capture, no host sync), where the backend reads the bounds on the device
             (flash_attention_2, torch_varlen); 0: each row at its own length.
+        execution: how the flat step runs (:mod:`foundry_attn.path.execution`): ``eager``, ``compiled``
+            (``torch.compile`` of forward and backward) or ``graphed`` (compiled and captured in CUDA graphs; needs
+            CUDA and a ``capacity``); where one cannot apply, the next, with the reason (``state.execution``).
 
     Returns:
         The :class:`~foundry_attn.path.state.PathState` kept on the model: ``path`` (``flat`` or ``rows``),
@@ -140,6 +145,7 @@ def attach(
     check_path(path)
     check_interval("attach", "interval", interval, minimum=0)
     check_interval("attach", "capacity", capacity, minimum=0)
+    check_execution(execution)
     if backend is not None:
         check_choice("attention backend", backend, (policy.AUTO, *BACKENDS))
     hf = unwrapped(model)
@@ -166,7 +172,7 @@ def attach(
         )
     else:
         state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
-    return with_capacity(state, hf, capacity)
+    return with_execution(with_capacity(state, hf, capacity), model, execution)
 
 
 def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
@@ -201,6 +207,31 @@ def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
         log.warning("foundry_attn: %s %s", type(hf).__name__, note)
     else:
         state.capacity = capacity
+    return state
+
+
+def with_execution(state: PathState, model: Any, execution: str) -> PathState:
+    """Run the flat step ``eager``, ``compiled`` or ``graphed`` where it applies to this state (its capacity and
+    backend; the device on the first batch), else the next one, the reason said (the path event, the inspector).
+
+    Args:
+        state: the attached path's state, its capacity applied (:func:`with_capacity`).
+        model: what attach was given (a compiled wrapper: the caller's compile runs the step).
+        execution: ``eager``, ``compiled`` or ``graphed``.
+
+    Returns:
+        ``state``, its ``execution`` set.
+
+    Example::
+
+        >>> with_execution(attach(model, "sdpa"), model, "graphed").execution.runs   # no capacity under sdpa
+        'compiled'
+    """
+    rows = state.path == ROWS
+    state.execution = execution_for(execution, model, state.backend, state.capacity, state.stock_mask, rows)
+    if state.execution.runs != execution:
+        name = type(unwrapped(model)).__name__
+        log.warning("foundry_attn: %s: attn_execution %s: %s", name, execution, state.execution.reason)
     return state
 
 

@@ -45,6 +45,7 @@ from foundry_attn.flat.inputs import (
 )
 from foundry_attn.flat.layout import Layout, Truth, padding_side
 from foundry_attn.flat.unwrap import compiled, unwrapped
+from foundry_attn.path.execution import PROOF_DUE, ROWS_BATCH
 from foundry_attn.path.proven import prove_batch, step_proof
 from foundry_attn.path.state import FLAT, ROWS, PathChange, PathState, Plan, path_of
 from foundry_attn.proof.step_proof import StepProof
@@ -96,7 +97,8 @@ def run_prepared(
 ) -> tuple[Any, Prepared]:
     """``forward(prepared.inputs)``, or one forward per group of rows joined (:func:`joined`); where a proof is
     due on the batch, the forward is its packed side (:class:`StepProof`) and, if the proof moves the run to rows,
-    the batch runs again there. Returns the output and the layout it ran.
+    the batch runs again there. The flat row runs as the state's execution says (eager, compiled or graphed:
+    :mod:`foundry_attn.path.execution`); a proof due, and rows, run eagerly. Returns the output and the layout it ran.
 
     Args:
         forward: runs the model on a layout's inputs.
@@ -112,10 +114,15 @@ def run_prepared(
 
         >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
     """
+    state = None if torch.compiler.is_compiling() else path_of(model)  # the caller's compile: its step
     if prepared.forwards:
+        if state is not None:
+            state.execution.ran_eagerly(ROWS_BATCH)
         return joined([forward(f.inputs) for f in prepared.forwards], prepared.forwards, summed), prepared
     if prepared.proof is None:
-        return forward(prepared.inputs), prepared
+        return (state.execution.run(forward, prepared.inputs) if state else forward(prepared.inputs)), prepared
+    if state is not None:
+        state.execution.ran_eagerly(PROOF_DUE)
     return _proven(forward, model, batch, prepared.proof, prepared)
 
 

@@ -27,7 +27,8 @@ from foundry_attn.checks import check_choice
 from foundry_attn.flat.capacity import bucket
 from foundry_attn.flat.implementation import current, use
 from foundry_attn.flat.layout_cost import FLAT, ROWS
-from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.flat.unwrap import compiled, unwrapped
+from foundry_attn.path.execution import EAGER_STEP, Execution
 from foundry_attn.path.layout_choice import LayoutChoice
 from foundry_attn.path.schedule import Schedule
 from foundry_attn.proof.result import Proof
@@ -114,6 +115,7 @@ class PathState:
     capacity: int = 0  # each flat row padded to a few fixed shapes up to this many tokens (flat/capacity.py); 0: off
     schedule: Schedule = dataclasses.field(default_factory=Schedule)  # when a proof is due
     choice: LayoutChoice = dataclasses.field(default_factory=LayoutChoice)  # the layout each batch runs
+    execution: Execution = dataclasses.field(default_factory=Execution)  # eager, compiled or graphed, and why
 
     def __deepcopy__(self, memo: dict) -> PathState:
         """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch."""
@@ -124,6 +126,7 @@ class PathState:
             changes=list(self.changes),
             schedule=self.schedule.fresh(),
             choice=dataclasses.replace(self.choice),
+            execution=self.execution.fresh(),
         )
 
     @property
@@ -174,7 +177,14 @@ class PathState:
             padded = f"flat rows padded to {bucket(self.capacity)}-token buckets up to {self.capacity}"
             reason = f"{reason}; {padded}" if reason else padded
         return dataclasses.replace(
-            self.decision, proof=proof, path=self.path, path_reason=self.reason, layout=layout, layout_reason=reason
+            self.decision,
+            proof=proof,
+            path=self.path,
+            path_reason=self.reason,
+            layout=layout,
+            layout_reason=reason,
+            execution=self.execution.runs,
+            execution_reason=self.execution.reason,
         )
 
     def plan(
@@ -250,6 +260,27 @@ class PathState:
         use(hf, self.rows_name)
         log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
         self.changes.append(PathChange(self.schedule.batches, ROWS, reason))
+
+
+def runs_compiled(model: Any) -> bool:
+    """Whether ``model``'s step runs under ``torch.compile``: the caller's (a compiled wrapper or forward) or the
+    attached path's (``attn_execution: compiled`` or ``graphed``); the observers' hooks and patches step aside then.
+
+    Args:
+        model: a transformers model, or a wrapper of one.
+
+    Returns:
+        True when a compiled graph runs the model's forward.
+
+    Example::
+
+        >>> runs_compiled(hf_model), runs_compiled(attach(hf_model, "sdpa", execution="compiled") and hf_model)
+        (False, True)
+    """
+    if compiled(model):
+        return True
+    state = path_of(model)
+    return state is not None and state.execution.runs != EAGER_STEP
 
 
 def path_of(model: Any) -> PathState | None:

@@ -77,6 +77,8 @@ class Decision:
     path_reason: str = ""
     layout: str = ""  # what the last batch ran: "flat" | "rows" (the cheaper proven layout, per batch)
     layout_reason: str = ""
+    execution: str = ""  # how the flat step runs: "eager" | "compiled" | "graphed" (foundry_attn.path.execution)
+    execution_reason: str = ""
 
     @classmethod
     def given(
@@ -184,6 +186,8 @@ class Decision:
             "path_reason": self.path_reason,
             "layout": self.layout,
             "layout_reason": self.layout_reason,
+            "execution": self.execution,
+            "execution_reason": self.execution_reason,
             "warning": self.warning,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }

@@ -10,13 +10,14 @@ from composer.core import State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundry_attn.flat.unwrap import compiled, find_hf_model
+from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.integrations.composer.common import ReleasingCallback, check_log_interval, open_event_log
 from foundry_attn.integrations.composer.document_verdict import DocumentVerdicts
 from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.inspector import InspectorCore, InspectorResults
 from foundry_attn.observe.probe import COMPILED, BatchInfo, ModelInspector, summarize
+from foundry_attn.path.state import runs_compiled
 
 __all__ = ["AttentionInspector", "summarize"]
 
@@ -187,7 +188,7 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
     def _resolve(self, state: State) -> ModelInspector | None:
         if self._inspector is not None and self._model_id == id(state.model):
             return self._inspector
-        if compiled(state.model):
+        if runs_compiled(state.model):
             self.core.say_once("compiled", COMPILED.format(owner="attention_inspector"))
             return None
         found = find_hf_model(state.model)

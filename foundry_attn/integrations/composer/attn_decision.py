@@ -56,7 +56,8 @@ def decision_hparams(model: Any) -> dict[str, Any]:
 
     Returns:
         ``attn/requested``, ``attn/chosen``, ``attn/fell_back``, ``attn/reason``, ``attn/compute_dtype``,
-        ``attn/path``, ``attn/path_reason``, ``attn/layout``, ``attn/layout_reason`` and ``attn/summary``; ``{}`` for
+        ``attn/path``, ``attn/path_reason``, ``attn/layout``, ``attn/layout_reason``, ``attn/execution``,
+        ``attn/execution_reason`` and ``attn/summary``; ``{}`` for
         other models.
 
     Example::
@@ -79,6 +80,8 @@ def decision_hparams(model: Any) -> dict[str, Any]:
         "attn/path_reason": decision.path_reason,
         "attn/layout": decision.layout,
         "attn/layout_reason": decision.layout_reason,
+        "attn/execution": decision.execution,
+        "attn/execution_reason": decision.execution_reason,
         "attn/summary": ours.attn_summary,
     }
 
@@ -155,6 +158,12 @@ class AttnDecision(Callback):
         * - ``attn/layout_reason``
           - Why: each candidate's work and memory for the batch.
           - With ``attn/layout``.
+        * - ``attn/execution``
+          - How the flat step runs, ``eager``, ``compiled`` or ``graphed`` (``attn_execution``), this rank.
+          - ``INIT``, and again at ``BATCH_END`` when the first batch's device changes it (no CUDA: ``compiled``).
+        * - ``attn/execution_reason``
+          - Why: what was asked, and why the next one runs where it could not apply.
+          - With ``attn/execution``.
         * - ``attn/summary``
           - One line over all ranks, e.g. ``attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back
             (rank 3, rank 7: ...)`` (the same on every rank).
@@ -168,6 +177,7 @@ class AttnDecision(Callback):
         self._ours: Any = None
         self._changes = 0
         self._layout = ""
+        self._execution = ""
 
     def init(self, state: State, logger: Logger) -> None:
         """At ``INIT``: log the model's decision (:func:`decision_hparams`), else :func:`stock_hparams`.
@@ -190,10 +200,11 @@ class AttnDecision(Callback):
         self._ours = foundry_model(state.model)
         self._changes = len(self._ours.attn_state.changes)
         self._layout = self._ours.attn_state.choice.layout
+        self._execution = self._ours.attn_state.execution.runs
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        """A proof on a training batch that moved the run to rows (the state's event), or another layout than the last
-        batch's: log the path, or the layout, again.
+        """A proof on a training batch that moved the run to rows (the state's event), another layout than the last
+        batch's, or another execution (graphed on a CPU batch): log the path, the layout or the execution again.
 
         Args:
             state: Composer's training state.
@@ -207,9 +218,10 @@ class AttnDecision(Callback):
             return
         state_ = self._ours.attn_state
         moved, layout = len(state_.changes) != self._changes, state_.choice.layout != self._layout
-        if not (moved or layout):
+        execution = state_.execution.runs != self._execution
+        if not (moved or layout or execution):
             return
-        self._changes, self._layout = len(state_.changes), state_.choice.layout
+        self._changes, self._layout, self._execution = len(state_.changes), state_.choice.layout, state_.execution.runs
         hparams = decision_hparams(self._ours)
-        keys = ("attn/path",) * moved + ("attn/layout",) * layout
+        keys = ("attn/path",) * moved + ("attn/layout",) * layout + ("attn/execution",) * execution
         logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith(keys)})

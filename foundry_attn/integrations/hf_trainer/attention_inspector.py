@@ -11,14 +11,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from foundry_attn.checks import check_interval
-from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.hf_trainer.common import FIX, SampledCallback, Session
 from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.inspector import OWNER, InspectorCore, InspectorResults
 from foundry_attn.observe.probe import COMPILED, BatchInfo, ModelInspector
 from foundry_attn.observe.verdict import Verdict, judge, second_forward_blocked
 from foundry_attn.path.forward import LEFT_PADDED
-from foundry_attn.path.state import path_of
+from foundry_attn.path.state import path_of, runs_compiled
 from foundry_attn.proof.forward_probe import ForwardProbe
 
 __all__ = ["AttentionInspector"]
@@ -110,7 +109,7 @@ class AttentionInspector(InspectorResults, SampledCallback):
         """
         self._model, self._hf = model, hf
         self.core.events = self.events
-        if compiled(model) or compiled(hf):
+        if runs_compiled(model) or runs_compiled(hf):
             self.core.say_once("compiled", COMPILED.format(owner=self.owner))
             return
         self.inspector = self.core.probe(hf)

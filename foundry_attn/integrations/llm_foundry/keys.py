@@ -10,6 +10,7 @@
       attn_proof_interval: 100
       attn_prove_at_build: true          # the proof at build (false: on the first training batch)
       attn_capacity: 0                   # pad each flat row to a few fixed shapes up to N tokens (varlen backends)
+      attn_execution: eager              # eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
       fa2_reference_kernel: false
       attn_rank_overrides: {1: {attn_implementation: sdpa}}
 
@@ -25,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from foundry_attn.attention.backends import FA2
 from foundry_attn.checks import check_interval
+from foundry_attn.path.execution import EAGER_STEP, check_execution
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, check_path
 from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, validate_names
@@ -74,6 +76,7 @@ class AttnKeys:
     prove_at_build: bool = True
     fa2_reference: bool = False
     capacity: int = 0
+    execution: str = EAGER_STEP
 
     @classmethod
     def parse(
@@ -87,6 +90,7 @@ class AttnKeys:
         attn_proof_interval: int = PROOF_INTERVAL,
         attn_prove_at_build: bool = True,
         attn_capacity: int = 0,
+        attn_execution: str = EAGER_STEP,
         fa2_reference_kernel: bool = False,
         attn_rank_overrides: Mapping | None = None,
         use_flash_attention_2: bool = False,
@@ -104,6 +108,8 @@ class AttnKeys:
             attn_prove_at_build: prove at build (False: on the first training batch).
             attn_capacity: pad each flat row to a few fixed shapes up to this many tokens (0: off;
                 :mod:`foundry_attn.flat.capacity`).
+            attn_execution: how the flat step runs: ``eager``, ``compiled`` or ``graphed``
+                (:mod:`foundry_attn.path.execution`).
             fa2_reference_kernel: run FA2 on the pure-PyTorch reference kernel.
             attn_rank_overrides: per rank, the keys it sets otherwise (:func:`rank_override`).
             use_flash_attention_2: LLM-Foundry's old key; under ``auto``, asks for ``flash_attention_2``.
@@ -112,7 +118,7 @@ class AttnKeys:
             The validated keys.
 
         Raises:
-            ValueError: an unknown backend, path or override key, or a bad ``attn_proof_interval`` or
+            ValueError: an unknown backend, path, execution or override key, or a bad ``attn_proof_interval`` or
                 ``attn_capacity``.
 
         Example::
@@ -135,6 +141,7 @@ class AttnKeys:
             bool(attn_prove_at_build),
             bool(fa2_reference_kernel),
             check_interval(OWNER, "attn_capacity", attn_capacity, minimum=0),
+            check_execution(attn_execution),
         )
 
 

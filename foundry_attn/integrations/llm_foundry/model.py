@@ -15,6 +15,7 @@
                                            # whenever the attention code changes); 0: first batch and changes only
       attn_prove_at_build: true            # the proof at build on two synthetic documents (false: first batch only)
       attn_capacity: 0                     # N: each flat row padded to a few fixed shapes up to N tokens (varlen)
+      attn_execution: eager                # compiled: torch.compile the step; graphed: and CUDA graphs (a capacity)
       attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
         1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
     callbacks:
@@ -47,7 +48,7 @@ from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
 from foundry_attn.observe.ranks import announce, launch_id
-from foundry_attn.path.attach import attach_decision, with_capacity
+from foundry_attn.path.attach import attach_decision, with_capacity, with_execution
 from foundry_attn.path.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
 from foundry_attn.selection.capability import probe
 from foundry_attn.selection.decision import decide, model_class_for
@@ -138,8 +139,9 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
             interval=keys.proof_interval,
             prove_now=at_build,
         )
-        with_capacity(self.attn_state, self.model, keys.capacity)
+        with_execution(with_capacity(self.attn_state, self.model, keys.capacity), self.model, keys.execution)
         self._changes_read = len(self.attn_state.changes)
+        self._execution_read = self.attn_state.execution.runs
 
     @property
     def attn_decision(self) -> Decision:
@@ -158,11 +160,14 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         return decision
 
     def _path_changed(self) -> None:
-        """After a batch: a proof that moved the run to rows (the state's :class:`~foundry_attn.path.state.PathChange`)
-        is an ``attn_impl`` event."""
+        """After a batch: a proof that moved the run to rows (the state's :class:`~foundry_attn.path.state.PathChange`),
+        or the first batch's device that changed the execution (graphed without CUDA), is an ``attn_impl`` event."""
         if len(self.attn_state.changes) > self._changes_read:
             self._changes_read = len(self.attn_state.changes)
             self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
+        if self.attn_state.execution.runs != self._execution_read:
+            self._execution_read = self.attn_state.execution.runs
+            self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="execution")
 
     # ---- forward ------------------------------------------------------------------------------------
     @property

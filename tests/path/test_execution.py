@@ -1,0 +1,159 @@
+"""The user's switch for how the flat step runs (``attach(..., execution=)``, ``attn_execution``): compiled, the step
+is exact against the uncompiled one on every layout, in one graph with no graph break; graphed where it cannot apply
+(no CUDA, no capacity) runs compiled and says why; a batch with a proof due, and rows, run eagerly, said once; the
+choice reaches the decision's fields, and the observers step aside."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from foundry_attn.bench.gpu import reference_torch_varlen
+from foundry_attn.integrations.llm_foundry.keys import AttnKeys
+from foundry_attn.path import execution
+from foundry_attn.path.attach import attach
+from foundry_attn.path.execution import COMPILED, EAGER_STEP, GRAPHED, PROOF_DUE, ROWS_BATCH
+from foundry_attn.path.forward import forward_documents
+from foundry_attn.path.state import runs_compiled
+from foundry_attn.verify import conformance
+
+
+@pytest.fixture
+def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The graphs the step compiles (aot_eager: inductor's traced graph and autograd, without its codegen)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    made: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        made.append(len(gm.graph.nodes))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    monkeypatch.setattr(execution, "BACKEND", counting)
+    yield made
+    torch._dynamo.reset()
+
+
+def _layouts(count: int, seed: int = 0) -> Iterator[dict]:
+    """``count`` packed batches, each a different set of documents."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        docs = [torch.randint(1, conformance.VOCAB, (rng.randint(2, 12),)) for _ in range(rng.randint(2, 5))]
+        yield conformance.collated(docs, "pack")
+
+
+def _twins(family: str, backend: str, **attached: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model attached with ``attached`` and an uncompiled copy with the same weights."""
+    model = conformance.build(family, backend)
+    twin = conformance.build(family, backend)
+    twin.load_state_dict(model.state_dict())
+    plain = {k: v for k, v in attached.items() if k != "execution"}
+    attach(model, backend, **attached)
+    attach(twin, backend, **plain)
+    return model, twin
+
+
+def _steps_agree(model: torch.nn.Module, twin: torch.nn.Module, batches: Iterator[dict]) -> int:
+    """Each batch's loss and every gradient equal on both; the number of batches."""
+    count = 0
+    for batch in batches:
+        results = []
+        for runner in (model, twin):
+            runner.zero_grad(set_to_none=True)
+            loss = forward_documents(runner, batch).loss
+            loss.backward()
+            results.append((loss.detach(), conformance.grads_of(runner)))
+        (loss, grad), (want_loss, want_grad) = results
+        torch.testing.assert_close(loss, want_loss, atol=conformance.LOSS_TOL, rtol=0)
+        assert ((grad - want_grad).norm() / want_grad.norm()).item() <= conformance.GRAD_TOL
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize(
+    ("family", "backend", "layouts"),
+    [("llama", "sdpa", 50), ("qwen2", "eager", 12), ("llama", "torch_varlen", 12)],
+)
+def test_a_compiled_step_is_exact_in_one_graph_over_every_layout(
+    graphs: list[int], family: str, backend: str, layouts: int
+) -> None:
+    from torch._dynamo.utils import counters
+
+    with reference_torch_varlen():  # torch's varlen kernel is CUDA's: its pure-PyTorch reference here
+        model, twin = _twins(family, backend, capacity=128 * (backend == "torch_varlen"), execution=COMPILED)
+        assert _steps_agree(model, twin, _layouts(layouts)) == layouts
+    state = model.foundry_path
+    assert len(graphs) == 1 and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
+    assert state.execution.runs == COMPILED and state.execution.eager == {PROOF_DUE: 1}  # the first batch's proof
+    assert runs_compiled(model) and not runs_compiled(twin)
+
+
+def test_graphed_needs_cuda_and_a_capacity_else_it_runs_compiled_and_says_why(graphs: list[int]) -> None:
+    with reference_torch_varlen():
+        model, twin = _twins("llama", "torch_varlen", capacity=128, execution=GRAPHED)
+        state = model.foundry_path
+        assert state.execution.runs == GRAPHED  # the device is read on the first flat batch
+        _steps_agree(model, twin, _layouts(3))
+    assert state.execution.runs == COMPILED
+    assert "CUDA graphs need a CUDA device (the batch is on cpu)" in state.execution.reason
+    fields = state.decision_now().as_dict()
+    assert (fields["execution"], fields["execution_reason"]) == (COMPILED, state.execution.reason)
+    no_capacity = attach(conformance.build("llama", "sdpa"), "sdpa", execution=GRAPHED).execution
+    assert no_capacity.runs == COMPILED and "graphed not applied: sdpa has no capacity" in no_capacity.reason
+
+
+def test_rows_run_eagerly_and_the_callers_compile_runs_its_own(graphs: list[int]) -> None:
+    model, twin = _twins("llama", "sdpa", execution=COMPILED)
+    model.foundry_path.refuse(model, "a test moves the run to rows")  # after attach: compiled, rows each batch
+    twin.foundry_path.refuse(twin, "a test moves the run to rows")
+    _steps_agree(model, twin, _layouts(3))
+    assert model.foundry_path.execution.eager == {ROWS_BATCH: 3} and not graphs
+    on_rows = attach(conformance.build("llama", "sdpa"), "sdpa", path="rows", execution=COMPILED).execution
+    assert on_rows.runs == EAGER_STEP and on_rows.reason == f"eager: the run is on {ROWS_BATCH}"
+    wrapped = attach(torch.compile(conformance.build("llama", "sdpa")), "sdpa", execution=COMPILED).execution
+    assert wrapped.runs == EAGER_STEP and "compiled already" in wrapped.reason
+
+
+def test_an_unknown_execution_lists_the_valid_ones() -> None:
+    valid = "attn_execution: unknown value 'graph'; valid values: eager, compiled, graphed"
+    with pytest.raises(ValueError, match=valid):
+        attach(conformance.build("llama", "sdpa"), "sdpa", execution="graph")
+    assert AttnKeys.parse(0, attn_execution="graphed").execution == GRAPHED and AttnKeys.parse(0).execution == "eager"
+    with pytest.raises(ValueError, match="attn_execution: unknown value"):
+        AttnKeys.parse(0, attn_execution="fast")
+
+
+@pytest.mark.slow  # inductor's codegen: about half a minute here
+def test_the_default_inductor_step_is_exact() -> None:
+    torch._dynamo.reset()
+    model, twin = _twins("llama", "sdpa", execution=COMPILED)
+    assert _steps_agree(model, twin, _layouts(4)) == 4
+    assert model.foundry_path.execution.compiled is not None
+
+
+def test_the_yaml_key_reaches_the_composer_model_and_its_events(graphs: list[int], assets, tmp_path) -> None:
+    """``attn_execution: graphed`` on sdpa (no capacity): the model runs compiled, says why in ``attn/execution*``,
+    and a packed batch trains through the compiled step."""
+    from foundry_attn.integrations.composer.attn_decision import decision_hparams
+    from foundry_attn.integrations.llm_foundry.model import FoundryAttnCausalLM
+
+    model = FoundryAttnCausalLM(
+        tokenizer=None,
+        pretrained_model_name_or_path=str(assets / "tiny-llama"),
+        pretrained=False,
+        events_dir=str(tmp_path),
+        attn_implementation="sdpa",
+        attn_execution=GRAPHED,
+    )
+    hparams = decision_hparams(model)
+    assert hparams["attn/execution"] == COMPILED and "sdpa has no capacity" in hparams["attn/execution_reason"]
+    model.train()
+    for batch in _layouts(3):
+        model(batch).loss.backward()
+    assert len(graphs) == 1 and model.attn_state.execution.eager == {PROOF_DUE: 1}
