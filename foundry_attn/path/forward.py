@@ -45,7 +45,7 @@ from foundry_attn.flat.inputs import (
 )
 from foundry_attn.flat.layout import Layout, Truth, padding_side
 from foundry_attn.flat.unwrap import compiled, unwrapped
-from foundry_attn.path.execution import PROOF_DUE, ROWS_BATCH
+from foundry_attn.path.execution import PROOF_DUE, ROWS_BATCH, Execution
 from foundry_attn.path.proven import prove_batch, step_proof
 from foundry_attn.path.state import FLAT, ROWS, PathChange, PathState, Plan, path_of
 from foundry_attn.proof.step_proof import StepProof
@@ -66,6 +66,7 @@ class Prepared:
     no_targets: bool
     proof: StepProof | None = None
     forwards: tuple[RowForward, ...] = ()
+    execution: Execution | None = None  # how the flat step runs (the attached state's); None: not attached
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
@@ -114,15 +115,15 @@ def run_prepared(
 
         >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
     """
-    state = None if torch.compiler.is_compiling() else path_of(model)  # the caller's compile: its step
+    execution = prepared.execution
     if prepared.forwards:
-        if state is not None:
-            state.execution.ran_eagerly(ROWS_BATCH)
+        if execution is not None:
+            execution.ran_eagerly(ROWS_BATCH)
         return joined([forward(f.inputs) for f in prepared.forwards], prepared.forwards, summed), prepared
     if prepared.proof is None:
-        return (state.execution.run(forward, prepared.inputs) if state else forward(prepared.inputs)), prepared
-    if state is not None:
-        state.execution.ran_eagerly(PROOF_DUE)
+        return (execution.run(forward, prepared.inputs) if execution else forward(prepared.inputs)), prepared
+    if execution is not None:
+        execution.ran_eagerly(PROOF_DUE)
     return _proven(forward, model, batch, prepared.proof, prepared)
 
 
@@ -274,9 +275,11 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
                 inputs = _at_capacity(state, hf, inputs)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
             if plan.in_step:
-                return Prepared(inputs, placed, no_targets, step_proof(state, hf, inputs, plan, truth))
+                proof = step_proof(state, hf, inputs, plan, truth)
+                return Prepared(inputs, placed, no_targets, proof, execution=state.execution)
             if plan.at is None or prove_batch(state, hf, inputs, plan, truth) == FLAT:
-                return Prepared(stock_packed(inputs) if state.stock_mask else inputs, placed, no_targets)
+                inputs = stock_packed(inputs) if state.stock_mask else inputs
+                return Prepared(inputs, placed, no_targets, execution=state.execution)
         # rows, proven as flat is: the first batch, changes, longer batches, the interval
         elif plan.at is not None and state.path == ROWS:
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
@@ -284,12 +287,13 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on
     left, first = (state.rows_left, state.first_targets) if state is not None else (False, False)
+    execution = state.execution if state is not None else None
     positions = None if layout.marked else layout.positions
     if groups:  # several forwards by width
         forwards, placed = row_forwards(hf, ids, positions, labels, layout, groups, left, first)
-        return Prepared(forwards[0].inputs, placed, no_targets, forwards=forwards)
+        return Prepared(forwards[0].inputs, placed, no_targets, forwards=forwards, execution=execution)
     inputs, placed = one_per_row(hf, ids, positions, labels, layout, left, first)
-    return Prepared(inputs, placed, no_targets)
+    return Prepared(inputs, placed, no_targets, execution=execution)
 
 
 def packed_model(model: Any, forward: Callable[..., Any], batch: dict[str, Any], extra: dict[str, Any]) -> Any:
