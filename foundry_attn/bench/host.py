@@ -16,6 +16,7 @@ the batch to the optimizer step, the target 0). Core module: torch and transform
 from __future__ import annotations
 
 import collections
+import copy
 from typing import Any
 
 import torch
@@ -102,7 +103,8 @@ def _capacity_cell(layers: int, rounds: int, dev: torch.device) -> dict[str, Any
     models, optimizers = {}, {}
     for name, capacity in (("unpadded", 0), ("padded", 64)):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dev).train()
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        model = model.to(dev).train()
         attach(model, "flash_attention_2", fa2_reference=reference, capacity=capacity)
         models[name], optimizers[name] = model, torch.optim.SGD(model.parameters(), lr=0.0)
     gen = torch.Generator().manual_seed(1)
@@ -164,9 +166,13 @@ def _cell(impl: str, layers: int, rounds: int, dev: torch.device, lengths: tuple
         num_key_value_heads=HEADS,
     )
     torch.manual_seed(0)
-    stock = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(dev).train()
+    # a config of its own each: transformers 5.x shares the one given, and attach points ours at our function
+    stock = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+    stock = stock.to(dev).train()
     torch.manual_seed(0)
-    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(dev).train()
+    ours = (
+        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl).to(dev).train()
+    )
     attach(ours, impl)
     gen = torch.Generator().manual_seed(1)
     docs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in lengths]
