@@ -4,7 +4,7 @@ foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash
 [--attn-strict] [--model-config ./build/tiny/tiny-llama]   (with a config: each candidate's path, flat or rows)
 foundry-attn assets build/tiny
 foundry-attn bench padding|callbacks|compile|proof|events|train|trainer|guard --json [--device cuda] [--quick]
-foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 20] [--device cpu]
+foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 10] [--tiers a,b] [--memory-gb 24] [--device cpu]
 foundry-attn bench layouts --json [--quick] [--rounds 3] [--device cuda]
 foundry-attn bench step --json [--rounds 4]
 foundry-attn bench host --json [--rounds 15] [--threads 1]
@@ -148,14 +148,14 @@ def bench(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    options = {k: v for k, v in (("layers", args.layers), ("rounds", args.rounds)) if v is not None}
-    takes = {"gpu": {"layers", "rounds"}, "layouts": {"rounds"}, "step": {"rounds"}, "host": {"rounds"}}.get(
-        args.which, set()
-    )
+    given = (("layers", args.layers), ("rounds", args.rounds), ("tiers", args.tiers), ("memory_gb", args.memory_gb))
+    options = {k: v for k, v in given if v is not None}
+    gpu = {"layers", "rounds", "tiers", "memory_gb"}
+    takes = {"gpu": gpu, "layouts": {"rounds"}, "step": {"rounds"}, "host": {"rounds"}}.get(args.which, set())
     if set(options) - takes:
         raise SystemExit(
-            f"foundry-attn bench {args.which}: --layers is an option of bench gpu, --rounds of bench gpu, layouts, "
-            "step and host"
+            f"foundry-attn bench {args.which}: --layers, --tiers and --memory-gb are options of bench gpu, --rounds "
+            "of bench gpu, layouts, step and host"
         )
     module = importlib.import_module(f"foundry_attn.bench.{args.which}")
     result = module.run(quick=args.quick, device=args.device, **options)
@@ -311,9 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="gpu: timed rounds per batch (default 20; --quick: 3); layouts: per cell (default 3); step: passes (4); "
+        help="gpu: timed rounds per batch (default 10; --quick: 3); layouts: per cell (default 3); step: passes (4); "
         "host: steps (15)",
     )
+    p.add_argument(
+        "--tiers",
+        default=None,
+        help="gpu: only these tiers, comma-separated (padded_dense and sdpa_per_document always run)",
+    )
+    p.add_argument("--memory-gb", type=float, default=None, help="gpu: the equal-memory budget in GiB (default 24)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
     p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")

@@ -83,6 +83,10 @@ class Workload:
             },
         }
 
+    def repeated(self, k: int) -> Workload:
+        """``k`` copies of this batch stacked: ``k`` x its rows, the same documents (equal memory's multiples)."""
+        return Workload(self.name, f"{k} x {self.name}", self.doc_lens * k, self.width, self.ids.repeat(k, 1))
+
     def describe(self) -> dict[str, Any]:
         return {
             "title": self.title,
@@ -164,7 +168,7 @@ class Settings:
     def make(cls, device: torch.device, quick: bool, layers: int | None, rounds: int | None) -> Settings:
         cuda = device.type == "cuda"
         shape = SMOLLM2_135M_SHAPE if cuda else TINY_SHAPE
-        default_rounds = (3 if cuda else 2) if quick else (20 if cuda else 5)
+        default_rounds = (3 if cuda else 2) if quick else (10 if cuda else 5)
         return cls(
             device=str(device),
             dtype="bfloat16" if cuda else "float32",

@@ -1,6 +1,8 @@
 """The GPU benchmark's plumbing on the CPU: the skip without CUDA, every CPU-capable tier through the CLI (losses
-agree), the flash-attn-signature wrappers over torch's varlen kernel (both signatures) and SDPA, and which path
-each tier really takes. The GPU numbers belong to ``foundry-attn bench gpu --json`` on a GPU (README), not a test.
+agree; the compiled tiers on Dynamo's eager backend; equal memory in a tiny budget), the profile's counting, the
+equal-memory search, the targets at each contender's best, the flash-attn-signature wrappers over torch's varlen
+kernel (both signatures) and SDPA, and which path each tier really takes. The GPU numbers belong to
+``foundry-attn bench gpu --json`` on a GPU (README), not a test.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from foundry_attn.attention.fa2_reference import flash_attn_func, flash_attn_varlen_func, reference_flash_attn
-from foundry_attn.bench import gpu, reference_kernels
+from foundry_attn.bench import gpu, gpu_memory, gpu_profile, gpu_report, gpu_tiers, reference_kernels
 from foundry_attn.cli import main
 from tests.conftest import assert_restored, snapshot
 
@@ -24,24 +26,50 @@ REPO = Path(__file__).resolve().parents[2]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA box runs the real benchmark instead")
 TIERS = (  # the order the benchmark reports them in
     "padded_dense",
+    "padded_dense_compiled",
+    "padded_dense_graphed",
     "stock_unpad_per_layer",
     "stock_padding_free",
     "ours_torch_varlen",
     "ours_torch_varlen_capacity",
+    "ours_torch_varlen_compiled",
+    "ours_torch_varlen_graphed",
     "ours_flash_attn",
     "flex_document_mask",
     "sdpa_per_document",
 )
 CPU_TIERS = (
     "padded_dense",
+    "padded_dense_compiled",
     "stock_unpad_per_layer",
     "stock_padding_free",
     "ours_torch_varlen",
     "ours_torch_varlen_capacity",
+    "ours_torch_varlen_compiled",
     "sdpa_per_document",
 )
+CPU_SKIPPED = {"padded_dense_graphed", "ours_torch_varlen_graphed", "ours_flash_attn", "flex_document_mask"}
+RESULT_KEYS = set(
+    "command gpu_number note torch transformers machine settings tiers batches equal_memory targets all_targets_met "
+    "phases_s elapsed_s".split()
+)
+BATCH_KEYS = set("title doc_lens real_tokens positions fill limit_vs_padded_dense tiers loss_agreement".split())
+TIER_KEYS = set(
+    "ratio_vs_padded_dense paired_ratio_vs_padded_dense loss document_exact min_step_ms "
+    "samples_ms execution compile_warmup_s warmup_steps gpu_busy_share launches_per_step".split()
+)
 #: exact against each document alone on a batch of several documents a row (stock's 2-D masks attend across them)
-PACKED_EXACT = {"stock_padding_free", "ours_torch_varlen", "ours_torch_varlen_capacity"}
+PACKED_EXACT = {"stock_padding_free", "ours_torch_varlen", "ours_torch_varlen_capacity", "ours_torch_varlen_compiled"}
+OURS = PACKED_EXACT - {"stock_padding_free"}
+#: the equal-memory tiers that run on the CPU
+CPU_EQUAL_MEMORY = (
+    "padded_dense",
+    "padded_dense_compiled",
+    "stock_padding_free",
+    "ours_torch_varlen",
+    "ours_torch_varlen_capacity",
+    "ours_torch_varlen_compiled",
+)
 
 
 @no_cuda
@@ -75,67 +103,71 @@ def test_cpu_plumbing_runs_every_cpu_tier_and_losses_agree(capsys: pytest.Captur
     finally:
         torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out)
-    assert {
-        "command",
-        "gpu_number",
-        "note",
-        "torch",
-        "transformers",
-        "machine",
-        "settings",
-        "tiers",
-        "batches",
-        "targets",
-        "all_targets_met",
-        "elapsed_s",
-    } <= result.keys()
+    assert RESULT_KEYS <= result.keys()
     assert result["command"] == "foundry-attn bench gpu --json --device cpu --quick --layers 2"
     assert result["torch"] == torch.__version__ and result["gpu_number"] is False
     assert {"threads", "torch", "transformers", "cpu", "device_name"} <= result["machine"].keys()
     assert result["settings"]["dtype"] == "float32" and result["settings"]["layers"] == 2
+    assert list(result["phases_s"]) == ["setup", "a_report", "b_no_padding", "c_mix", "equal_memory"]
     tiers = result["tiers"]
     assert list(tiers) == list(TIERS)
     assert [n for n, t in tiers.items() if t["runs"]] == list(CPU_TIERS)
     for name in ("stock_unpad_per_layer", "stock_padding_free", "ours_torch_varlen", "ours_torch_varlen_capacity"):
         assert tiers[name]["kernel"] == "reference kernel (not a GPU number)"
+    for name in ("padded_dense_compiled", "ours_torch_varlen_compiled"):  # Dynamo's capture, no inductor, on the CPU
+        assert tiers[name]["execution"] == "compiled" and "backend='eager'" in tiers[name]["kernel"], tiers[name]
+    assert "torch.compile of the flat step" in tiers["ours_torch_varlen_compiled"]["execution_reason"]
+    for name in ("padded_dense_graphed", "ours_torch_varlen_graphed"):
+        assert (
+            tiers[name]["execution_asked"] == "graphed" and "CUDA graphs need a CUDA device" in tiers[name]["skipped"]
+        )
     assert list(result["batches"]) == ["a_report", "b_no_padding", "c_mix"]
     report = result["batches"]["a_report"]
     assert report["fill"] == pytest.approx(1395 / (6 * 2048), rel=0.02)  # the report's lengths, scaled to 128
     for name, batch in result["batches"].items():
-        assert {
-            "title",
-            "doc_lens",
-            "real_tokens",
-            "positions",
-            "fill",
-            "limit_vs_padded_dense",
-            "tiers",
-            "loss_agreement",
-        } <= batch.keys()
+        assert BATCH_KEYS <= batch.keys()
         for tier in CPU_TIERS:
             stats = batch["tiers"][tier]
             assert stats["tokens_per_s"] > 0 and stats["step_ms"] > 0 and stats["peak_mem_mb"] > 0, (name, tier)
-            assert {
-                "ratio_vs_padded_dense",
-                "paired_ratio_vs_padded_dense",
-                "loss",
-                "document_exact",
-                "min_step_ms",
-                "samples_ms",
-            } <= stats.keys()
+            assert TIER_KEYS <= stats.keys()
+            assert stats["gpu_busy_share"] is None and stats["launches_per_step"] is None  # CUDA only, and why
+            assert stats["profile"] == gpu_profile.NOT_CUDA
+            assert stats["warmup_steps"] == (2 if tier.endswith("_compiled") else 1), (name, tier)
         assert batch["tiers"]["padded_dense"]["ratio_vs_padded_dense"] == 1.0
-        assert set(batch["tiers"]) - set(CPU_TIERS) == {"ours_flash_attn", "flex_document_mask"}
-        assert all("skipped" in batch["tiers"][t] for t in ("ours_flash_attn", "flex_document_mask"))
+        assert set(batch["tiers"]) - set(CPU_TIERS) == CPU_SKIPPED
+        assert all("skipped" in batch["tiers"][t] for t in CPU_SKIPPED)
         agree = batch["loss_agreement"]
         assert agree["ok"] and agree["reference"] == "sdpa_per_document" and agree["tolerance"] == 1e-4, agree
         exact = {t for t in CPU_TIERS if batch["tiers"][t]["document_exact"]} - {"sdpa_per_document"}
         assert set(agree["checked"]) == exact
         assert exact == (set(CPU_TIERS) - {"sdpa_per_document"} if name != "c_mix" else PACKED_EXACT)
         assert all(agree["rel_diff"][t] <= 1e-4 for t in exact)
+    memory = result["equal_memory"]
+    assert memory["batch"] == "a_report" and memory["budget_mb"] == 24 and memory["cap"] == 8
+    assert list(memory["tiers"]) == [
+        *CPU_EQUAL_MEMORY[:2],
+        "padded_dense_graphed",
+        *CPU_EQUAL_MEMORY[2:],
+        "ours_torch_varlen_graphed",
+    ]
+    for name in CPU_EQUAL_MEMORY:
+        fit = memory["tiers"][name]
+        assert 1 <= fit["k"] <= 8 and fit["rows"] == 6 * fit["k"] and fit["tokens_per_s"] > 0, (name, fit)
+        assert fit["peak_mem_mb"] <= 24 and fit["ratio_vs_padded_dense"] > 0
+        for probe in fit["probes"]:  # monotone: what fits is at most k, what does not is past it
+            assert (probe["k"] <= fit["k"]) == bool(probe.get("fits")), (name, fit)
+    assert memory["tiers"]["padded_dense"]["ratio_vs_padded_dense"] == 1.0
+    assert memory["tiers"]["ours_torch_varlen"]["k"] > memory["tiers"]["padded_dense"]["k"]  # 2 MB a batch, not 14
+    assert list(result["targets"]) == list(gpu.TARGETS)
     for name, target in result["targets"].items():
-        assert {"target", "value", "tier", "values", "stock_unpad_per_layer", "stock_padding_free"} <= target.keys()
-        assert target["met"] is None and target["tier"] in PACKED_EXACT - {"stock_padding_free"}, name  # not judged
+        assert {"target", "value", "tier", "values", "batch"} <= target.keys()
+        assert target["met"] is None and target["tier"] in OURS, name  # not judged
+    busy = result["targets"]["ours_best_gpu_busy_share_a_report"]
+    assert busy["value"] is None  # no profile on the CPU
+    assert result["targets"]["ours_best_vs_stock_padding_free_a_report"]["against"] == "stock_padding_free"
     assert result["all_targets_met"] is None
+    text = gpu.summary(result)
+    assert "equal memory: k x a_report in 24 MB" in text and "ours_best_vs_padded_best_a_report" in text
 
 
 def counting(fn, calls: list):
@@ -152,8 +184,10 @@ def test_each_tier_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
     varlen call per layer over the flat row of real tokens; padded_dense: neither."""
     varlen_calls: list[int] = []
     dense_calls: list[int] = []
-    monkeypatch.setattr(gpu, "reference_varlen_attn", counting(gpu.reference_varlen_attn, varlen_calls))
-    monkeypatch.setattr(gpu, "flash_attn_func_via_sdpa", counting(gpu.flash_attn_func_via_sdpa, dense_calls))
+    monkeypatch.setattr(gpu_tiers, "reference_varlen_attn", counting(gpu_tiers.reference_varlen_attn, varlen_calls))
+    monkeypatch.setattr(
+        gpu_tiers, "flash_attn_func_via_sdpa", counting(gpu_tiers.flash_attn_func_via_sdpa, dense_calls)
+    )
     device = torch.device("cpu")
     settings = gpu.Settings.make(device, quick=True, layers=2, rounds=None)
     tiers = {t.name: t for t in gpu.make_tiers(device)}
@@ -283,3 +317,162 @@ def test_mix_is_seeded_and_fits_the_rows() -> None:
     report = gpu.workloads(gpu.WIDTH, 64)[0]
     assert report.real_tokens == 1395 and report.positions == 6 * 2048
     assert report.describe()["limit_vs_padded_dense"] == pytest.approx(8.81, abs=0.01)
+
+
+def test_kernel_stats_count_launches_by_name_and_the_union_of_gpu_work() -> None:
+    ms = 1_000_000
+    events = [
+        ("cudaLaunchKernel", False, 0, 1),
+        ("cudaLaunchKernel_v7000", False, 2, 3),
+        ("cuLaunchKernel", False, 4, 5),
+        ("cudaGraphLaunch", False, 6, 7),
+        ("aten::mm", False, 0, 9),
+        ("cudaMemcpyAsync", False, 0, 1),
+        ("gemm_kernel", True, 0, 4 * ms),
+        ("elementwise_kernel", True, 2 * ms, 6 * ms),  # overlaps the gemm: counted once
+        ("Memcpy HtoD (Pageable -> Device)", True, 8 * ms, 9 * ms),
+        ("Stream Sync", True, 0, 10 * ms),  # a wait, not work
+    ]
+    stats = gpu_profile.kernel_stats(events, wall_s=0.01)
+    assert stats["launches"] == {"cudaLaunchKernel": 2, "cuLaunchKernel": 1, "cudaGraphLaunch": 1}
+    assert stats["launches_per_step"] == 4 and stats["gpu_kernels"] == 2
+    assert stats["gpu_busy_ms"] == pytest.approx(7.0) and stats["gpu_busy_share"] == pytest.approx(0.7)
+    assert stats["profiled_step_ms"] == pytest.approx(10.0)
+
+
+def test_a_step_is_profiled_on_cuda_only_and_the_profilers_events_read_here() -> None:
+    cpu = torch.device("cpu")
+    a = torch.randn(32, 32)
+    assert gpu_profile.profile_step(lambda: a @ a, cpu) == gpu_profile.not_profiled(gpu_profile.NOT_CUDA)
+    stats = gpu_profile.profiled(lambda: a @ a, cpu, cuda=False)  # the host's events: nothing launched
+    assert stats["launches_per_step"] == 0 and stats["gpu_busy_ms"] == 0 and stats["profiled_step_ms"] > 0
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5, 11, 16])
+@pytest.mark.parametrize("guess", [1, 2, 6, 11, 40])
+def test_largest_fit_finds_the_largest_multiple_that_fits(limit: int, guess: int) -> None:
+    probed: list[int] = []
+
+    def fits(k: int) -> bool:
+        probed.append(k)
+        return k <= limit
+
+    assert gpu_memory.largest_fit(fits, guess, cap=16) == limit
+    assert len(probed) == len(set(probed)) and all(2 <= k <= 16 for k in probed)
+    if guess == limit:  # a right guess: it and the next one
+        assert len(probed) <= 2
+    stopped = gpu_memory.largest_fit(lambda k: None if k > 3 else True, 2, cap=16)  # the time budget: the best so far
+    assert stopped == 3
+
+
+def test_a_probe_out_of_memory_or_predicted_past_the_budget_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    workload = gpu.workloads(gpu.CPU_WIDTH, 64)[0]
+    model = torch.nn.Linear(4, 4)  # 80 bytes of gradients: the constant part
+    tier = gpu_tiers.Tier("t", "", "", batch="padded")
+
+    def warm(tier, model, batch, least, device):
+        k = batch["input_ids"].shape[0] // gpu.ROWS
+        if k == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return gpu_tiers.Warm(0.0, 80 + 900 * k, 0.0, 1)
+
+    monkeypatch.setattr(gpu_memory, "warm", warm)
+    search = gpu_memory.Search(tier, model, workload, peak1=980, budget=4000)
+    assert search.guess(cap=16) == 4  # (4000 - 80) // 900
+    cpu = torch.device("cpu")
+    k = gpu_memory.largest_fit(lambda k: search.fits(k, cpu, 1, None), search.guess(16), 16)
+    assert k == 3 and search.peaks == {1: 980, 3: 2780}
+    assert [(p["k"], p["fits"], "oom" in p) for p in search.probes] == [(4, False, True), (3, True, False)]
+    assert search.fits(10, cpu, 1, None) is False
+    assert search.probes[-1] == {"k": 10, "predicted_mb": (80 + 9000) / 2**20, "run": False}
+    assert search.fits(2, cpu, 1, deadline=0.0) is None and "time budget" in (search.stopped or "")
+
+
+def test_a_repeated_batch_stacks_the_same_documents() -> None:
+    report = gpu.workloads(gpu.CPU_WIDTH, 64)[0]
+    three = report.repeated(3)
+    assert three.ids.shape == (3 * gpu.ROWS, gpu.CPU_WIDTH)
+    assert torch.equal(three.ids[gpu.ROWS : 2 * gpu.ROWS], report.ids)
+    assert three.real_tokens == 3 * report.real_tokens and three.doc_lens == report.doc_lens * 3
+    assert three.batches(torch.device("cpu"))["flattened"]["input_ids"].shape == (1, 3 * report.real_tokens)
+
+
+def test_a_subset_of_tiers_keeps_the_baseline_and_the_reference() -> None:
+    tiers = gpu.make_tiers(torch.device("cpu"))
+    gpu.select(tiers, "ours_torch_varlen_compiled")
+    assert [t.name for t in tiers if t.skipped is None] == [
+        "padded_dense",
+        "ours_torch_varlen_compiled",
+        "sdpa_per_document",
+    ]
+    assert {t.skipped for t in tiers if t.name in ("padded_dense_compiled", "stock_padding_free")} == {gpu.NOT_SELECTED}
+    with pytest.raises(ValueError, match="unknown tiers padded; valid: padded_dense, padded_dense_compiled"):
+        gpu.select(gpu.make_tiers(torch.device("cpu")), ["padded"])
+    assert gpu.command("cpu", True, None, None, "a,b", 0.5) == (
+        "foundry-attn bench gpu --json --device cpu --quick --tiers a,b --memory-gb 0.5"
+    )
+
+
+@pytest.mark.slow
+def test_a_compiled_tier_compiles_in_its_warm_up_and_agrees() -> None:
+    device = torch.device("cpu")
+    settings = gpu.Settings.make(device, quick=True, layers=1, rounds=1)
+    tiers = {t.name: t for t in gpu.make_tiers(device)}
+    batch = gpu.workloads(settings.width, settings.vocab)[0].batches(device)["padded"]
+    base = gpu.build_model(settings)
+    compiled = copy.deepcopy(base)
+    torch._dynamo.reset()
+    try:
+        tiers["padded_dense"].setup(base)
+        tiers["padded_dense_compiled"].setup(compiled)
+        eager = gpu_tiers.warm(tiers["padded_dense"], base, batch, 1, device)
+        warmed = gpu_tiers.warm(tiers["padded_dense_compiled"], compiled, batch, 1, device)
+    finally:
+        torch._dynamo.reset()
+    assert (eager.steps, warmed.steps) == (1, 2) and warmed.warmup_s > 0
+    assert warmed.loss == pytest.approx(eager.loss, rel=1e-5)
+    assert tiers["padded_dense_compiled"].runs == "compiled"
+    assert "backend 'eager'" in tiers["padded_dense_compiled"].execution_reason
+
+
+def _batch(speeds: dict[str, float], busy: float | None = None, disagree: tuple[str, ...] = ()) -> dict:
+    names = [*speeds, "sdpa_per_document"]
+    return {
+        "limit_vs_padded_dense": 8.8,
+        "tiers": {n: {"tokens_per_s": speeds.get(n, 1.0), "gpu_busy_share": busy} for n in names},
+        "loss_agreement": {
+            "reference": "sdpa_per_document",
+            "checked": names[:-1],
+            "rel_diff": {n: 1.0 if n in disagree else 0.0 for n in names},
+            "tolerance": 2e-2,
+        },
+    }
+
+
+def test_targets_take_each_contender_at_its_best() -> None:
+    a = _batch(
+        {
+            "padded_dense": 100,
+            "padded_dense_compiled": 150,
+            "padded_dense_graphed": 200,
+            "stock_unpad_per_layer": 80,
+            "stock_padding_free": 500,
+            "ours_torch_varlen": 400,
+            "ours_torch_varlen_compiled": 620,
+            "ours_torch_varlen_graphed": 700,  # the fastest, but its loss disagrees: not ours at its best
+        },
+        busy=0.75,
+        disagree=("ours_torch_varlen_graphed",),
+    )
+    b = _batch({"padded_dense": 100, "padded_dense_graphed": 90, "ours_torch_varlen_compiled": 96})
+    goals = gpu_report.targets({"a_report": a, "b_no_padding": b}, gpu=True)
+    vs_padded = goals["ours_best_vs_padded_best_a_report"]
+    assert (vs_padded["tier"], vs_padded["against"]) == ("ours_torch_varlen_compiled", "padded_dense_graphed")
+    assert vs_padded["value"] == pytest.approx(3.1) and vs_padded["met"]
+    assert vs_padded["stock_vs_padded_best"]["stock_padding_free"] == pytest.approx(2.5)
+    assert goals["ours_best_vs_stock_padding_free_a_report"]["value"] == pytest.approx(1.24)
+    b_goal = goals["ours_best_vs_padded_best_b_no_padding"]
+    assert (b_goal["against"], b_goal["value"], b_goal["met"]) == ("padded_dense", pytest.approx(0.96), True)
+    assert goals["ours_best_gpu_busy_share_a_report"]["value"] == 0.75
+    assert all(t["met"] for t in goals.values())
+    assert all(t["met"] is None for t in gpu_report.targets({"a_report": a, "b_no_padding": b}, gpu=False).values())
