@@ -49,7 +49,7 @@ MODEL, LAYER, ATTENTION = "model", "layer", "attention"
 
 #: what a callback says once when the model runs under ``torch.compile``, and steps aside
 COMPILED = (
-    "{owner}: the model runs under torch.compile; per-call hooks and patches inside a compiled graph would break or "
+    "{owner}: the model runs under {how}; per-call hooks and patches inside a compiled graph would break or "
     "change it, so {owner} steps aside for this run; training goes on"
 )
 

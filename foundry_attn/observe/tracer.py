@@ -35,7 +35,7 @@ from foundry_attn.observe.flash_symbols import (
     symbol_label,
 )
 from foundry_attn.observe.probe import COMPILED
-from foundry_attn.path.state import path_of, runs_compiled
+from foundry_attn.path.state import compiled_by, path_of
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,10 @@ class TracerCore:
         mpt = mpt_attn_impl(hf)
         state = path_of(hf) if hf is not None else None
         self._reference = state is not None and state.reference and state.backend == FA2
-        if runs_compiled(model):
-            self.idle_reason = "the model runs under torch.compile"
-            self.say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer"))
+        how = compiled_by(model)
+        if how:
+            self.idle_reason = f"the model runs under {how}"
+            self.say_once("upad_trace_compiled", COMPILED.format(owner="upad_tracer", how=how))
         elif hf is None:
             self.idle_reason = "no Hugging Face PreTrainedModel in the model"
         elif mpt is not None and mpt != "flash":

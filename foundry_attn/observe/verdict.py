@@ -34,7 +34,7 @@ from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.layout import DocumentRow, packed_rows
 from foundry_attn.observe.discovery import mpt_attn_impl
 from foundry_attn.observe.row_calls import against_alone, packed_slice, row_forward
-from foundry_attn.path.state import path_of, runs_compiled
+from foundry_attn.path.state import compiled_by, path_of
 from foundry_attn.proof.comparison import influence
 from foundry_attn.proof.proving import hidden
 from foundry_attn.proof.runs import next_token_loss
@@ -359,7 +359,7 @@ def second_forward_blocked(model: Any, hf: Any, sharded: bool = False) -> str | 
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
-    if runs_compiled(model):
+    if compiled_by(model):
         return "the model is compiled (a second forward would recompile it)"
     param = next(hf.parameters(), None)
     if sharded or isinstance(param, DTensor) or isinstance(model, FullyShardedDataParallel):

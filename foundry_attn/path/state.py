@@ -262,25 +262,30 @@ class PathState:
         self.changes.append(PathChange(self.schedule.batches, ROWS, reason))
 
 
-def runs_compiled(model: Any) -> bool:
-    """Whether ``model``'s step runs under ``torch.compile``: the caller's (a compiled wrapper or forward) or the
-    attached path's (``attn_execution: compiled`` or ``graphed``); the observers' hooks and patches step aside then.
+def compiled_by(model: Any) -> str | None:
+    """What compiles ``model``'s step, or None: the caller's ``torch.compile`` (a compiled wrapper or forward), or the
+    attached path's (``attn_execution: compiled`` or ``graphed``, with its reason); the observers' hooks and patches
+    step aside then, and say which.
 
     Args:
         model: a transformers model, or a wrapper of one.
 
     Returns:
-        True when a compiled graph runs the model's forward.
+        ``"torch.compile"``, ``"attn_execution <runs> (<reason>)"``, or None where the step runs eagerly.
 
     Example::
 
-        >>> runs_compiled(hf_model), runs_compiled(attach(hf_model, "sdpa", execution="compiled") and hf_model)
-        (False, True)
+        >>> compiled_by(torch.compile(hf_model))
+        'torch.compile'
+        >>> compiled_by(hf_model)           # attach(hf_model, "sdpa", execution="compiled")
+        "attn_execution compiled (compiled: torch.compile of the flat step (forward and backward; ...))"
     """
     if compiled(model):
-        return True
+        return "torch.compile"
     state = path_of(model)
-    return state is not None and state.execution.runs != EAGER_STEP
+    if state is None or state.execution.runs == EAGER_STEP:
+        return None
+    return f"attn_execution {state.execution.runs} ({state.execution.reason})"
 
 
 def path_of(model: Any) -> PathState | None:

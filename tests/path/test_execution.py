@@ -18,7 +18,7 @@ from foundry_attn.path import execution
 from foundry_attn.path.attach import attach
 from foundry_attn.path.execution import COMPILED, EAGER_STEP, GRAPHED, PROOF_DUE, ROWS_BATCH
 from foundry_attn.path.forward import forward_documents
-from foundry_attn.path.state import runs_compiled
+from foundry_attn.path.state import compiled_by
 from foundry_attn.verify import conformance
 
 
@@ -91,7 +91,7 @@ def test_a_compiled_step_is_exact_in_one_graph_over_every_layout(
     state = model.foundry_path
     assert len(graphs) == 1 and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
     assert state.execution.runs == COMPILED and state.execution.eager == {PROOF_DUE: 1}  # the first batch's proof
-    assert runs_compiled(model) and not runs_compiled(twin)
+    assert compiled_by(model).startswith("attn_execution compiled (compiled: ") and compiled_by(twin) is None
 
 
 def test_graphed_needs_cuda_and_a_capacity_else_it_runs_compiled_and_says_why(graphs: list[int]) -> None:
@@ -157,3 +157,15 @@ def test_the_yaml_key_reaches_the_composer_model_and_its_events(graphs: list[int
     for batch in _layouts(3):
         model(batch).loss.backward()
     assert len(graphs) == 1 and model.attn_state.execution.eager == {PROOF_DUE: 1}
+
+
+def test_the_observers_step_aside_under_a_compiled_execution_and_say_why(caplog: pytest.LogCaptureFixture) -> None:
+    from foundry_attn.observe.tracer import TracerCore
+
+    model = conformance.build("llama", "sdpa")
+    attach(model, "sdpa", execution=COMPILED)
+    core = TracerCore(print_counts=False)
+    with caplog.at_level("WARNING"):
+        core.resolve(model, model)
+    assert core.idle_reason.startswith("the model runs under attn_execution compiled (compiled: torch.compile")
+    assert any("upad_tracer: the model runs under attn_execution compiled" in r.message for r in caplog.records)

@@ -17,7 +17,7 @@ from foundry_attn.observe.discovery import attn_implementation
 from foundry_attn.observe.events import EventLog
 from foundry_attn.observe.inspector import InspectorCore, InspectorResults
 from foundry_attn.observe.probe import COMPILED, BatchInfo, ModelInspector, summarize
-from foundry_attn.path.state import runs_compiled
+from foundry_attn.path.state import compiled_by
 
 __all__ = ["AttentionInspector", "summarize"]
 
@@ -188,8 +188,9 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
     def _resolve(self, state: State) -> ModelInspector | None:
         if self._inspector is not None and self._model_id == id(state.model):
             return self._inspector
-        if runs_compiled(state.model):
-            self.core.say_once("compiled", COMPILED.format(owner="attention_inspector"))
+        how = compiled_by(state.model)
+        if how:
+            self.core.say_once("compiled", COMPILED.format(owner="attention_inspector", how=how))
             return None
         found = find_hf_model(state.model)
         if found is None:

@@ -17,7 +17,7 @@ from foundry_attn.observe.inspector import OWNER, InspectorCore, InspectorResult
 from foundry_attn.observe.probe import COMPILED, BatchInfo, ModelInspector
 from foundry_attn.observe.verdict import Verdict, judge, second_forward_blocked
 from foundry_attn.path.forward import LEFT_PADDED
-from foundry_attn.path.state import path_of, runs_compiled
+from foundry_attn.path.state import compiled_by, path_of
 from foundry_attn.proof.forward_probe import ForwardProbe
 
 __all__ = ["AttentionInspector"]
@@ -109,8 +109,9 @@ class AttentionInspector(InspectorResults, SampledCallback):
         """
         self._model, self._hf = model, hf
         self.core.events = self.events
-        if runs_compiled(model) or runs_compiled(hf):
-            self.core.say_once("compiled", COMPILED.format(owner=self.owner))
+        how = compiled_by(model) or compiled_by(hf)
+        if how:
+            self.core.say_once("compiled", COMPILED.format(owner=self.owner, how=how))
             return
         self.inspector = self.core.probe(hf)
 
