@@ -35,7 +35,7 @@ from foundry_attn.flat.implementation import current, point, running, use
 from foundry_attn.flat.inputs import flat_inputs
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.model_forward import replace_forwards
-from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.flat.unwrap import compiled, unwrapped
 from foundry_attn.path.execution import EAGER_STEP, check_execution, execution_for
 from foundry_attn.path.forward import packed_backbone, packed_model, plain_call
 from foundry_attn.path.proven import prove, prove_rows
@@ -172,7 +172,7 @@ def attach(
         )
     else:
         state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
-    return with_execution(with_capacity(state, hf, capacity), model, execution)
+    return with_execution(with_capacity(state, hf, capacity), hf, execution, compiled(model))
 
 
 def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
@@ -210,14 +210,15 @@ def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
     return state
 
 
-def with_execution(state: PathState, model: Any, execution: str) -> PathState:
+def with_execution(state: PathState, hf: Any, execution: str, caller_compiles: bool = False) -> PathState:
     """Run the flat step ``eager``, ``compiled`` or ``graphed`` where it applies to this state (its capacity and
     backend; the device on the first batch), else the next one, the reason said (the path event, the inspector).
 
     Args:
         state: the attached path's state, its capacity applied (:func:`with_capacity`).
-        model: what attach was given (a compiled wrapper: the caller's compile runs the step).
+        hf: the transformers model.
         execution: ``eager``, ``compiled`` or ``graphed``.
+        caller_compiles: attach was given a compiled model (``torch.compile(model)``): the caller's compile runs it.
 
     Returns:
         ``state``, its ``execution`` set.
@@ -228,10 +229,9 @@ def with_execution(state: PathState, model: Any, execution: str) -> PathState:
         'compiled'
     """
     rows = state.path == ROWS
-    state.execution = execution_for(execution, model, state.backend, state.capacity, state.stock_mask, rows)
+    state.execution = execution_for(execution, caller_compiles, state.backend, state.capacity, state.stock_mask, rows)
     if state.execution.runs != execution:
-        name = type(unwrapped(model)).__name__
-        log.warning("foundry_attn: %s: attn_execution %s: %s", name, execution, state.execution.reason)
+        log.warning("foundry_attn: %s: attn_execution %s: %s", type(hf).__name__, execution, state.execution.reason)
     return state
 
 

@@ -28,7 +28,6 @@ import torch
 
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
-from foundry_attn.flat.unwrap import compiled as wrapped_compiled
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +152,16 @@ class Execution:
         self.eager[why] = self.eager.get(why, 0) + 1
 
 
-def execution_for(asked: str, model: Any, backend: str, capacity: int, stock_mask: bool, rows: bool) -> Execution:
+def execution_for(
+    asked: str, caller_compiles: bool, backend: str, capacity: int, stock_mask: bool, rows: bool
+) -> Execution:
     """What the flat step runs as for ``asked``: ``graphed`` where the row has a few fixed shapes and the kernel
     reads its bounds on the device, else ``compiled``; eager under the caller's own ``torch.compile``. The device
     is read on the first flat batch (a model is often built on the CPU and moved).
 
     Args:
         asked: ``eager``, ``compiled`` or ``graphed``.
-        model: what ``attach`` was given (a compiled wrapper says the caller compiles).
+        caller_compiles: ``attach`` was given a compiled model (the caller's ``torch.compile`` runs the step).
         backend: the attached backend.
         capacity: the flat row's capacity as applied (0: each row at its own length).
         stock_mask: the flat row runs stock's packed mask (its bounds read from the positions on the host).
@@ -171,13 +172,13 @@ def execution_for(asked: str, model: Any, backend: str, capacity: int, stock_mas
 
     Example::
 
-        >>> execution_for("graphed", hf_model, "sdpa", 0, False, False).reason
+        >>> execution_for("graphed", False, "sdpa", 0, False, False).reason
         'compiled: graphed not applied: sdpa has no capacity (attach(..., capacity=N) on flash_attention_2 or ...'
     """
     check_execution(asked)
     if asked == EAGER_STEP:
         return Execution(asked, EAGER_STEP, "eager (as asked)")
-    if wrapped_compiled(model):
+    if caller_compiles:
         return Execution(asked, EAGER_STEP, "eager: the model is compiled already (the caller's torch.compile runs it)")
     if rows:
         return Execution(asked, EAGER_STEP, f"eager: the run is on {ROWS_BATCH}")
