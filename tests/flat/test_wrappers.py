@@ -105,6 +105,13 @@ def test_distributed_is_exact(
     assert result["wrapped"].startswith("DistributedDataParallel" if wrapper == "ddp" else "FSDP"), result
 
 
+def test_a_compiled_execution_under_ddp_is_exact(tmp_path: Path) -> None:
+    """``attach(..., execution="compiled")`` under DDP on 2 ranks: the second batch runs the compiled step (the
+    first, proven, eagerly), and the averaged gradients are each document's alone."""
+    result = _ranks(2, tmp_path / "result.json", "llama", "sdpa", "ddp", "plain", "", "compiled")
+    assert result["execution"] == "compiled" and list(result["eager"].values()) == [1], result
+
+
 @pytest.mark.parametrize(("rows", "forwards"), [("split", [2, 2]), ("agree", [1, 1])])
 def test_ddp_ranks_agree_on_the_forwards_of_rows_by_width(tmp_path: Path, rows: str, forwards: list[int]) -> None:
     """One document per row in forwards by width under DDP: every rank runs as many forwards (DDP broadcasts its

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/flat/wrapped_worker.py llama sdpa fsdp2 out.json [checkpoint_wrapper]
     torchrun --nproc_per_node 2 tests/flat/wrapped_worker.py llama sdpa ddp out.json plain split   # rows by width
+    torchrun --nproc_per_node 2 tests/flat/wrapped_worker.py llama sdpa ddp out.json plain "" compiled
 
 Each rank gets every other document of ``conformance.sample_documents()``, packed. Its loss is scaled by its share
 of the targets, so the gradients the wrapper averages are those of the mean loss over all documents, which
@@ -46,9 +47,19 @@ def fsdp2_gloo_scale() -> float:
     return probe.weight.grad.full_tensor()[0, 0].item()
 
 
-def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str = "plain", rows: str = "") -> None:
+def main(
+    family: str,
+    backend: str,
+    wrapper: str,
+    out: str,
+    checkpointing: str = "plain",
+    rows: str = "",
+    execution: str = "eager",
+) -> None:
     """``rows``: one document per row in forwards by width, ``split`` where every rank would split its rows,
-    ``agree`` where rank 1 would not (its forward costs more than any split saves): the ranks agree on one."""
+    ``agree`` where rank 1 would not (its forward costs more than any split saves): the ranks agree on one.
+    ``execution``: ``compiled`` runs the flat step under attach's switch (aot_eager), after a first batch (its proof
+    runs eagerly) whose gradients are dropped."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = conformance.build(family, backend)
@@ -56,6 +67,11 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
     if rows:
         layout_cost.FORWARD_OVERHEAD["cpu"] = 1e30 if rows == "agree" and rank == 1 else 0.0
         attach(model, backend, path="rows", fa2_reference=True)
+    elif execution != "eager":
+        from foundry_attn.path import execution as execution_module
+
+        execution_module.BACKEND = "aot_eager"  # inductor's traced graph and autograd, without its codegen
+        attach(model, backend, fa2_reference=True, execution=execution)
     else:
         recorded(attach(model, backend, fa2_reference=True).flat_name, calls)
     conformance.enable_checkpointing(model, checkpointing)
@@ -70,6 +86,9 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
     docs = conformance.sample_documents()
     mine = docs[rank::world]
     targets = sum(d.numel() - 1 for d in docs)
+    if execution != "eager":  # the first batch proves (eagerly); the one measured below runs compiled
+        forward_documents(wrapped, conformance.collated(mine, "pack")).loss.backward()
+        model.zero_grad(set_to_none=True)
     forwards: list[int] = []
     wrapped.register_forward_pre_hook(lambda *_: forwards.append(1))
     loss = forward_documents(wrapped, conformance.collated(mine, "pack")).loss
@@ -92,6 +111,8 @@ def main(family: str, backend: str, wrapper: str, out: str, checkpointing: str =
             fast=all(calls),
             wrapped=type(wrapped).__name__,
             forwards=counts,
+            execution=model.foundry_path.execution.runs,
+            eager=model.foundry_path.execution.eager,
         )
         with open(out, "w") as f:
             json.dump(result, f)
