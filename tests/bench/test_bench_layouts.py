@@ -29,10 +29,10 @@ def test_every_cell_runs_its_candidates_and_says_what_the_run_chose(capsys: pyte
     assert result["targets"]["attention_calls_per_layer_at_most_8"]["met"]
 
 
-def test_layers_is_an_option_of_bench_gpu_only() -> None:
-    for which in ("layouts", "step"):
-        with pytest.raises(SystemExit, match="--layers is an option of bench gpu"):
-            main(["bench", which, "--layers", "2"])
+def test_layers_tiers_and_memory_are_options_of_bench_gpu_only() -> None:
+    for which, option in (("layouts", ["--layers", "2"]), ("step", ["--tiers", "padded_dense"])):
+        with pytest.raises(SystemExit, match="--layers, --tiers and --memory-gb are options of bench gpu"):
+            main(["bench", which, *option])
 
 
 def test_the_demo_models_step_is_timed_and_its_losses_finite(capsys: pytest.CaptureFixture[str]) -> None:
