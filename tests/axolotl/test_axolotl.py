@@ -190,6 +190,12 @@ def test_a_misspelled_backend_lists_the_valid_ones() -> None:
         FoundryAttnArgs(foundry_attn_backend="sdpaa")
     with pytest.raises(ValueError, match=r"foundry_attn_log_interval must be an integer >= 1"):
         FoundryAttnArgs(foundry_attn_log_interval=0)
+    with pytest.raises(ValueError, match=r"foundry_attn_execution: unknown value 'graph'; valid values: eager, "):
+        FoundryAttnArgs(foundry_attn_execution="graph")
+    with pytest.raises(ValueError, match=r"foundry_attn_capacity must be an integer >= 0"):
+        FoundryAttnArgs(foundry_attn_capacity=-1)
+    keys = FoundryAttnArgs(foundry_attn_capacity=4096, foundry_attn_execution="graphed")
+    assert (keys.foundry_attn_capacity, keys.foundry_attn_execution) == (4096, "graphed")
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
     foundry_attn_backend: auto          # auto | flash_attention_2 | torch_varlen | flex_attention | sdpa | eager
     foundry_attn_strict: false
     foundry_attn_proof_interval: 100
+    foundry_attn_capacity: 0            # N: flat rows padded to a few fixed shapes (flash_attention_2, torch_varlen)
+    foundry_attn_execution: eager       # eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
     foundry_attn_events_dir: ./out/attn_events
     foundry_attn_log_interval: 50
     foundry_attn_verdict_interval: 100
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ValidationInfo, field_validator
 
 from foundry_attn.attention.backends import NAMES
 from foundry_attn.checks import check_choice, check_interval
+from foundry_attn.path.execution import EAGER_STEP, EXECUTIONS
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.selection.policy import AUTO
 
@@ -35,6 +38,10 @@ class FoundryAttnArgs(BaseModel):
             run at the start instead of falling back (to the next backend, or to one document per row).
         foundry_attn_proof_interval: re-prove the flat path every N training batches, forward only (0: the first
             batch and changes of the attention code only).
+        foundry_attn_capacity: pad each flat row to a few fixed shapes up to N tokens where the kernel reads the
+            documents' bounds on the device (0: each row at its own length; :mod:`foundry_attn.flat.capacity`).
+        foundry_attn_execution: how the flat step runs, ``eager``, ``compiled`` or ``graphed``
+            (:mod:`foundry_attn.path.execution`).
         foundry_attn_events_dir: the folder of ``events-rank<r>.jsonl`` (default ``<output_dir>/attn_events``).
         foundry_attn_log_interval: optimizer steps between inspected steps (the first is always inspected).
         foundry_attn_verdict_interval: optimizer steps between verdicts on packed documents.
@@ -48,6 +55,8 @@ class FoundryAttnArgs(BaseModel):
     foundry_attn_backend: str | None = None
     foundry_attn_strict: bool = False
     foundry_attn_proof_interval: int = PROOF_INTERVAL
+    foundry_attn_capacity: int = 0
+    foundry_attn_execution: str = EAGER_STEP
     foundry_attn_events_dir: str | None = None
     foundry_attn_log_interval: int = 50
     foundry_attn_verdict_interval: int = 100
@@ -61,6 +70,16 @@ class FoundryAttnArgs(BaseModel):
     @classmethod
     def _proof_interval(cls, value: int) -> int:
         return check_interval(OWNER, "foundry_attn_proof_interval", value, minimum=0)
+
+    @field_validator("foundry_attn_capacity")
+    @classmethod
+    def _capacity(cls, value: int) -> int:
+        return check_interval(OWNER, "foundry_attn_capacity", value, minimum=0)
+
+    @field_validator("foundry_attn_execution")
+    @classmethod
+    def _execution(cls, value: str) -> str:
+        return check_choice("foundry_attn_execution", value, EXECUTIONS)
 
     @field_validator("foundry_attn_log_interval", "foundry_attn_verdict_interval")
     @classmethod

@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from foundry_attn.integrations.axolotl.batches import document_targets, read_packed, shaped_back
 from foundry_attn.integrations.hf_trainer import install
 from foundry_attn.path.attach import attach
+from foundry_attn.path.execution import EAGER_STEP
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, FLAT
 
@@ -376,6 +377,8 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
             path=FLAT if strict else AUTO_PATH,
             strict=strict,
             interval=PROOF_INTERVAL if interval is None else int(interval),
+            capacity=int(cfg.get("foundry_attn_capacity") or 0),
+            execution=str(cfg.get("foundry_attn_execution") or EAGER_STEP),
         )
         self.attach_proofs = len(self.state.proofs)
         self.varlen = sdpa_varlen_on()
