@@ -501,3 +501,24 @@ def test_plain_left_padded_rows_in_a_trainer_run_are_said_once(
     paths = [e for e in iter_events(event_files(tmp_path / "attn_events"), "attn_impl") if e.get("at") == "path"]
     assert len(paths) == 1 and LEFT_PADDED in paths[0]["path_reason"], paths
     assert sum(LEFT_PADDED in r.getMessage() for r in caplog.records) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_graphed_execution_without_cuda_is_said_in_a_trainer_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``attach(..., capacity=, execution="graphed")`` on a CPU: the first flat batch runs compiled instead, an
+    ``attn_impl`` event says why, and the observers step aside saying what compiles the step."""
+    from foundry_attn.path import execution
+
+    monkeypatch.setattr(execution, "BACKEND", "aot_eager")  # inductor's traced graph and autograd, without codegen
+    torch._dynamo.reset()
+    model = _model("llama", "sdpa")
+    state = attach(model, "flash_attention_2", fa2_reference=True, capacity=256, execution="graphed")
+    assert state.execution.runs == "graphed"
+    _train(model, synthetic_documents(model.config, LENGTHS, torch.device("cpu")), tmp_path)
+    torch._dynamo.reset()
+    assert state.execution.runs == "compiled" and "CUDA graphs need a CUDA device" in state.execution.reason
+    events = list(iter_events(event_files(tmp_path / "attn_events")))
+    moved = [e for e in events if e["kind"] == "attn_impl" and e.get("at") == "execution"]
+    assert [(e["execution"], e["execution_reason"]) for e in moved] == [("compiled", state.execution.reason)]
+    assert any("attn_execution graphed" in str(e.get("message", "")) for e in events), {e["kind"] for e in events}

@@ -53,6 +53,7 @@ class AttnDecision(SampledCallback):
         self._hf: Any = None
         self._state: PathState | None = None
         self._changes = 0
+        self._execution = ""
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         """Say this rank's decision and gather every rank's (a collective: every rank's train begin runs it).
@@ -70,11 +71,12 @@ class AttnDecision(SampledCallback):
         announce(decision_of(hf), self.events, args.process_index, log)
         self._hf, self._state = hf, path_of(hf)
         if self._state is not None:
-            self._changes = len(self._state.changes)
+            self._changes, self._execution = len(self._state.changes), self._state.execution.runs
             self.session.log({"attn/path_flat": float(self._state.path == FLAT)})
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """A proof of this step that moved the run to rows (the state's event): an event and the metric.
+        """A proof of this step that moved the run to rows (the state's event): an event and the metric; the first
+        batch's device that changed the execution (graphed without CUDA): an event.
 
         Args:
             args: the Trainer's ``TrainingArguments``.
@@ -86,7 +88,13 @@ class AttnDecision(SampledCallback):
 
             >>> callback.on_step_end(args, state, control)   # the Trainer calls it after each optimizer step
         """
-        if self._state is None or len(self._state.changes) == self._changes:
+        if self._state is None:
+            return
+        if self._state.execution.runs != self._execution:
+            self._execution = self._state.execution.runs
+            if self.events is not None:
+                self.events.append("attn_impl", **decision_of(self._hf), at="execution")
+        if len(self._state.changes) == self._changes:
             return
         self._changes = len(self._state.changes)
         if self.events is not None:
