@@ -59,6 +59,14 @@ def check_execution(execution: str) -> str:
     return check_choice("attn_execution", execution, EXECUTIONS)
 
 
+_COMPILED_REASON = "compiled: torch.compile of the flat step (forward and backward; the row's length dynamic)"
+
+
+def _not_graphed(why: str) -> str:
+    """The reason of a graphed execution that runs compiled instead."""
+    return f"{_COMPILED_REASON}; graphed not applied: {why}"
+
+
 def _step(forward: Callable[[dict[str, Any]], Any], inputs: dict[str, Any]) -> Any:
     """The compiled step: the model's forward on the flat row (its backward compiled with it)."""
     return forward(inputs)
@@ -89,14 +97,13 @@ class Execution:
         """
         return Execution(self.asked, self.runs, self.reason, settled=self.settled)
 
-    def run(self, forward: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], eager_because: str = "") -> Any:
-        """``forward(inputs)``, compiled (and graphed) where the execution says and the batch allows; else eagerly,
-        the reason said once.
+    def run(self, forward: Callable[[dict[str, Any]], Any], inputs: dict[str, Any]) -> Any:
+        """``forward(inputs)`` on a flat row, compiled (and graphed) where the execution says and the row allows;
+        else eagerly, the reason said once.
 
         Args:
             forward: runs the model on a layout's inputs.
-            inputs: the layout's inputs (the flat row's carry its ``Documents``).
-            eager_because: why this batch must run eagerly (:data:`PROOF_DUE`, :data:`ROWS_BATCH`), or empty.
+            inputs: the flat row's inputs (its ``Documents`` under ``DOCS_KEY``).
 
         Returns:
             The model's output.
@@ -107,16 +114,11 @@ class Execution:
         """
         if self.runs == EAGER_STEP or torch.compiler.is_compiling():
             return forward(inputs)
-        docs: Documents | None = inputs.get(DOCS_KEY)
         if not self.settled:
             self._settle(inputs["input_ids"].device)
-        mask = inputs.get("attention_mask")
-        if not eager_because and mask is not None and mask.dim() == 2:
-            eager_because = ROWS_BATCH
-        if not eager_because and self.runs == GRAPHED and docs is not None and docs.pinned is None:
-            eager_because = PAST_CAPACITY_BATCH
-        if eager_because:
-            self.ran_eagerly(eager_because)
+        docs: Documents | None = inputs.get(DOCS_KEY)  # None: stock's packed mask, no capacity (not graphed)
+        if self.runs == GRAPHED and docs is not None and docs.pinned is None:
+            self.ran_eagerly(PAST_CAPACITY_BATCH)
             return forward(inputs)
         if self.compiled is None:
             mode = "reduce-overhead" if self.runs == GRAPHED else None
@@ -130,7 +132,7 @@ class Execution:
         self.settled = True
         if self.runs == GRAPHED and device.type != "cuda":
             self.runs = COMPILED
-            self.reason = f"compiled: graphed not applied: CUDA graphs need a CUDA device (the batch is on {device})"
+            self.reason = _not_graphed(f"CUDA graphs need a CUDA device (the batch is on {device})")
             log.warning("foundry_attn: attn_execution %s", self.reason)
 
     def ran_eagerly(self, why: str) -> None:
@@ -182,9 +184,8 @@ def execution_for(
         return Execution(asked, EAGER_STEP, "eager: the model is compiled already (the caller's torch.compile runs it)")
     if rows:
         return Execution(asked, EAGER_STEP, f"eager: the run is on {ROWS_BATCH}")
-    compiled = "compiled: torch.compile of the flat step (forward and backward; the row's length dynamic)"
     if asked == COMPILED:
-        return Execution(asked, COMPILED, compiled)
+        return Execution(asked, COMPILED, _COMPILED_REASON)
     why = ""
     if stock_mask:
         why = "the flat row runs stock's packed mask, whose bounds are read on the host"
@@ -194,5 +195,5 @@ def execution_for(
             "torch_varlen: a few fixed shapes, bounds read on the device)"
         )
     if why:
-        return Execution(asked, COMPILED, f"{compiled}; graphed not applied: {why}")
+        return Execution(asked, COMPILED, _not_graphed(why))
     return Execution(asked, GRAPHED, f"graphed: compiled and captured in CUDA graphs, one per bucket of {capacity}")

@@ -67,6 +67,7 @@ class Prepared:
     proof: StepProof | None = None
     forwards: tuple[RowForward, ...] = ()
     execution: Execution | None = None  # how the flat step runs (the attached state's); None: not attached
+    flat: bool = False  # the inputs are the flat row (else rows: one document per row)
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
@@ -116,15 +117,17 @@ def run_prepared(
         >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
     """
     execution = prepared.execution
-    if prepared.forwards:
+    if prepared.proof is not None:  # a flat row whose proof takes its forward, uncompiled
         if execution is not None:
-            execution.ran_eagerly(ROWS_BATCH)
+            execution.ran_eagerly(PROOF_DUE)
+        return _proven(forward, model, batch, prepared.proof, prepared)
+    if prepared.flat and execution is not None:
+        return execution.run(forward, prepared.inputs), prepared
+    if execution is not None:  # rows: a shape per batch
+        execution.ran_eagerly(ROWS_BATCH)
+    if prepared.forwards:
         return joined([forward(f.inputs) for f in prepared.forwards], prepared.forwards, summed), prepared
-    if prepared.proof is None:
-        return (execution.run(forward, prepared.inputs) if execution else forward(prepared.inputs)), prepared
-    if execution is not None:
-        execution.ran_eagerly(PROOF_DUE)
-    return _proven(forward, model, batch, prepared.proof, prepared)
+    return forward(prepared.inputs), prepared
 
 
 def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = False) -> Any:
@@ -276,10 +279,10 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
             if plan.in_step:
                 proof = step_proof(state, hf, inputs, plan, truth)
-                return Prepared(inputs, placed, no_targets, proof, execution=state.execution)
+                return Prepared(inputs, placed, no_targets, proof, execution=state.execution, flat=True)
             if plan.at is None or prove_batch(state, hf, inputs, plan, truth) == FLAT:
                 inputs = stock_packed(inputs) if state.stock_mask else inputs
-                return Prepared(inputs, placed, no_targets, execution=state.execution)
+                return Prepared(inputs, placed, no_targets, execution=state.execution, flat=True)
         # rows, proven as flat is: the first batch, changes, longer batches, the interval
         elif plan.at is not None and state.path == ROWS:
             flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
