@@ -106,7 +106,7 @@ import torch
 
 from foundry_attn.attention.torch_varlen import torch_varlen_kernel
 from foundry_attn.bench import machine
-from foundry_attn.bench.gpu_memory import budget_of, equal_memory
+from foundry_attn.bench.gpu_memory import budget_of, equal_memory, release
 from foundry_attn.bench.gpu_memory import skipped as memory_skipped
 from foundry_attn.bench.gpu_profile import not_profiled, profile_step
 from foundry_attn.bench.gpu_report import BASELINE, REFERENCE, agreement, targets
@@ -157,11 +157,6 @@ class Clock:
         print(f"foundry-attn bench gpu: {self.elapsed:6.1f} s: {phase} done", file=sys.stderr, flush=True)
 
 
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def select(tiers: list[Tier], names: str | Sequence[str] | None) -> None:
     """Skip the tiers not in ``names`` (comma-separated or a list; None: all); the baseline and the reference
     always run."""
@@ -199,7 +194,7 @@ def bench_workload(
                 raise  # the plumbing run is a test: fail loudly
             failed[tier.name] = f"{type(exc).__name__}: {exc}"[:2000]
             models[tier.name].zero_grad(set_to_none=True)
-            _free(device)
+            release(device)
     timed = [t for t in running if t.name not in failed]
 
     def timed_step(tier: Tier) -> Callable[[], torch.Tensor]:
@@ -226,7 +221,7 @@ def bench_workload(
                 failed[tier.name] = f"timed round-robin: {type(exc).__name__}: {exc}"[:2000]
                 timed.remove(tier)
             models[tier.name].zero_grad(set_to_none=True)
-        _free(device)
+        release(device)
         times = timings()
     profiles = {}
     for tier in timed:
@@ -264,7 +259,7 @@ def bench_workload(
         }
     exact = {n: r["document_exact"] for n, r in result.items() if "loss" in r}
     ran = {n: r["loss"] for n, r in result.items() if "loss" in r}
-    _free(device)
+    release(device)
     return {**workload.describe(), "tiers": result, "loss_agreement": agreement(ran, exact, settings.dtype)}
 
 

@@ -63,7 +63,8 @@ def largest_fit(fits: Callable[[int], bool | None], guess: int, cap: int) -> int
     return lo
 
 
-def _free(device: torch.device) -> None:
+def release(device: torch.device) -> None:
+    """What a step left behind collected, and CUDA's cache emptied (after an OOM, between tiers)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -118,7 +119,7 @@ class Search:
         except torch.OutOfMemoryError as exc:
             self.model.zero_grad(set_to_none=True)
             del batch
-            _free(device)
+            release(device)
             self.probes.append({"k": k, "oom": str(exc).splitlines()[0][:200], "fits": False})
             return False
         self.model.zero_grad(set_to_none=True)
@@ -208,7 +209,7 @@ def equal_memory(
     for result in out.values():
         if "tokens_per_s" in result:
             result["ratio_vs_padded_dense"] = result["tokens_per_s"] / base if base else None
-    _free(device)
+    release(device)
     return {
         "batch": workload.name,
         "budget_mb": budget / 2**20,
@@ -229,7 +230,7 @@ def _failed(out: dict[str, Any], name: str, model: torch.nn.Module, exc: Excepti
         raise exc
     out[name] = {"skipped": f"failed: {type(exc).__name__}: {exc}"[:2000]}
     model.zero_grad(set_to_none=True)
-    _free(device)
+    release(device)
 
 
 def skipped(why: str) -> dict[str, Any]:
