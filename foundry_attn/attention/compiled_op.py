@@ -182,6 +182,8 @@ def eager_document(
         torch.Size([1, 8, 17, 64])
     """
     mask = additive_mask(q.shape[2], window, q) if mask is None else mask
+    if per_call(q) >= q.shape[0]:
+        return eager_math(q, k, v, scale, softcap, mask, dropout, training)
     return _in_calls(lambda q, k, v: eager_math(q, k, v, scale, softcap, mask, dropout, training), q, k, v)
 
 
@@ -200,7 +202,7 @@ def per_call(q: torch.Tensor) -> int:
         >>> per_call(torch.zeros(256, 4, 8, 64)), per_call(torch.zeros(4, 4, 512, 64))   # on the CPU
         (256, 1)
     """
-    if q.device.type != "cpu":
+    if not q.is_cpu:
         return q.shape[0]
     return max(1, CPU_SCORES // (q.shape[1] * q.shape[2] ** 2))
 

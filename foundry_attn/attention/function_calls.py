@@ -146,27 +146,31 @@ def open_call(
         if query.shape[2] > 1 and is_placeholder(attention_mask):
             raise DocumentsDropped(module)
     else:
-        extra = unhonoured(kwargs)
+        # uncompiled, the common call costs two C-level checks: only moot arguments, and no mask or our placeholder
+        compiling = torch.compiler.is_compiling()
+        extra = [] if not compiling and IGNORED_KWARGS.issuperset(kwargs) else unhonoured(kwargs)
         if extra:
             raise FlatUnsupported(
                 f"{type(module).__name__} passes {', '.join(repr(k) for k in extra)} to attention, which the flat "
                 "path does not honour"
             )
-        content = mask_content(attention_mask)
+        content = None if attention_mask is None or is_placeholder(attention_mask) else mask_content(attention_mask)
         if content:
             raise FlatUnsupported(
                 f"{type(module).__name__} passes an attention_mask that carries {content}, which the flat path "
                 "does not honour (our documents replace only causal, padding and document structure)"
             )
-        if not torch.compiler.is_compiling():
+        if not compiling:
             docs.calls += 1
-    caps = BACKENDS[backend]
-    if softcap and not caps.softcap:
-        raise ValueError(
-            f"foundry_attn: {backend} cannot apply attention logit softcap {softcap}; use {_SOFTCAPPING} for this model"
-        )
-    if dropout and not caps.dropout:
-        raise ValueError(f"foundry_attn: {backend} cannot apply attention dropout {dropout}")
+    if softcap or dropout:
+        caps = BACKENDS[backend]
+        if softcap and not caps.softcap:
+            raise ValueError(
+                f"foundry_attn: {backend} cannot apply attention logit softcap {softcap}; use {_SOFTCAPPING} for this "
+                "model"
+            )
+        if dropout and not caps.dropout:
+            raise ValueError(f"foundry_attn: {backend} cannot apply attention dropout {dropout}")
     return docs
 
 
@@ -188,7 +192,7 @@ def expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tu
         torch.Size([1, 4, 8, 16])
     """
     groups = query.shape[1] // key.shape[1]
-    return repeat_kv(key, groups), repeat_kv(value, groups)
+    return (key, value) if groups == 1 else (repeat_kv(key, groups), repeat_kv(value, groups))
 
 
 def softmax_scale(query: torch.Tensor, scaling: float | None) -> float:

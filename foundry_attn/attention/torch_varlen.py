@@ -6,15 +6,27 @@ Core module: torch only.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 
 
+@functools.cache
+def _varlen_module() -> ModuleType | None:
+    try:
+        import torch.nn.attention.varlen as varlen
+    except ImportError:
+        return None
+    return varlen
+
+
 def torch_varlen_kernel() -> Callable | None:
-    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), or None.
+    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), or None; read off its module at each call (a patch
+    of it is what runs).
 
     Returns:
         The kernel, or None where this torch has none.
@@ -24,11 +36,8 @@ def torch_varlen_kernel() -> Callable | None:
         >>> torch_varlen_kernel() is None  # torch 2.7
         True
     """
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    module = _varlen_module()
+    return None if module is None else getattr(module, "varlen_attn", None)
 
 
 _VARLEN_PARAMETERS: dict[Callable, frozenset[str]] = {}

@@ -90,7 +90,7 @@ def measure(model_name: str, backend: str, reference: bool, device: torch.device
     ids = torch.randint(1, vocab, (1, sum(LENGTHS)), generator=gen).to(device)
     batch = {"input_ids": ids, "labels": ids.clone(), "doc_lens": [list(LENGTHS)]}
     layout = Layout.from_batch(batch)
-    inputs, _ = flat_inputs(model, ids, layout.position_ids(device), None, layout)
+    inputs, _ = flat_inputs(model, ids, None, layout)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """A batch's real tokens laid out for the model: one flat row with its documents, or one document per row.
 
-    inputs, placed = flat_inputs(hf_model, ids, positions, labels, layout)   # the flat row + Documents
+    inputs, placed = flat_inputs(hf_model, ids, labels, layout)              # the flat row + Documents
     inputs, placed = one_per_row(hf_model, ids, positions, labels, layout)   # rows, right-padded, a 2-D mask
     logits = placed_back(out.logits, placed)                                 # [rows, width, vocab] again
 
@@ -91,25 +91,6 @@ def real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
     return flat[src] if flat.shape[0] != src.numel() else router_logits
 
 
-def flat_positions(ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The batch's own; else restarting at every document's first real token, on either side of a mask's padding
-    (what each document alone counts from: a left-padded row's document does not start at its column).
-
-    Args:
-        ids: the batch's ``input_ids``, ``[rows, width]``.
-        layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
-
-    Returns:
-        ``[rows, width]`` position ids.
-
-    Example::
-
-        >>> flat_positions(ids, Layout.from_batch({"input_ids": ids, "doc_lens": [[3, 4], [5]]}))  # ids: [2, 8]
-        tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
-    """
-    return layout.positions if layout.positions is not None else layout.position_ids(ids.device)
-
-
 def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
     """Whether any token has a target (host counts when the collator gave them: no device sync).
 
@@ -131,20 +112,40 @@ def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
     return labels.device.type != "cpu" or bool((labels[:, 1:] != IGNORE_INDEX).any())
 
 
-def _no_first_targets(labels: torch.Tensor, starts: list[int]) -> torch.Tensor:
-    """The real tokens' labels with each document's first token no target: no document predicts the next."""
-    labels = labels.clone()
-    labels.view(-1)[torch.tensor(starts, device=labels.device)] = IGNORE_INDEX
+@functools.lru_cache(maxsize=16)
+def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[1, 1, 1, 1]`` zeros the flat row hands the model as its ``attention_mask``
+    (:func:`~foundry_attn.attention.documents.is_placeholder`), one per dtype and device: read, never written.
+
+    Args:
+        dtype: the model's dtype.
+        device: the batch's device.
+
+    Returns:
+        The placeholder (the same tensor for every batch).
+
+    Example::
+
+        >>> placeholder(torch.float32, torch.device("cpu")) is placeholder(torch.float32, torch.device("cpu"))
+        True
+    """
+    return torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
+
+
+def _no_first_targets(labels: torch.Tensor, starts: list[int], view: bool = True) -> torch.Tensor:
+    """The real tokens' labels with each document's first token no target: no document predicts the next
+    (``view``: ``labels`` is a view of the batch's, so copied first; else a gathered copy, changed in place). Even
+    rows (one document each) lose their first column."""
+    labels = labels.clone() if view else labels
+    if labels.shape[0] > 1:
+        labels[:, 0] = IGNORE_INDEX
+    else:
+        labels.view(-1)[torch.tensor(starts, device=labels.device)] = IGNORE_INDEX
     return labels
 
 
 def flat_inputs(
-    hf: Any,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    labels: torch.Tensor | None,
-    layout: Layout,
-    even: bool = False,
+    hf: Any, ids: torch.Tensor, labels: torch.Tensor | None, layout: Layout, even: bool = False
 ) -> tuple[dict[str, Any], Placed]:
     """Unpad once into one flat row of real tokens; every attention call gets the documents. The proof
     (:mod:`foundry_attn.proof.prove`) runs these very inputs: the layout that trains. With ``even``, documents all of
@@ -154,7 +155,6 @@ def flat_inputs(
     Args:
         hf: the HF model (not a wrapper), read for its config, dtype and base model.
         ids: the batch's ``input_ids``, ``[rows, width]``.
-        positions: its ``[rows, width]`` position ids (:func:`flat_positions`).
         labels: its ``[rows, width]`` labels, or None.
         layout: the batch's :class:`~foundry_attn.flat.layout.Layout`.
         even: documents of one length as rows of it (``[documents, length]``), not one row.
@@ -165,7 +165,7 @@ def flat_inputs(
 
     Example::
 
-        >>> inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)  # doc_lens [[3, 4], [5]]
+        >>> inputs, placed = flat_inputs(hf, ids, labels, layout)  # doc_lens [[3, 4], [5]]
         >>> inputs["input_ids"].shape, inputs[DOCS_KEY]
         (torch.Size([1, 12]), Documents(bounds=(0, 3, 7, 12)))
     """
@@ -180,10 +180,17 @@ def flat_inputs(
     def real(values: torch.Tensor) -> torch.Tensor:
         return (values.reshape(-1) if unpadded else values.reshape(-1)[flat]).view(shape)
 
+    own = layout.own_positions
+    if own is not None:
+        positions = real(own)
+    elif shape[0] > 1:  # even rows: each a document counting from 0
+        positions = torch.arange(shape[1], device=ids.device).expand(shape)
+    else:
+        positions = layout.restarting_positions(ids.device).view(shape)
     inputs: dict[str, Any] = dict(
         input_ids=real(ids),
-        position_ids=real(positions),
-        labels=None if labels is None else _no_first_targets(real(labels), list(docs.bounds[:-1])),
+        position_ids=positions,
+        labels=None if labels is None else _no_first_targets(real(labels), list(docs.bounds[:-1]), unpadded),
     )
     # under torch.compile: the row length and the document count vary from batch to batch; one dynamic graph
     for value in (*inputs.values(), docs.device_bounds, docs.host_bounds):
@@ -198,10 +205,10 @@ def flat_inputs(
         # flat row is real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)
         torch.ones(shape, dtype=torch.long, device=ids.device)
         if config_value(hf.config, "output_router_logits", False)
-        else torch.zeros(1, 1, 1, 1, dtype=hf.dtype, device=ids.device)  # the placeholder
+        else placeholder(hf.dtype, ids.device)
     )
     inputs[DOCS_KEY] = docs
-    return inputs, Placed(torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
+    return inputs, Placed(flat if unpadded else torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """Where the documents of a batch are: the one reader of a batch, on the host, no device sync.
 
     layout = Layout.from_batch(batch)    # what the forward lays out: doc_lens, else a 2-D mask's real tokens
-    layout.bounds(), layout.real_tokens, layout.max_length, layout.positions
+    layout.bounds(), layout.real_tokens, layout.max_length, layout.restarting_positions()
     packed_rows(batch)                   # rows the batch marks as holding 2+ documents (what the verdict judges)
 
 A batch from ``foundry_attn.flat.packing`` carries ``doc_lens`` (per row, its documents' lengths, real
@@ -82,6 +82,21 @@ class Layout:
             tuple(f if n else 0 for f, n in zip(first, count, strict=True)),
             positions=positions,
         )
+
+    @property
+    def own_positions(self) -> torch.Tensor | None:
+        """The batch's own ``position_ids`` where they came with a mask (a user's), else None: with ``doc_lens`` or
+        none given, each document counts from 0 (:meth:`restarting_positions`).
+
+        Returns:
+            The ``[rows, width]`` positions, or None.
+
+        Example::
+
+            >>> Layout.from_batch({"input_ids": ids, "doc_lens": [[3, 4]], "position_ids": pos}).own_positions is None
+            True
+        """
+        return None if self.marked else self.positions
 
     @property
     def rows(self) -> int:
@@ -188,32 +203,27 @@ class Layout:
         ]
         return torch.cat(idx).to(device, non_blocking=True) if idx else torch.zeros(0, dtype=torch.long)
 
-    def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[rows, width] positions restarting at every document; padding counts from 0 as well.
+    def restarting_positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The flat row's position ids: each document's real tokens count from 0 (what each document alone counts
+        from, whichever side a row was padded on). A few host ops whatever the document count.
 
         Args:
             device: where the positions go.
 
         Returns:
-            A ``[rows, width]`` long tensor.
+            A ``[real_tokens]`` long tensor.
 
         Example::
 
-            >>> Layout(((3, 4), (5,)), 8).position_ids()
-            tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
+            >>> Layout(((3, 4), (5,)), 8).restarting_positions()
+            tensor([0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4])
         """
-        if all(len(row) <= 1 for row in self.doc_lens):  # one run of real tokens per row (a mask): no loop over rows
-            cols = torch.arange(self.width)
-            start = torch.tensor([self.start(r) for r in range(self.rows)])[:, None]
-            real = torch.tensor([sum(row) for row in self.doc_lens])[:, None]
-            pos = cols - start
-            pos = torch.where(pos < 0, cols, torch.where(pos >= real, pos - real, pos))
-            return pos.to(device, non_blocking=True)
-        out = torch.empty(self.rows, self.width, dtype=torch.long)
-        for r, row in enumerate(self.doc_lens):
-            sizes = [self.start(r), *row, self.width - self.start(r) - sum(row)]
-            out[r] = torch.cat([torch.arange(n) for n in sizes])
-        return out.to(device, non_blocking=True)
+        lengths = self.lengths
+        if len(set(lengths)) <= 1:  # documents of one length: one arange, repeated
+            return torch.arange(lengths[0] if lengths else 0, device=device).repeat(len(lengths))
+        total = sum(lengths)
+        starts = torch.repeat_interleave(torch.tensor(self.bounds()[:-1]), torch.tensor(lengths), output_size=total)
+        return (torch.arange(total) - starts).to(device, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +254,7 @@ class Truth:
             tensor([[7, 8, 9]])
         """
         flat = layout.real_indices(labels.device if labels is not None else "cpu")
-        own = None if layout.marked or layout.positions is None else layout.positions
+        own = layout.own_positions
         return cls(
             None if own is None else own.reshape(-1)[flat.to(own.device)][None],
             None if labels is None else labels.reshape(-1)[flat][None],

@@ -9,6 +9,7 @@ Core module: torch and transformers only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -58,10 +59,15 @@ def clean_name(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
 
 
-def _is_hf_model(module: Any) -> bool:
+@functools.cache
+def _pretrained() -> type:
     from transformers import PreTrainedModel
 
-    return isinstance(module, PreTrainedModel)
+    return PreTrainedModel
+
+
+def _is_hf_model(module: Any) -> bool:
+    return isinstance(module, _pretrained())
 
 
 def find_hf_model(model: Any) -> tuple[str, Any] | None:
@@ -99,6 +105,8 @@ def unwrapped(model: Any) -> Any:
         >>> unwrapped(torch.compile(hf_model)) is hf_model
         True
     """
+    if _is_hf_model(model):  # the common call, once per batch: the HF model itself
+        return model
     found = find_hf_model(model) or find_inside(model, lambda m: hasattr(m, "config"))
     return model if found is None else found[1]
 

@@ -351,7 +351,7 @@ def _attach_backend(
         docs = _exercised(hf, state, synthetic_documents(hf.config, proof_lengths(hf.config), device))
         layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
         ids = torch.cat(docs)[None]
-        inputs, _ = flat_inputs(hf, ids, layout.position_ids(device), None, layout)
+        inputs, _ = flat_inputs(hf, ids, None, layout)
         with running(hf, rows):
             state.first_targets = not loss_shifts(hf, docs[0])
         try:

@@ -35,7 +35,6 @@ from foundry_attn.flat.inputs import (
     RowForward,
     base_parameters,
     flat_inputs,
-    flat_positions,
     has_targets,
     one_per_row,
     placed_back,
@@ -266,14 +265,14 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
         # a proof due judges the row that trains against what the batch itself gives each document alone
         truth = Truth.of(layout, labels) if plan.at is not None else None
         if plan.path == ROWS and plan.at is not None and state.path == FLAT:  # rows beside the flat row, proven now
-            flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
+            flat = flat_inputs(hf, ids, labels, layout)[0]
             if prove_batch(state, hf, flat, plan, truth) == FLAT:
                 plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
         groups = plan.groups
         if plan.path == FLAT:
             # documents of one length as even rows where the function would regroup them in every layer (uncompiled)
             even = in_step and (state.stock_mask or BACKENDS[state.backend].regroups)
-            inputs, placed = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout, even)
+            inputs, placed = flat_inputs(hf, ids, labels, layout, even)
             if state.capacity and not state.stock_mask:  # a few fixed shapes: the kernel reads the bounds on the device
                 inputs = _at_capacity(state, hf, inputs)
             # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
@@ -285,7 +284,7 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
                 return Prepared(inputs, placed, no_targets, execution=state.execution, flat=True)
         # rows, proven as flat is: the first batch, changes, longer batches, the interval
         elif plan.at is not None and state.path == ROWS:
-            flat = flat_inputs(hf, ids, flat_positions(ids, layout), labels, layout)[0]
+            flat = flat_inputs(hf, ids, labels, layout)[0]
             prove_batch(state, hf, flat, plan, truth)
     # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
     # included); only a user's explicit position_ids with their own mask are passed on

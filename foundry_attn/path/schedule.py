@@ -13,11 +13,15 @@ module: torch and transformers only.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from itertools import repeat
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from foundry_attn.attention.documents import Documents
+from foundry_attn.attention.torch_varlen import torch_varlen_kernel
 from foundry_attn.path.ranks import agreed_lengths
 
 PROOF_INTERVAL = 100
@@ -52,11 +56,7 @@ def kernels() -> tuple:
         >>> kernels()[0] is torch.nn.functional.scaled_dot_product_attention
         True
     """
-    from torch.nn.attention import flex_attention as flex
-    from transformers import modeling_flash_attention_utils as fa_utils
-
-    from foundry_attn.attention.torch_varlen import torch_varlen_kernel
-
+    fa_utils, flex = _kernel_modules()
     return (
         torch.nn.functional.scaled_dot_product_attention,
         fa_utils._flash_attention_forward,
@@ -64,6 +64,16 @@ def kernels() -> tuple:
         torch_varlen_kernel(),
         getattr(flex, "flex_attention", None),
     )
+
+
+@functools.cache
+def _kernel_modules() -> tuple[ModuleType, ModuleType]:
+    """The modules :func:`kernels` reads its functions off, imported once (an import per batch costs more than the
+    check)."""
+    from torch.nn.attention import flex_attention as flex
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    return fa_utils, flex
 
 
 @dataclasses.dataclass
@@ -79,6 +89,8 @@ class Schedule:
     rows_covered: tuple[int, int] = (0, 0)  # as ``covered``, for one document per row as a candidate
     _fingerprint: tuple = ()
     _modules: tuple = ()
+    _dicts: tuple = ()  # each watched module's ``__dict__``, read by C-level maps each batch (no Python loop)
+    _flagged: tuple = ()  # those of modules with HF's ``gradient_checkpointing`` flag (the ones HF switches)
 
     def fresh(self) -> Schedule:
         """This schedule for a copied model (``copy.deepcopy``): it proves again on its first batch.
@@ -91,7 +103,9 @@ class Schedule:
             >>> state.schedule.fresh().proven_on_batch
             False
         """
-        return dataclasses.replace(self, proven_on_batch=False, rows_on_batch=False, _modules=())
+        return dataclasses.replace(
+            self, proven_on_batch=False, rows_on_batch=False, _modules=(), _dicts=(), _flagged=()
+        )
 
     def watch(self, hf: Any, names: tuple[str, str]) -> None:
         """The code a proof just ran on, kept: a change of it makes the next proof due.
@@ -105,6 +119,8 @@ class Schedule:
             >>> state.schedule.watch(hf_model, state.names)
         """
         self._modules = tuple(hf.modules())
+        self._dicts = tuple(m.__dict__ for m in self._modules)
+        self._flagged = tuple(m.__dict__ for m in self._modules if hasattr(m, "gradient_checkpointing"))
         self._fingerprint = self.fingerprint(names)
 
     def fingerprint(self, names: tuple[str, str]) -> tuple:
@@ -127,14 +143,15 @@ class Schedule:
         from transformers.modeling_utils import AttentionInterface
 
         table = AttentionInterface._global_mapping
+        classes = tuple(map(type, self._modules))
         return (
             *(table.get(name) for name in names),
             *kernels(),
-            # a module's forward (class, instance) and HF gradient checkpointing switched on or off
-            *(
-                (type(m).forward, m.__dict__.get("forward"), m.__dict__.get("gradient_checkpointing"))
-                for m in self._modules
-            ),
+            # each module's class and its forward, a forward set on the instance, HF gradient checkpointing on or off
+            classes,
+            tuple(c.forward for c in dict.fromkeys(classes)),
+            tuple(map(dict.get, self._dicts, repeat("forward"))),
+            tuple(map(dict.get, self._flagged, repeat("gradient_checkpointing"))),
         )
 
     def cover(self, docs: Documents, rows: bool = False) -> None:

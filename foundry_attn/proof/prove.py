@@ -1,7 +1,7 @@
 """The proof that a packed row trains as its documents alone: the flat row **that trains** against **stock** on
 each document alone, in its logits and in its gradients.
 
-    inputs, _ = flat_inputs(hf_model, ids, positions, None, layout)     # the forward's own flat row
+    inputs, _ = flat_inputs(hf_model, ids, None, layout)                # the forward's own flat row
     proof = prove_flat(hf_model, inputs, stock="sdpa", compare=(0, 2))
     proof.ok, proof.worst, proof.reason
 

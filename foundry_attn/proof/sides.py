@@ -130,7 +130,7 @@ def row_labels(inputs: Mapping[str, Any]) -> torch.Tensor | None:
 
     Example::
 
-        >>> row_labels(flat_inputs(hf, ids, positions, labels, layout)[0]).shape      # 47 + 17 real tokens
+        >>> row_labels(flat_inputs(hf, ids, labels, layout)[0]).shape      # 47 + 17 real tokens
         torch.Size([64])
     """
     labels = inputs.get("labels")

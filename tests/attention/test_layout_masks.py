@@ -23,7 +23,8 @@ def test_from_batch_doc_lens() -> None:
     )
     layout = Layout.from_batch(batch)
     assert layout == Layout(((3, 2), (4,)), 5)
-    assert torch.equal(layout.position_ids(), batch["position_ids"])
+    assert torch.equal(layout.restarting_positions(), batch["position_ids"].flatten()[layout.real_indices()])
+    assert layout.own_positions is None  # doc_lens: each document counts from 0
     assert layout.real_tokens == sum(batch["total_tokens"])
 
 
@@ -45,7 +46,7 @@ def test_from_batch_attention_mask() -> None:
 def test_from_batch_plain_input_ids() -> None:
     layout = Layout.from_batch({"input_ids": torch.zeros(2, 5, dtype=torch.long)})
     assert layout.doc_lens == ((5,), (5,)) and layout.real_tokens == layout.rows * layout.width
-    assert torch.equal(layout.position_ids(), torch.arange(5).expand(2, 5))
+    assert torch.equal(layout.restarting_positions(), torch.arange(5).repeat(2))
 
 
 def test_properties() -> None:
@@ -59,7 +60,8 @@ def test_properties() -> None:
 def test_real_indices_and_positions() -> None:
     idx = LAYOUT.real_indices()
     assert idx.dtype == torch.long and idx.tolist() == [0, 1, 2, 4, 5, 6]
-    assert LAYOUT.position_ids().tolist() == [[0, 1, 0, 0], [0, 1, 2, 0], [0, 1, 2, 3]]
+    assert LAYOUT.restarting_positions().tolist() == [0, 1, 0, 0, 1, 2]
+    assert Layout((), 4).restarting_positions().tolist() == []
     hidden = torch.arange(12.0).reshape(3, 4)
     assert hidden.flatten()[idx].tolist() == [0.0, 1.0, 2.0, 4.0, 5.0, 6.0]
     full = Layout(((4,), (2, 2)), 4)
@@ -71,7 +73,7 @@ def test_left_padded_mask() -> None:
     layout = Layout.from_batch({"input_ids": torch.zeros(3, 4, dtype=torch.long), "attention_mask": mask})
     assert layout.doc_lens == ((2,), (3,), (3,)) and layout.starts == (2, 0, 1)
     assert layout.real_indices().tolist() == mask.flatten().nonzero().flatten().tolist()
-    assert layout.position_ids()[0].tolist() == [0, 1, 0, 1]
+    assert layout.restarting_positions().tolist() == [0, 1, 0, 1, 2, 0, 1, 2]
 
 
 def test_gappy_mask_is_refused() -> None:

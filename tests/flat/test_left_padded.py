@@ -77,26 +77,25 @@ def test_left_padded_rows_train_as_each_document_alone(family: str, impl: str) -
 
 def _planted(monkeypatch: pytest.MonkeyPatch, plant: str) -> None:
     """A difference in the training row only: the proof reads the batch, never this row, for its truth."""
-    if plant == "position offset":
-        original = forward.flat_positions
-        monkeypatch.setattr(forward, "flat_positions", lambda ids, layout: original(ids, layout) + 3)
-    else:
-        original_inputs = inputs.flat_inputs
+    original_inputs = inputs.flat_inputs
 
-        def planted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            made, placed = original_inputs(*args, **kwargs)
-            labels = made["labels"]
-            if labels is not None:
-                labels = labels.clone()
-                starts = list(made[inputs.DOCS_KEY].bounds[1:-1])
-                if plant == "dropped target":
-                    labels[0, starts[0] - 2] = -100  # a real target of the first document dropped
-                else:  # the last token of a document predicts the next one's first
-                    labels[0, starts[0]] = made["input_ids"][0, starts[0]]
-                made["labels"] = labels
+    def planted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made, placed = original_inputs(*args, **kwargs)
+        if plant == "position offset":
+            made["position_ids"] = made["position_ids"] + 3
             return made, placed
+        labels = made["labels"]
+        if labels is not None:
+            labels = labels.clone()
+            starts = list(made[inputs.DOCS_KEY].bounds[1:-1])
+            if plant == "dropped target":
+                labels[0, starts[0] - 2] = -100  # a real target of the first document dropped
+            else:  # the last token of a document predicts the next one's first
+                labels[0, starts[0]] = made["input_ids"][0, starts[0]]
+            made["labels"] = labels
+        return made, placed
 
-        monkeypatch.setattr(forward, "flat_inputs", planted)
+    monkeypatch.setattr(forward, "flat_inputs", planted)
 
 
 @pytest.mark.parametrize("plant", ["position offset", "dropped target", "crossing target"])

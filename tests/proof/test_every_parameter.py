@@ -65,7 +65,7 @@ def _flat(model: torch.nn.Module) -> dict:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 60, (1, sum(LENGTHS)), generator=gen)
     layout = Layout((LENGTHS,), sum(LENGTHS))
-    return flat_inputs(model, ids, layout.position_ids(ids.device), None, layout)[0]
+    return flat_inputs(model, ids, None, layout)[0]
 
 
 def test_a_mask_that_carries_a_learnable_bias_is_never_dropped() -> None:
