@@ -7,7 +7,7 @@ foundry-attn bench padding|callbacks|compile|proof|events|train|trainer|guard --
 foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 10] [--tiers a,b] [--memory-gb 24] [--device cpu]
 foundry-attn bench layouts --json [--quick] [--rounds 3] [--device cuda]
 foundry-attn bench step --json [--rounds 4]
-foundry-attn bench host --json [--rounds 15] [--threads 1]
+foundry-attn bench host --json [--rounds 40] [--threads 1]
 foundry-attn conformance [--markdown] [--family mistral] [--zoo | --padding-free]
 foundry-attn events runs/ [--fell-back | --summary] [--kind K] [--run R] [--since 2026-11-22] [--json]
 foundry-attn report runs/ -o report/

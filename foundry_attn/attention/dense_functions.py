@@ -229,16 +229,15 @@ def eager_documents(
             EAGER, query, key, value, docs, sliding_window, scaling, softcap, dropout if module.training else 0.0
         )
         return out.transpose(1, 2).contiguous(), None
-    scale = softmax_scale(query, scaling)
-    return by_length(
-        docs,
-        query,
-        key,
-        value,
-        lambda q, k, v: eager_document(
-            q, k, v, sliding_window, scale, softcap, dropout, module.training, docs.mask(q.shape[2], sliding_window, q)
-        ),
-    ), None
+    scale, training = softmax_scale(query, scaling), module.training
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask = docs.mask(q.shape[2], sliding_window, q)
+        return eager_document(q, k, v, sliding_window, scale, softcap, dropout, training, mask)
+
+    if query.shape[0] > 1:  # even rows, each a whole document: attended as they are (by_length's first case)
+        return attend(query, *expand_kv(query, key, value)).transpose(1, 2).contiguous(), None
+    return by_length(docs, query, key, value, attend), None
 
 
 # ---- flex: one call over the flat row with a document BlockMask -------------------------------------------

@@ -161,7 +161,7 @@ class Documents:
             >>> docs.mask(3, None, q) is docs.mask(3, None, q)
             True
         """
-        key = (n, window, like.dtype, like.device)
+        key = (n, window, like.dtype, like.get_device())  # the device's index (-1: the CPU), no device object made
         if key not in self._masks:
             self._masks[key] = additive_mask(n, window, like)
         return self._masks[key]

@@ -45,7 +45,7 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run(quick: bool = False, device: str | None = None, rounds: int = 15, **_: Any) -> dict[str, Any]:
+def run(quick: bool = False, device: str | None = None, rounds: int = 40, **_: Any) -> dict[str, Any]:
     """Stock dense against ours, sdpa and eager: step ms, ms per layer, aten ops and host syncs per step.
 
     Args:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from itertools import repeat
 from types import ModuleType
 from typing import Any
@@ -64,6 +65,21 @@ def kernels() -> tuple:
         torch_varlen_kernel(),
         getattr(flex, "flex_attention", None),
     )
+
+
+_FORWARD = operator.attrgetter("forward")
+
+
+def _dispatch_table() -> dict[str, Any]:
+    """transformers' table of attention functions by name (``AttentionInterface``)."""
+    return _interface()._global_mapping
+
+
+@functools.cache
+def _interface() -> Any:
+    from transformers.modeling_utils import AttentionInterface
+
+    return AttentionInterface
 
 
 @functools.cache
@@ -140,16 +156,14 @@ class Schedule:
             >>> before == state.schedule.fingerprint(state.names)      # False once sdpa or a forward is patched
             True
         """
-        from transformers.modeling_utils import AttentionInterface
-
-        table = AttentionInterface._global_mapping
+        table = _dispatch_table()
         classes = tuple(map(type, self._modules))
         return (
-            *(table.get(name) for name in names),
+            *map(table.get, names),
             *kernels(),
             # each module's class and its forward, a forward set on the instance, HF gradient checkpointing on or off
             classes,
-            tuple(c.forward for c in dict.fromkeys(classes)),
+            tuple(map(_FORWARD, dict.fromkeys(classes))),
             tuple(map(dict.get, self._dicts, repeat("forward"))),
             tuple(map(dict.get, self._flagged, repeat("gradient_checkpointing"))),
         )
