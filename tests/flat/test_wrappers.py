@@ -105,11 +105,15 @@ def test_distributed_is_exact(
     assert result["wrapped"].startswith("DistributedDataParallel" if wrapper == "ddp" else "FSDP"), result
 
 
-def test_a_compiled_execution_under_ddp_is_exact(tmp_path: Path) -> None:
-    """``attach(..., execution="compiled")`` under DDP on 2 ranks: the second batch runs the compiled step (the
-    first, proven, eagerly), and the averaged gradients are each document's alone."""
-    result = _ranks(2, tmp_path / "result.json", "llama", "sdpa", "ddp", "plain", "", "compiled")
-    assert result["execution"] == "compiled" and list(result["eager"].values()) == [1], result
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_a_compiled_execution_under_ddp_and_fsdp2_is_exact(tmp_path: Path, wrapper: str) -> None:
+    """``attach(..., execution="compiled")`` under DDP and FSDP2 on 2 ranks: the second batch runs the compiled step,
+    and the averaged gradients are each document's alone. Under DDP the first batch's proof takes its forward
+    (eagerly, said once); under FSDP2 the proof runs forwards of its own (sharded parameters), so every training
+    forward runs compiled."""
+    result = _ranks(2, tmp_path / "result.json", "llama", "sdpa", wrapper, "plain", "", "compiled")
+    eager = [1] if wrapper == "ddp" else []
+    assert result["execution"] == "compiled" and list(result["eager"].values()) == eager, result
 
 
 @pytest.mark.parametrize(("rows", "forwards"), [("split", [2, 2]), ("agree", [1, 1])])
