@@ -19,6 +19,13 @@ def _patch_instance(model: Any) -> None:
     layer.forward = lambda x: type(layer).forward(layer, x)
 
 
+def _patch_class(model: Any) -> None:
+    klass = type(model.model.layers[0].mlp)
+    original = klass.forward
+    klass.forward = lambda self, x: original(self, x)
+    _RESTORE.append(lambda: setattr(klass, "forward", original))
+
+
 def _checkpointing(model: Any) -> None:
     model.gradient_checkpointing_enable()
 
@@ -38,8 +45,11 @@ def _dispatch(model: Any) -> None:
     AttentionInterface._global_mapping["sdpa"] = lambda *a, **k: None
 
 
+_RESTORE: list[Callable[[], Any]] = []
+
 CHANGES: dict[str, Callable[[Any], None]] = {
     "an instance forward": _patch_instance,
+    "a class forward": _patch_class,
     "HF checkpointing on": _checkpointing,
     "HF checkpointing off": _checkpointing_off,
     "a class swap": _class_swap,
@@ -64,6 +74,8 @@ def test_what_exactness_rests_on_changes_the_fingerprint(change: str) -> None:
     finally:
         AttentionInterface._global_mapping.clear()
         AttentionInterface._global_mapping.update(saved)
+        while _RESTORE:
+            _RESTORE.pop()()
 
 
 def test_other_attributes_and_a_training_step_leave_it() -> None:
