@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.attention.compiled_op import additive_mask
+from foundry_attn.attention.compiled_op import additive_mask, allowed
 from foundry_attn.attention.length_groups import LengthGroups, groups_for
 
 DOCS_KEY = "foundry_documents"
@@ -164,6 +164,32 @@ class Documents:
         key = (n, window, like.dtype, like.get_device())  # the device's index (-1: the CPU), no device object made
         if key not in self._masks:
             self._masks[key] = additive_mask(n, window, like)
+        return self._masks[key]
+
+    def block_mask(self, window: int | None, like: torch.Tensor) -> torch.Tensor:
+        """Eager's ``[T, T]`` additive mask over the whole row: causal (and windowed) within each document, every
+        other document masked; in ``like``'s dtype and device, made once per layout for every layer (a short row
+        runs in one call: :data:`~foundry_attn.attention.dense_functions.SHORT_ROW`).
+
+        Args:
+            window: how many keys a query sees, itself included (None: no window).
+            like: a tensor whose dtype and device the mask takes.
+
+        Returns:
+            The mask (the same tensor for every layer that asks).
+
+        Example::
+
+            >>> Documents.of([0, 2, 3]).block_mask(None, q)[2].tolist()     # the third token: a document of its own
+            [-3.4028234663852886e+38, -3.4028234663852886e+38, 0.0]
+        """
+        key = ("row", window, like.dtype, like.get_device())
+        if key not in self._masks:
+            lengths = torch.tensor(self.lengths)
+            doc = torch.repeat_interleave(torch.arange(len(self.lengths)), lengths, output_size=self.bounds[self.real])
+            seen = (doc[:, None] == doc[None, :]) & allowed(doc.numel(), window, doc.device)
+            mask = torch.zeros(seen.shape, dtype=like.dtype).masked_fill_(~seen, torch.finfo(like.dtype).min)
+            self._masks[key] = mask.to(like.device)
         return self._masks[key]
 
     def bounds_on(self, device: torch.device | str) -> torch.Tensor:

@@ -16,12 +16,17 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from foundry_attn.attention.compiled_op import document_attention, eager_document
+from foundry_attn.attention.dense_functions import SHORT_ROW
 from foundry_attn.attention.documents import Documents
 from foundry_attn.attention.functions import FUNCTIONS
 from foundry_attn.attention.length_groups import CPU_ALONE, MAX_GROUPS, MAX_PADDING, group_by_length, groups_for
 
 #: 15 documents of 12 distinct lengths (more than MAX_GROUPS: some are padded), a one-token document among them
 MIXED = [5, 1, 8, 2, 13, 3, 21, 7, 1, 11, 4, 17, 6, 9, 8]
+#: the same mix, each document 40 tokens longer: a row past SHORT_ROW (its documents grouped by length, not one call)
+LONG_MIXED = [n + 40 for n in MIXED]
+#: 30 documents of 10 lengths, 303 tokens: on the CPU too, 8 padded groups (two of two lengths each)
+GROUPED = [3, 7, 13, 11, 3, 2, 5, 17, 19, 9, 13, 17, 15, 2, 13, 3, 15, 5, 7, 15, 7, 19, 11, 11, 5, 2, 9, 17, 9, 19]
 #: the kernels each backend runs once per call of its attention math, forward and backward (CPU)
 KERNELS = {
     "sdpa": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
@@ -70,7 +75,9 @@ def _grads(out: torch.Tensor, qkv: list[torch.Tensor], weight: torch.Tensor) -> 
 
 @pytest.mark.parametrize(("backend", "alone", "softcap"), [("sdpa", sdpa_alone, 0.0), ("eager", eager_alone, 5.0)])
 @pytest.mark.parametrize("window", [None, 3, 6])
-@pytest.mark.parametrize("lengths", [MIXED, [4, 6, 1, 9], [7], [8] * 4], ids=["mixed", "few", "one", "equal"])
+@pytest.mark.parametrize(
+    "lengths", [MIXED, GROUPED, [4, 6, 1, 9], [7], [8] * 4], ids=["mixed", "grouped", "few", "one", "equal"]
+)
 def test_each_document_as_alone_forward_and_backward(
     backend: str, alone: Callable[..., torch.Tensor], softcap: float, window: int | None, lengths: list[int]
 ) -> None:
@@ -107,11 +114,13 @@ def test_compiled_op_groups_documents_and_stays_exact(kind: str, window: int) ->
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
-def test_no_document_reaches_another_not_even_through_a_pad(backend: str) -> None:
+@pytest.mark.parametrize("lengths", [MIXED, GROUPED], ids=["one call", "grouped"])
+def test_no_document_reaches_another_not_even_through_a_pad(backend: str, lengths: list[int]) -> None:
     """A document's output has exactly zero gradient on every other document's queries, keys and values (a pad
-    repeats its own document's last token; pads' gradients are exact zeros), with dropout on too."""
-    q, k, v = _qkv(sum(MIXED))
-    docs = Documents.of(_bounds(MIXED))
+    repeats its own document's last token; pads' gradients are exact zeros; one call's block mask is exact zeros
+    too), with dropout on too."""
+    q, k, v = _qkv(sum(lengths))
+    docs = Documents.of(_bounds(lengths))
     module = torch.nn.Module().train()
     for dropout in (0.0, 0.3):
         out, _ = FUNCTIONS[backend](module, q, k, v, None, dropout=dropout, sliding_window=4, foundry_documents=docs)
@@ -143,10 +152,14 @@ def test_equal_documents_take_one_call_per_layer(backend: str, count: int) -> No
 @pytest.mark.parametrize("window", [None, 4])
 def test_mixed_lengths_take_at_most_eight_calls_per_layer(backend: str, window: int | None) -> None:
     """On an accelerator at most MAX_GROUPS calls; on the CPU too, or, where groups would not halve the calls (15
-    documents in 8 groups), a call per document: fewer than 2 * MAX_GROUPS."""
+    documents in 8 groups), a call per document: fewer than 2 * MAX_GROUPS. Eager on a row of at most SHORT_ROW
+    tokens: one call, under a block-diagonal mask (sdpa: torch's SDPA one document at a time, never a mask)."""
     rng = random.Random(0)
     many = [rng.randint(1, 40) for _ in range(150)]  # ~40 distinct lengths
-    for lengths, cpu_calls in ((MIXED, len(MIXED)), (many, len(group_by_length(tuple(many)).shapes))):
+    assert sum(MIXED) <= SHORT_ROW < sum(LONG_MIXED)
+    short = (1, 1) if backend == "eager" else (len(MIXED), len(MIXED))
+    assert _calls_per_layer(backend, MIXED, window) == short
+    for lengths, cpu_calls in ((LONG_MIXED, len(LONG_MIXED)), (many, len(group_by_length(tuple(many)).shapes))):
         assert len(group_by_length(tuple(lengths)).shapes) <= MAX_GROUPS
         calls = _calls_per_layer(backend, lengths, window)
         assert calls[0] == len(groups_for(tuple(lengths), torch.device("cpu")).shapes) == cpu_calls, calls
@@ -215,10 +228,13 @@ def test_pad_and_unpad_are_inverse_and_so_are_their_gradients() -> None:
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
-@pytest.mark.parametrize("lengths", [[2] * 64, [3] * 256, MIXED], ids=["64 equal", "256 equal", "mixed"])
+@pytest.mark.parametrize(
+    "lengths", [[2] * 64, [3] * 256, MIXED, LONG_MIXED], ids=["64 equal", "256 equal", "mixed", "long mixed"]
+)
 def test_a_model_runs_at_most_eight_calls_per_layer(backend: str, lengths: list[int]) -> None:
     """A tiny Llama pointed at our function, given the flat row as the flat path builds it: per layer one call per
-    group (one for equal documents), forward and backward; the loss as each document's alone."""
+    group (one for equal documents; under eager, one for a row of at most SHORT_ROW tokens), forward and backward; the
+    logits as each document's alone."""
     from foundry_attn.flat.implementation import point
     from tests.conftest import make_llama
 
@@ -238,7 +254,8 @@ def test_a_model_runs_at_most_eight_calls_per_layer(backend: str, lengths: list[
         logits = model(**inputs).logits
         logits.sum().backward()
     names = collections.Counter(event.name for event in prof.events())
-    groups = len(groups_for(tuple(lengths), torch.device("cpu")).shapes)  # MIXED: one call per document, 15
+    groups = len(groups_for(tuple(lengths), torch.device("cpu")).shapes)  # LONG_MIXED: one call per document, 15
+    groups = 1 if backend == "eager" and sum(lengths) <= SHORT_ROW else groups
     assert (names[forward], names[backward]) == (2 * groups, 2 * groups) and groups < 2 * MAX_GROUPS
     torch.testing.assert_close(logits, torch.cat([alone[n] for n in lengths], dim=1), atol=1e-5, rtol=1e-5)
 
