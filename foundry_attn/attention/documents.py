@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.attention.compiled_op import additive_mask, allowed
+from foundry_attn.attention.compiled_op import additive_mask
 from foundry_attn.attention.length_groups import LengthGroups, groups_for
 
 DOCS_KEY = "foundry_documents"
@@ -185,11 +185,10 @@ class Documents:
         """
         key = ("row", window, like.dtype, like.get_device())
         if key not in self._masks:
-            lengths = torch.tensor(self.lengths)
-            doc = torch.repeat_interleave(torch.arange(len(self.lengths)), lengths, output_size=self.bounds[self.real])
-            seen = (doc[:, None] == doc[None, :]) & allowed(doc.numel(), window, doc.device)
-            mask = torch.zeros(seen.shape, dtype=like.dtype).masked_fill_(~seen, torch.finfo(like.dtype).min)
-            self._masks[key] = mask.to(like.device)
+            count, tokens = len(self.lengths), self.bounds[self.real]
+            doc = torch.repeat_interleave(torch.arange(count), torch.tensor(self.lengths), output_size=tokens)
+            other = (doc[:, None] != doc[None, :]).to(like.device)
+            self._masks[key] = additive_mask(tokens, window, like).masked_fill_(other, torch.finfo(like.dtype).min)
         return self._masks[key]
 
     def bounds_on(self, device: torch.device | str) -> torch.Tensor:

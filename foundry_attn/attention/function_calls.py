@@ -146,7 +146,7 @@ def open_call(
         if query.shape[2] > 1 and is_placeholder(attention_mask):
             raise DocumentsDropped(module)
     else:
-        # uncompiled, the common call costs two C-level checks: only moot arguments, and no mask or our placeholder
+        # uncompiled, the common call's arguments are checked in one C-level test: only moot ones
         compiling = torch.compiler.is_compiling()
         extra = [] if not compiling and IGNORED_KWARGS.issuperset(kwargs) else unhonoured(kwargs)
         if extra:
@@ -154,7 +154,7 @@ def open_call(
                 f"{type(module).__name__} passes {', '.join(repr(k) for k in extra)} to attention, which the flat "
                 "path does not honour"
             )
-        content = None if attention_mask is None or is_placeholder(attention_mask) else mask_content(attention_mask)
+        content = mask_content(attention_mask)
         if content:
             raise FlatUnsupported(
                 f"{type(module).__name__} passes an attention_mask that carries {content}, which the flat path "
