@@ -19,6 +19,7 @@ from foundry_attn.flat.implementation import current
 from foundry_attn.flat.inputs import base_parameters
 from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.model_forward import own_forward
+from foundry_attn.path.proven import subject_of
 from foundry_attn.proof.runs import alone_inputs, embeddings, run
 from foundry_attn.proof.tolerance import differs, half, limits_for
 
@@ -144,7 +145,8 @@ def against_alone(
         width = batch["input_ids"].shape[1]
         alone = own_forward(hf, **alone_inputs(ids[None], width=width), use_cache=False).logits[0, : ids.shape[0]]
         own = alone_inputs(ids[None])
-        limits = limits_for(hf, own, run(hf, own, [(0, ids.shape[0])], False), current(hf) if rerun else None)
+        subject = subject_of(hf)
+        limits = limits_for(subject, own, run(subject, own, [(0, ids.shape[0])], False), current(hf) if rerun else None)
     return differs(packed, alone, False, limits.logits)
 
 

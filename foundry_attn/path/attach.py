@@ -38,7 +38,7 @@ from foundry_attn.flat.model_forward import replace_forwards
 from foundry_attn.flat.unwrap import compiled, unwrapped
 from foundry_attn.path.execution import EAGER_STEP, check_execution, execution_for
 from foundry_attn.path.forward import packed_backbone, packed_model, plain_call
-from foundry_attn.path.proven import prove, prove_rows
+from foundry_attn.path.proven import prove, prove_rows, subject_of
 from foundry_attn.path.schedule import PROOF_INTERVAL, Schedule
 from foundry_attn.path.state import (
     AUTO_PATH,
@@ -353,7 +353,7 @@ def _attach_backend(
         ids = torch.cat(docs)[None]
         inputs, _ = flat_inputs(hf, ids, None, layout)
         with running(hf, rows):
-            state.first_targets = not loss_shifts(hf, docs[0])
+            state.first_targets = not loss_shifts(subject_of(hf), docs[0])
         try:
             if path == ROWS:
                 prove_rows(state, hf, inputs, "attach")
@@ -381,7 +381,7 @@ def _exercised(hf: Any, state: PathState, docs: list[torch.Tensor]) -> list[torc
     if single:
         try:
             with hidden(), evaluating(hf), running(hf, state.rows_name):
-                logits = run(hf, alone_inputs(single[0][None]), [(0, 1)], grads=False).logits
+                logits = run(subject_of(hf), alone_inputs(single[0][None]), [(0, 1)], grads=False).logits
             if not bool(torch.isfinite(logits).all()):
                 raise ValueError("non-finite logits")
         except Exception as exc:

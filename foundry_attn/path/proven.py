@@ -4,6 +4,7 @@ refused. The path asks the proof (:mod:`foundry_attn.proof`) and acts on its ans
     prove(state, hf_model, inputs, "attach")                 # the flat row, at attach or on a batch
     prove_rows(state, hf_model, inputs, "attach")            # one document per row (right-, else left-padded)
     prove_batch(state, hf_model, inputs, plan, truth=None)   # the proof a batch's plan calls for: the path after
+    subject_of(hf_model)                                     # the model as the proof runs it (its one door)
 
 Core module: torch and transformers only.
 """
@@ -17,18 +18,38 @@ from typing import Any
 
 from foundry_attn.attention.backends import BACKENDS, EAGER, SDPA
 from foundry_attn.attention.documents import DOCS_KEY, Documents
-from foundry_attn.flat.implementation import use
+from foundry_attn.flat.implementation import running, use
 from foundry_attn.flat.inputs import stock_splits_packed_rows
 from foundry_attn.flat.layout import Truth
 from foundry_attn.flat.layout_cost import FLAT, ROWS
+from foundry_attn.flat.model_forward import own_forward
 from foundry_attn.path.state import NoExactPath, PathState, Plan
 from foundry_attn.proof.prove import prove_flat, prove_packed
 from foundry_attn.proof.prove import prove_rows as rows_proof
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.sides import rows_train_error
 from foundry_attn.proof.step_proof import StepProof
+from foundry_attn.proof.subject import Subject
 
 log = logging.getLogger(__name__)
+
+
+def subject_of(hf: Any) -> Subject:
+    """The model as the proof runs it: its own forward (not what attach set on the instance) and the stock
+    implementation a block runs under, both the path's to give.
+
+    Args:
+        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`).
+
+    Returns:
+        The :class:`~foundry_attn.proof.subject.Subject` the proof's functions take.
+
+    Example::
+
+        >>> prove_flat(subject_of(hf_model), inputs, "sdpa").ok
+        True
+    """
+    return Subject(hf, functools.partial(own_forward, hf), functools.partial(running, hf))
 
 
 def prove(
@@ -60,7 +81,7 @@ def prove(
     use(hf, state.flat_name)
     side = prove_packed if state.stock_mask else prove_flat
     stock = BACKENDS[state.backend].truth
-    proof = side(hf, inputs, stock, reference=state.reference, grads=grads, truth=truth)
+    proof = side(subject_of(hf), inputs, stock, reference=state.reference, grads=grads, truth=truth)
     return keep_proof(state, hf, inputs, at, proof, grads, truth)
 
 
@@ -130,7 +151,7 @@ def _stock_mask_holds(
         or not stock_splits_packed_rows()
     ):
         return None  # ours ran and computed otherwise (a leak, a window only the mask knows): rows
-    proof = prove_packed(hf, inputs, state.rows_name, reference=state.reference, grads=grads, truth=truth)
+    proof = prove_packed(subject_of(hf), inputs, state.rows_name, reference=state.reference, grads=grads, truth=truth)
     state.proofs.append((f"stock's packed mask at {at}", proof))
     if not proof.ok:
         return None
@@ -203,7 +224,7 @@ def prove_rows(
     """
     stock = BACKENDS[state.backend].truth
     proof_of = functools.partial(
-        rows_proof, hf, inputs, state.rows_name, stock, reference=state.reference, grads=grads, truth=truth
+        rows_proof, subject_of(hf), inputs, state.rows_name, stock, reference=state.reference, grads=grads, truth=truth
     )
     proof = proof_of(left=state.rows_left, groups=groups)
     state.proofs.append((f"rows at {at}", proof))
@@ -222,7 +243,9 @@ def prove_rows(
         state.schedule.cover(docs, rows=state.path == FLAT)
         state.reason = state.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
         return proof
-    if not proof.ran and not rows_train_error(hf, inputs, state.rows_name, state.reference, state.rows_left):
+    if not proof.ran and not rows_train_error(
+        subject_of(hf), inputs, state.rows_name, state.reference, state.rows_left
+    ):
         # the proof's own forwards cannot run (Reformer: no backward in eval mode) but training does: rows, as
         # stock's padded batches, kept in the notes: unproven, never silent
         _note(state, hf, f"rows at {at} not proven: {proof.describe()}; one document per row trains here")
@@ -313,4 +336,4 @@ def step_proof(state: PathState, hf: Any, inputs: Mapping[str, Any], plan: Plan,
     assert plan.at is not None
     keep = functools.partial(keep_proof, state)
     again = functools.partial(prove, state)
-    return StepProof(state, keep, again, hf, inputs, plan.at, plan.grads, truth)
+    return StepProof(state, keep, again, subject_of(hf), inputs, plan.at, plan.grads, truth)

@@ -2,7 +2,7 @@
 each document alone, in its logits and in its gradients.
 
     inputs, _ = flat_inputs(hf_model, ids, None, layout)                # the forward's own flat row
-    proof = prove_flat(hf_model, inputs, stock="sdpa", compare=(0, 2))
+    proof = prove_flat(subject_of(hf_model), inputs, stock="sdpa", compare=(0, 2))
     proof.ok, proof.worst, proof.reason
 
 The packed side is the flat row the forward built for the batch (its full length, its ``position_ids``, every row
@@ -33,7 +33,6 @@ import torch
 
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.attention.fa2_reference import kernel_context
-from foundry_attn.flat.implementation import running
 from foundry_attn.flat.layout import Truth
 from foundry_attn.proof.comparison import against_alone, influence, params_differ, summed
 from foundry_attn.proof.proving import hidden
@@ -59,11 +58,12 @@ from foundry_attn.proof.sides import (
     state_kept,
     stock_packed_run,
 )
+from foundry_attn.proof.subject import Subject
 from foundry_attn.proof.tolerance import limits_for, limits_note, worse
 
 
 def prove_flat(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     stock: str,
     compare: Sequence[int] | None = None,
@@ -82,7 +82,7 @@ def prove_flat(
     that drops our argument, an argument we cannot honour, a shape the model's mask code rejects) is a failed proof.
 
     Args:
-        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`), pointed at our implementation.
+        subject: the model (:func:`foundry_attn.path.proven.subject_of`), pointed at our implementation.
         inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
         stock: the stock implementation that runs each document alone (``sdpa``, ``eager``, ...).
         compare: the indices of the documents to run alone (None: :func:`pick`).
@@ -95,15 +95,15 @@ def prove_flat(
 
     Example::
 
-        >>> proof = prove_flat(hf_model, inputs, "sdpa")
+        >>> proof = prove_flat(subject, inputs, "sdpa")
         >>> proof.ok, proof.worst, proof.compared
         (True, 0.0, (0, 1))
     """
-    return _prove(hf, inputs, stock, compare, reference, grads, truth, None)
+    return _prove(subject, inputs, stock, compare, reference, grads, truth, None)
 
 
 def prove_packed(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     stock: str,
     compare: Sequence[int] | None = None,
@@ -117,7 +117,7 @@ def prove_packed(
     ``stock``: the limits of :func:`prove_flat`. For a model whose attention our documents cannot reach.
 
     Args:
-        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`).
+        subject: the model (:func:`foundry_attn.path.proven.subject_of`).
         inputs: the flat row's forward arguments (:func:`~foundry_attn.flat.inputs.flat_inputs`).
         stock: the stock implementation, for the packed row and for each document alone.
         compare: the indices of the documents to run alone (None: :func:`pick`).
@@ -130,15 +130,15 @@ def prove_packed(
 
     Example::
 
-        >>> prove_packed(hf_model, inputs, "sdpa").ok     # transformers 5.x: stock splits the row at its positions
+        >>> prove_packed(subject, inputs, "sdpa").ok     # transformers 5.x: stock splits the row at its positions
         True
     """
-    side: PackedSide = lambda hf, spans, grads: stock_packed_run(hf, inputs, spans, grads, stock)  # noqa: E731
-    return _prove(hf, inputs, stock, compare, reference, grads, truth, None, side, ours=False)
+    side: PackedSide = lambda subject, spans, grads: stock_packed_run(subject, inputs, spans, grads, stock)  # noqa: E731
+    return _prove(subject, inputs, stock, compare, reference, grads, truth, None, side, ours=False)
 
 
 def prove_rows(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     rows_name: str,
     stock: str,
@@ -157,7 +157,7 @@ def prove_rows(
     A failure says the model's padded rows differ from its documents alone.
 
     Args:
-        hf: the transformers model (:func:`~foundry_attn.flat.unwrap.unwrapped`).
+        subject: the model (:func:`foundry_attn.path.proven.subject_of`).
         inputs: the flat row's forward arguments, its documents under ``DOCS_KEY``.
         rows_name: the stock implementation the padded rows run under (``PathState.rows_name``).
         stock: the stock implementation that runs each document alone.
@@ -174,15 +174,15 @@ def prove_rows(
 
     Example::
 
-        >>> prove_rows(hf_model, inputs, "sdpa", "sdpa").describe()
+        >>> prove_rows(subject, inputs, "sdpa", "sdpa").describe()
         'passed in 167 ms (documents [28, 13] of a 41-token row, worst |diff| 4.5e-08, gradients 1.9e-07)'
     """
     side = rows_side(inputs, rows_name, reference, truth, left, groups)
-    return _prove(hf, inputs, stock, compare, reference, grads, truth, rows_name, side)
+    return _prove(subject, inputs, stock, compare, reference, grads, truth, rows_name, side)
 
 
 def prove_step(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     out: Any,
     captured: Sequence[torch.Tensor],
@@ -202,7 +202,7 @@ def prove_step(
     Valid where training mode computes what eval mode does (:func:`foundry_attn.proof.step_proof.step_blocker`).
 
     Args:
-        hf: the transformers model the training forward ran (:func:`~foundry_attn.flat.unwrap.unwrapped`).
+        subject: the model the training forward ran (:func:`foundry_attn.path.proven.subject_of`).
         inputs: the flat row that forward took, its documents under ``DOCS_KEY``.
         out: what the forward returned (its ``logits`` are read).
         captured: its input embeddings (:func:`~foundry_attn.proof.runs.embeddings`).
@@ -220,11 +220,11 @@ def prove_step(
 
         >>> with embeddings(hf_model, True) as captured, head_calls(hf_model, True) as head:
         ...     out = hf_model(**inputs)
-        >>> prove_step(hf_model, inputs, out, captured, "sdpa", head=head).ok
+        >>> prove_step(subject_of(hf_model), inputs, out, captured, "sdpa", head=head).ok
         True
     """
 
-    def packed(hf: Any, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
+    def packed(subject: Subject, spans: Sequence[tuple[int, int]], _: bool) -> tuple[Run | None, str]:
         if inputs[DOCS_KEY].calls == 0:
             return None, NO_CALLS
         logits = getattr(out, "logits", None)
@@ -235,15 +235,22 @@ def prove_step(
             return Run(flat_tokens(logits).detach()), ""
         ids = inputs["input_ids"].reshape(-1)
         grads_ = documents_grad(
-            logits, ids, spans, embeds, head, retain_graph=True, params=trainable(hf), labels=row_labels(inputs)
+            logits,
+            ids,
+            spans,
+            embeds,
+            head,
+            retain_graph=True,
+            params=trainable(subject.model),
+            labels=row_labels(inputs),
         )
         return Run(flat_tokens(logits).detach(), *grads_), ""
 
-    return _prove(hf, inputs, stock, compare, reference, grads, truth, None, packed)
+    return _prove(subject, inputs, stock, compare, reference, grads, truth, None, packed)
 
 
 def _prove(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     stock: str,
     compare: Sequence[int] | None,
@@ -259,9 +266,9 @@ def _prove(
     compare = (pick(docs) if rows_name is None else pick_rows(docs)) if compare is None else tuple(compare)
     if packed is None:
         packed = flat_side(inputs) if rows_name is None else rows_side(inputs, rows_name, reference, truth)
-    with hidden(), state_kept(hf):
+    with hidden(), state_kept(subject.model):
         worst, worst_grad, reason = _compare(
-            hf, inputs, stock, compare, reference, grads, truth, rows_name, packed, ours
+            subject, inputs, stock, compare, reference, grads, truth, rows_name, packed, ours
         )
     lengths = tuple(docs.spans[i][1] - docs.spans[i][0] for i in compare)
     ms = (time.perf_counter() - start) * 1e3
@@ -273,7 +280,7 @@ def _prove(
 
 
 def _compare(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     stock: str,
     compare: tuple[int, ...],
@@ -300,17 +307,17 @@ def _compare(
         mine = given.alone(span).labels
         return None if mine is None else mine[0]
 
-    with evaluating(hf, grad=grads):
-        with running(hf, stock), kernel_context(stock, ids.device, reference):
+    with evaluating(subject.model, grad=grads):
+        with subject.running(stock), kernel_context(stock, ids.device, reference):
             try:
-                runs = [run(hf, alone(span), [(0, span[1] - span[0])], grads, labels(span)) for span in spans]
+                runs = [run(subject, alone(span), [(0, span[1] - span[0])], grads, labels(span)) for span in spans]
             except Exception as exc:
                 return 0.0, None, StockFailed(f"stock {stock} cannot run one document alone here: {short_error(exc)}")
             undefined = undefined_values(runs, spans)
             if undefined:  # a nan is the comparison breaking, never "the model differs"
                 return 0.0, None, StockFailed(f"stock {stock} cannot compute one document alone here: {undefined}")
-            limits = limits_for(hf, alone(spans[-1]), runs[-1], stock)
-        packed, why = side(hf, spans, grads)
+            limits = limits_for(subject, alone(spans[-1]), runs[-1], stock)
+        packed, why = side(subject, spans, grads)
     if packed is None:
         return 0.0, None, NotRun(why)
     undefined = undefined_values([packed], spans, packed=True)
@@ -350,4 +357,4 @@ def _compare(
                 f"the compared documents of the packed row: {reach.describe()}: the flat path's backward mixes "
                 "documents",
             )
-    return worst, worst_grad, (dropped_in_training(hf, inputs) if ours else None) or ""
+    return worst, worst_grad, (dropped_in_training(subject, inputs) if ours else None) or ""

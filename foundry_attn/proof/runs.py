@@ -1,7 +1,7 @@
 """One forward of a check and what it computed: logits, the next-token loss of the training targets, and its
 gradients (input embeddings, every parameter that trains).
 
-    alone = run(hf, alone_inputs(doc), [(0, len(doc))], grads=True)     # stock, eval mode, a check's forward
+    alone = run(subject, alone_inputs(doc), [(0, len(doc))], grads=True)   # stock, eval mode, a check's forward
     alone.logits, alone.grad, alone.params
 
 Forwards made here are a check's, not the batch's (:func:`~foundry_attn.proof.proving.hidden`). Core module: torch
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foundry_attn.flat.model_forward import own_forward
 from foundry_attn.flat.packing import IGNORE_INDEX
 from foundry_attn.proof.forward_probe import looked_up
 from foundry_attn.proof.proving import hidden
+from foundry_attn.proof.subject import Subject
 
 
 @contextlib.contextmanager
@@ -38,7 +38,7 @@ def evaluating(hf: Any, grad: bool = False) -> Iterator[None]:
     Example::
 
         >>> with evaluating(hf_model, grad=True):
-        ...     alone = run(hf_model, alone_inputs(doc[None]), [(0, len(doc))], grads=True)
+        ...     alone = run(subject, alone_inputs(doc[None]), [(0, len(doc))], grads=True)
     """
     was_training = hf.training
     hf.eval()
@@ -140,13 +140,13 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
 
 
-def loss_shifts(hf: Any, doc: torch.Tensor) -> bool:
+def loss_shifts(subject: Subject, doc: torch.Tensor) -> bool:
     """Whether the model's own loss is the next-token loss of its logits (transformers shifts the labels), read from
     one stock forward of ``doc`` with ``labels=doc``; False for a model whose loss reads each token's own label
     (CPM-Ant), so each document's first token is a target there too. True where it cannot be told.
 
     Args:
-        hf: the transformers model, under its stock implementation.
+        subject: the model, under its stock implementation.
         doc: one document's ids ``[n]``, two tokens or more.
 
     Returns:
@@ -154,12 +154,12 @@ def loss_shifts(hf: Any, doc: torch.Tensor) -> bool:
 
     Example::
 
-        >>> loss_shifts(llama, doc), loss_shifts(cpmant, doc)
+        >>> loss_shifts(subject_of(llama), doc), loss_shifts(subject_of(cpmant), doc)
         (True, False)
     """
     try:
-        with hidden(), evaluating(hf), torch.random.fork_rng(devices=[]):
-            out = own_forward(hf, input_ids=doc[None], labels=doc[None], use_cache=False)
+        with hidden(), evaluating(subject.model), torch.random.fork_rng(devices=[]):
+            out = subject.forward(input_ids=doc[None], labels=doc[None], use_cache=False)
     except Exception:  # a model that cannot run a document alone is judged by the proof, which says why
         return True
     loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
@@ -366,17 +366,17 @@ class Run:
 
 
 def run(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     spans: Sequence[tuple[int, int]],
     grads: bool,
     labels: torch.Tensor | None = None,
 ) -> Run:
-    """``hf``'s own forward of ``inputs``, and with ``grads`` the gradients of the documents at ``spans``
+    """The model's own forward of ``inputs``, and with ``grads`` the gradients of the documents at ``spans``
     (:func:`documents_grad`, every parameter that trains included) on the targets of ``labels``.
 
     Args:
-        hf: the transformers model (its own forward runs, not a wrapper's).
+        subject: the model (its own forward runs, not a wrapper's).
         inputs: the forward's keyword arguments (``input_ids`` ``[1, tokens]`` and the rest).
         spans: the documents whose loss is differentiated, each ``(start, end)`` in the row.
         grads: differentiate too (where grad is enabled), or logits only.
@@ -387,12 +387,13 @@ def run(
 
     Example::
 
-        >>> alone = run(hf_model, alone_inputs(doc[None]), [(0, len(doc))], grads=True)
+        >>> alone = run(subject_of(hf_model), alone_inputs(doc[None]), [(0, len(doc))], grads=True)
         >>> alone.logits.shape, alone.grad.shape
         (torch.Size([13, 64]), torch.Size([13, 32]))
     """
+    hf = subject.model
     with embeddings(hf, grads) as captured, head_calls(hf, grads) as head:
-        logits = own_forward(hf, **inputs, use_cache=False).logits
+        logits = subject.forward(**inputs, use_cache=False).logits
     if not (grads and logits.requires_grad):
         return Run(flat_tokens(logits).detach())
     ids = inputs["input_ids"].reshape(-1)

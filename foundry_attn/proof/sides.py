@@ -1,7 +1,7 @@
 """The packed side of a proof: the flat row, stock's packed mask, or one document per row, run as they train.
 
     side = flat_side(inputs)                       # the flat row that trains (foundry_attn.proof.prove runs it)
-    run_, error = side(hf_model, spans, True)      # its logits and gradients, or why it could not run
+    run_, error = side(subject, spans, True)       # its logits and gradients, or why it could not run
 
 Each side returns a :class:`~foundry_attn.proof.runs.Run` of the whole row (or why it could not run); the proof
 (:mod:`foundry_attn.proof.prove`) compares it with each document alone. Core module: torch and transformers only.
@@ -20,10 +20,8 @@ import torch.nn.functional as F
 
 from foundry_attn.attention.documents import DOCS_KEY, Documents, DocumentsDropped, FlatUnsupported
 from foundry_attn.attention.fa2_reference import kernel_context
-from foundry_attn.flat.implementation import running
 from foundry_attn.flat.inputs import one_per_row, stock_packed
 from foundry_attn.flat.layout import Layout, Truth
-from foundry_attn.flat.model_forward import own_forward
 from foundry_attn.flat.packing import IGNORE_INDEX
 from foundry_attn.proof.comparison import summed
 from foundry_attn.proof.proving import hidden
@@ -36,9 +34,10 @@ from foundry_attn.proof.runs import (
     token_embeddings,
     trainable,
 )
+from foundry_attn.proof.subject import Subject
 
-#: the packed side of a proof: (model, the compared documents' spans, grads) -> its run, or None and why not
-PackedSide = Callable[[Any, Sequence[tuple[int, int]], bool], tuple["Run | None", str]]
+#: the packed side of a proof: (the model, the compared documents' spans, grads) -> its run, or None and why not
+PackedSide = Callable[[Subject, Sequence[tuple[int, int]], bool], tuple["Run | None", str]]
 
 
 @contextlib.contextmanager
@@ -70,13 +69,13 @@ def state_kept(hf: Any) -> Iterator[None]:
                     setattr(module, key, value)
 
 
-def dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
+def dropped_in_training(subject: Subject, inputs: Mapping[str, Any]) -> str | None:
     """Under HF gradient checkpointing some layers call attention without ``**kwargs`` (GPT-NeoX in 4.51), which
     the eval-mode proof never sees: one flat forward in training mode, without grad (an exception inside a
     non-reentrant checkpoint with grad would leave its hooks behind), the RNG restored after its dropout.
 
     Args:
-        hf: the transformers model.
+        subject: the model.
         inputs: the flat row's inputs.
 
     Returns:
@@ -84,9 +83,10 @@ def dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
 
     Example::
 
-        >>> dropped_in_training(hf_model, inputs) is None      # no checkpointing, or the documents reach attention
+        >>> dropped_in_training(subject, inputs) is None      # no checkpointing, or the documents reach attention
         True
     """
+    hf = subject.model
     if not getattr(hf, "is_gradient_checkpointing", False):
         return None
     device = inputs["input_ids"].device
@@ -94,7 +94,7 @@ def dropped_in_training(hf: Any, inputs: Mapping[str, Any]) -> str | None:
     hf.train()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _, why = _flat_run(hf, inputs, [], False)
+            _, why = _flat_run(subject, inputs, [], False)
     finally:
         hf.train(was_training)
     return f"under HF gradient checkpointing: {why}" if why else None
@@ -138,17 +138,18 @@ def row_labels(inputs: Mapping[str, Any]) -> torch.Tensor | None:
 
 
 def _flat_run(
-    hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool
+    subject: Subject, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool
 ) -> tuple[Run | None, str]:
     """The flat path's run of ``inputs``, or None and why it cannot run. The documents object is a fresh copy, so
     its call count is this forward's alone."""
+    hf = subject.model
     if not passes_kwargs(hf):
         base = type(getattr(hf, "base_model", hf)).__name__
         return None, f"{base}.forward takes no **kwargs: the documents cannot reach attention"
     docs: Documents = inputs[DOCS_KEY]
     fresh = Documents(docs.bounds, docs.device_bounds, docs.host_bounds, docs.real, docs.pinned)
     try:
-        flat = run(hf, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads, row_labels(inputs))
+        flat = run(subject, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads, row_labels(inputs))
     except DocumentsDropped as exc:
         caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
         checkpointing = (
@@ -167,13 +168,15 @@ def _flat_run(
     return flat, ""
 
 
-def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, reference: bool, left: bool = False) -> str:
+def rows_train_error(
+    subject: Subject, inputs: Mapping[str, Any], rows_name: str, reference: bool, left: bool = False
+) -> str:
     """Why one document per row (as :func:`prove_rows` lays it out) does not run a training forward here, or "" when it
     runs: for a rows proof whose own forwards could not run (Reformer refuses a backward in eval mode; a backend
     whose kernel is missing fails anywhere). Without grad, the RNG and the mode restored after.
 
     Args:
-        hf: the transformers model.
+        subject: the model.
         inputs: the flat row's forward arguments (its first two documents run).
         rows_name: the stock implementation the padded rows run under.
         reference: run FA2 on the pure-PyTorch reference kernel.
@@ -184,9 +187,10 @@ def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, referen
 
     Example::
 
-        >>> rows_train_error(hf_model, inputs, "sdpa", reference=False)
+        >>> rows_train_error(subject, inputs, "sdpa", reference=False)
         ''
     """
+    hf = subject.model
     docs: Documents = inputs[DOCS_KEY]
     device = inputs["input_ids"].device
     was_training = hf.training
@@ -198,7 +202,9 @@ def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, referen
             torch.no_grad(),
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
         ):
-            run_, why = _rows_run(hf, inputs, docs.spans[:2], False, rows_name, reference, None, left, docs.max_length)
+            run_, why = _rows_run(
+                subject, inputs, docs.spans[:2], False, rows_name, reference, None, left, docs.max_length
+            )
     finally:
         hf.train(was_training)
     if run_ is None:
@@ -208,12 +214,12 @@ def rows_train_error(hf: Any, inputs: Mapping[str, Any], rows_name: str, referen
 
 
 def stock_packed_run(
-    hf: Any, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool, stock: str
+    subject: Subject, inputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], grads: bool, stock: str
 ) -> tuple[Run | None, str]:
     """Stock's own run of the flat row (its packed mask), or None and why it cannot run.
 
     Args:
-        hf: the transformers model.
+        subject: the model.
         inputs: the flat row's inputs.
         spans: the compared documents' ``(start, end)``.
         grads: compute their gradients too.
@@ -224,11 +230,11 @@ def stock_packed_run(
 
     Example::
 
-        >>> run_, why = stock_packed_run(hf_model, inputs, [(0, 28)], True, "sdpa")
+        >>> run_, why = stock_packed_run(subject, inputs, [(0, 28)], True, "sdpa")
     """
     try:
-        with running(hf, stock):
-            return run(hf, {**stock_packed(inputs), "labels": None}, spans, grads, row_labels(inputs)), ""
+        with subject.running(stock):
+            return run(subject, {**stock_packed(inputs), "labels": None}, spans, grads, row_labels(inputs)), ""
     except Exception as exc:
         return None, f"the flat row with stock's packed mask does not run: {short_error(exc)}"
 
@@ -244,9 +250,9 @@ def flat_side(inputs: Mapping[str, Any]) -> PackedSide:
 
     Example::
 
-        >>> run_, why = flat_side(inputs)(hf_model, [(0, 28)], True)
+        >>> run_, why = flat_side(inputs)(subject, [(0, 28)], True)
     """
-    return lambda hf, spans, grads: _flat_run(hf, inputs, spans, grads)
+    return lambda subject, spans, grads: _flat_run(subject, inputs, spans, grads)
 
 
 def rows_side(
@@ -272,19 +278,19 @@ def rows_side(
 
     Example::
 
-        >>> run_, why = rows_side(inputs, "sdpa", False, None)(hf_model, [(0, 28)], True)
+        >>> run_, why = rows_side(inputs, "sdpa", False, None)(subject, [(0, 28)], True)
     """
     docs: Documents = inputs[DOCS_KEY]
     spans, lengths = docs.spans, docs.lengths
     width = {spans[d]: max(lengths[m] for m in group) for group in groups for d in group}
 
-    def side(hf: Any, spans: Sequence[tuple[int, int]], grads: bool) -> tuple[Run | None, str]:
+    def side(subject: Subject, spans: Sequence[tuple[int, int]], grads: bool) -> tuple[Run | None, str]:
         by_width: dict[int, list[tuple[int, int]]] = {}
         for span in spans:  # as wide as its forward's rows, or as the batch's longest document
             by_width.setdefault(width.get(span, docs.max_length), []).append(span)
         runs = []
         for wide, some in by_width.items():
-            one, why = _rows_run(hf, inputs, some, grads, rows_name, reference, truth, left, wide)
+            one, why = _rows_run(subject, inputs, some, grads, rows_name, reference, truth, left, wide)
             if one is None:
                 return None, why
             runs.append(one)
@@ -303,7 +309,7 @@ def _joined(runs: Sequence[Run]) -> Run:
 
 
 def _rows_run(
-    hf: Any,
+    subject: Subject,
     inputs: Mapping[str, Any],
     spans: Sequence[tuple[int, int]],
     grads: bool,
@@ -316,6 +322,7 @@ def _rows_run(
     """The rows path's run of the documents at ``spans`` (one per row, as :func:`one_per_row` lays out a training
     batch: ``width`` wide, ``left``-padded or right), placed back at their positions of the flat row; or None and
     why it cannot run."""
+    hf = subject.model
     ids = inputs["input_ids"].reshape(1, -1)
     index = torch.cat([torch.arange(s, e) for s, e in spans]).to(ids.device)
     lengths = tuple(e - s for s, e in spans)
@@ -326,9 +333,9 @@ def _rows_run(
     targets = F.pad(rows.pop("labels")[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)[dst]  # as the rows train
     rows = {k: v for k, v in rows.items() if v is not None}
     try:
-        with running(hf, rows_name), kernel_context(rows_name, ids.device, reference):
+        with subject.running(rows_name), kernel_context(rows_name, ids.device, reference):
             with embeddings(hf, grads) as captured:
-                out = own_forward(hf, **rows, use_cache=False).logits
+                out = subject.forward(**rows, use_cache=False).logits
     except Exception as exc:
         return None, f"one document per row ({rows_name}) does not run: {short_error(exc)}"
     logits = out.reshape(-1, out.shape[-1])[dst]

@@ -25,6 +25,7 @@ from foundry_attn.proof.prove import prove_step
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.runs import HeadCall, embeddings, head_calls
 from foundry_attn.proof.sides import passes_kwargs
+from foundry_attn.proof.subject import Subject
 from foundry_attn.proof.tolerance import training_noise
 
 
@@ -107,7 +108,7 @@ class StepProof:
     state: Keeper
     keep: Keep
     again: ProveAgain
-    hf: Any
+    subject: Subject
     inputs: Mapping[str, Any]
     at: str
     grads: bool
@@ -127,7 +128,8 @@ class StepProof:
             >>> with proof.capturing():     # forward_documents, around the batch's forward
             ...     out = forward(prepared.inputs)
         """
-        with embeddings(self.hf, self.grads) as captured, head_calls(self.hf, self.grads) as head:
+        hf = self.subject.model
+        with embeddings(hf, self.grads) as captured, head_calls(hf, self.grads) as head:
             self.captured, self.head = captured, head
             yield
 
@@ -148,7 +150,7 @@ class StepProof:
             >>> proof.settle(out)     # forward_documents, after the batch's forward; proof.settle(None, exc) on a raise
             True
         """
-        state, hf = self.state, self.hf
+        state, hf = self.state, self.subject.model
         if error is not None:
             text = str(error).strip().splitlines()
             reason = f"the flat row does not run in training: {type(error).__name__}: {text[0] if text else ''}"
@@ -158,7 +160,7 @@ class StepProof:
         proof = None
         if out is not None:
             proof = prove_step(
-                hf,
+                self.subject,
                 self.inputs,
                 out,
                 self.captured,

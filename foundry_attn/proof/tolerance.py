@@ -1,6 +1,6 @@
 """What exact means: the limits a proof tolerates, fp32 and half precision, and stock's own noise that raises them.
 
-    limits = limits_for(hf, alone_inputs(documents[-1]), alone[-1])   # fp32: max |diff|; half: per token, noise
+    limits = limits_for(subject, alone_inputs(documents[-1]), alone[-1])   # fp32: max |diff|; half: per token, noise
     diff, bad = differs(got, want, limits.fp32, limits.logits)
 
 fp32 compares max |diff| (logits ``ATOL_FP32`` x max |logit|, gradients ``GRAD_RTOL_FP32`` x max |grad|). Half
@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from foundry_attn.attention.config_values import config_value
-from foundry_attn.flat.implementation import running
-from foundry_attn.flat.model_forward import own_forward
 from foundry_attn.proof.runs import Run, embeddings, next_token_loss, run
+from foundry_attn.proof.subject import Subject
 
 #: fp32: logits max |diff| <= ATOL_FP32 * max(1, max |logit|); gradients max |diff| <= GRAD_RTOL_FP32 * max |grad|
 ATOL_FP32 = 1e-4
@@ -218,7 +217,7 @@ def training_noise(hf: Any) -> str | None:
 _NOISY = re.compile(r"dropout|pdrop|jitter")
 
 
-def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run, stock: str | None = None) -> tuple[float, float]:
+def stock_noise(subject: Subject, alone: Mapping[str, Any], run: Run, stock: str | None = None) -> tuple[float, float]:
     """Stock against itself, no leak: the document alone (``run``) against the same document as the first row of
     a right-padded two-row batch (another shape, so other kernel tiles and reduction orders), and with ``stock``
     against the same document alone under another stock kernel of the same function (:func:`kernel_spread`: a
@@ -226,7 +225,7 @@ def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run, stock: str | None =
     floor of this model on this device, at the comparison's own precision.
 
     Args:
-        hf: the transformers model, under its stock implementation.
+        subject: the model, under its stock implementation.
         alone: the document's inputs alone (:func:`alone_inputs`).
         run: its :class:`Run` alone.
         stock: the stock implementation ``run`` ran under (None: the shape's noise only).
@@ -236,22 +235,22 @@ def stock_noise(hf: Any, alone: Mapping[str, Any], run: Run, stock: str | None =
 
     Example::
 
-        >>> stock_noise(hf_model, alone, run(hf_model, alone, [(0, 13)], grads=True), "sdpa")   # bf16 on a CPU
+        >>> stock_noise(subject, alone, run(subject, alone, [(0, 13)], grads=True), "sdpa")   # bf16 on a CPU
         (0.0, 0.0)
     """
-    shape = _shape_noise(hf, alone, run)
-    kernel = (0.0, 0.0) if stock is None else kernel_spread(hf, alone, run, stock)
+    shape = _shape_noise(subject, alone, run)
+    kernel = (0.0, 0.0) if stock is None else kernel_spread(subject, alone, run, stock)
     return max(shape[0], kernel[0]), max(shape[1], kernel[1])
 
 
-def kernel_spread(hf: Any, alone: Mapping[str, Any], run_: Run, stock: str) -> tuple[float, float]:
+def kernel_spread(subject: Subject, alone: Mapping[str, Any], run_: Run, stock: str) -> tuple[float, float]:
     """The document alone under a second stock kernel (eager against sdpa or a flash kernel, sdpa against eager)
     against ``run_``, its run under ``stock``: how far two stock kernels of one function round apart here, per
     token. 0.0 where the class has no second kernel, where it raises, or where it is not finite (no spread is
     measured from a kernel that fails).
 
     Args:
-        hf: the transformers model.
+        subject: the model.
         alone: the document's inputs alone (:func:`alone_inputs`).
         run_: its :class:`Run` under ``stock``.
         stock: the stock implementation ``run_`` ran under.
@@ -261,16 +260,16 @@ def kernel_spread(hf: Any, alone: Mapping[str, Any], run_: Run, stock: str) -> t
 
     Example::
 
-        >>> kernel_spread(hf_model, alone, run_alone, "sdpa")     # bf16 weights on a GPU: eager against sdpa
+        >>> kernel_spread(subject, alone, run_alone, "sdpa")     # bf16 weights on a GPU: eager against sdpa
         (0.0087, 0.011)
     """
     other = "sdpa" if stock == "eager" else "eager"
-    if other == "sdpa" and not getattr(type(hf), "_supports_sdpa", False):
+    if other == "sdpa" and not getattr(type(subject.model), "_supports_sdpa", False):
         return 0.0, 0.0
     n = alone["input_ids"].shape[1]
     try:
-        with running(hf, other):
-            second = run(hf, alone, [(0, n)], run_.grad is not None)
+        with subject.running(other):
+            second = run(subject, alone, [(0, n)], run_.grad is not None)
     except Exception:
         return 0.0, 0.0
     logits = per_token(second.logits, run_.logits).max().item() if second.logits.shape == run_.logits.shape else 0.0
@@ -280,7 +279,7 @@ def kernel_spread(hf: Any, alone: Mapping[str, Any], run_: Run, stock: str) -> t
     return (logits if math.isfinite(logits) else 0.0), (grads if math.isfinite(grads) else 0.0)
 
 
-def _shape_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
+def _shape_noise(subject: Subject, alone: Mapping[str, Any], run: Run) -> tuple[float, float]:
     """The document alone against itself as the first row of a right-padded two-row batch, per token."""
     ids = alone["input_ids"]
     n = ids.shape[1]
@@ -291,8 +290,8 @@ def _shape_noise(hf: Any, alone: Mapping[str, Any], run: Run) -> tuple[float, fl
     pair["attention_mask"][1, (n + 1) // 2 :] = 0
     if "position_ids" in alone:
         pair["position_ids"] = torch.cat([alone["position_ids"], alone["position_ids"]])
-    with embeddings(hf, run.grad is not None) as captured:
-        logits = own_forward(hf, **pair, use_cache=False).logits[0]
+    with embeddings(subject.model, run.grad is not None) as captured:
+        logits = subject.forward(**pair, use_cache=False).logits[0]
     noise = per_token(logits.detach(), run.logits).max().item()
     if run.grad is None or not captured or not captured[0].requires_grad:
         return noise, 0.0
@@ -318,12 +317,12 @@ def worse(worst: float, diff: float) -> float:
     return math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)  # max would drop a nan
 
 
-def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run, stock: str | None = None) -> Limits:
+def limits_for(subject: Subject, alone: Mapping[str, Any], run_alone: Run, stock: str | None = None) -> Limits:
     """fp32 limits, or in half precision (half weights or autocast) the limits raised to stock's own noise on the
     document ``alone`` (whose run is ``run_alone``), at its shape and, with ``stock``, across stock's kernels.
 
     Args:
-        hf: the transformers model (its first parameter's dtype is read).
+        subject: the model (its first parameter's dtype is read).
         alone: the document's inputs alone (:func:`alone_inputs`).
         run_alone: its :class:`Run` alone.
         stock: the stock implementation it ran under (:func:`stock_noise`).
@@ -333,13 +332,13 @@ def limits_for(hf: Any, alone: Mapping[str, Any], run_alone: Run, stock: str | N
 
     Example::
 
-        >>> limits_for(hf_model, alone, run_alone)     # fp32 weights, no autocast
+        >>> limits_for(subject, alone, run_alone)     # fp32 weights, no autocast
         Limits(fp32=True, logits=0.0001, grads=0.0001, noise=None)
     """
     ids = alone["input_ids"]
-    if not half(next(hf.parameters()).dtype, ids.device):
+    if not half(next(subject.model.parameters()).dtype, ids.device):
         return Limits()
-    return Limits.half(stock_noise(hf, alone, run_alone, stock))
+    return Limits.half(stock_noise(subject, alone, run_alone, stock))
 
 
 def limits_note(limits: Limits) -> str:

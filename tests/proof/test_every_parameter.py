@@ -22,6 +22,7 @@ from foundry_attn.flat.layout import Layout
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.path.attach import attach
 from foundry_attn.path.forward import forward_documents, repad_logits
+from foundry_attn.path.proven import subject_of
 from foundry_attn.proof.prove import prove_flat
 from tests.conftest import make_llama
 
@@ -89,7 +90,7 @@ def test_a_parameter_the_flat_path_leaves_behind_fails_the_proof_by_name(monkeyp
     model = biased_llama()
     attach(model, "sdpa", prove_now=False)
     monkeypatch.setattr(function_calls, "mask_content", lambda mask: None)
-    proof = prove_flat(model, _flat(model), "sdpa")
+    proof = prove_flat(subject_of(model), _flat(model), "sdpa")
     assert not proof.ok
     assert "model.layers.0.self_attn.A" in proof.reason and "get no gradient" in proof.reason, proof.reason
     assert proof.worst < 1e-5  # the logits alone would have passed it

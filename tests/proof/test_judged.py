@@ -11,7 +11,7 @@ import torch
 from foundry_attn.flat.implementation import running
 from foundry_attn.path.attach import attach
 from foundry_attn.path.forward import forward_documents
-from foundry_attn.path.proven import keep_proof
+from foundry_attn.path.proven import keep_proof, subject_of
 from foundry_attn.proof.result import Proof, undefined_values
 from foundry_attn.proof.runs import alone_inputs, loss_shifts, run
 from foundry_attn.proof.synthetic import synthetic_documents
@@ -93,7 +93,7 @@ def test_cpmants_loss_reads_each_tokens_own_label_and_llamas_the_next() -> None:
     for model_type, impl, shifts in (("cpmant", "eager", False), ("llama", "sdpa", True)):
         model = _model(model_type, impl)
         doc = synthetic_documents(model.config, (9,), torch.device("cpu"))[0]
-        assert loss_shifts(model, doc) is shifts, model_type
+        assert loss_shifts(subject_of(model), doc) is shifts, model_type
 
 
 def test_a_proof_that_could_not_judge_keeps_the_last_decision() -> None:
@@ -122,9 +122,10 @@ def test_half_precision_limits_hold_the_spread_of_stocks_own_kernels() -> None:
     model = _model("llama", "sdpa").to(torch.bfloat16).eval()
     doc = synthetic_documents(model.config, (40,), torch.device("cpu"))[0]
     alone = alone_inputs(doc[None])
-    with running(model, "sdpa"):
-        mine = run(model, alone, [(0, 40)], grads=True)
-        shape_only = stock_noise(model, alone, mine)
-        both = stock_noise(model, alone, mine, "sdpa")
+    subject = subject_of(model)
+    with subject.running("sdpa"):
+        mine = run(subject, alone, [(0, 40)], grads=True)
+        shape_only = stock_noise(subject, alone, mine)
+        both = stock_noise(subject, alone, mine, "sdpa")
     assert both[0] >= shape_only[0] and both[1] >= shape_only[1]
     assert both[0] > 0.0, both  # bf16 eager rounds its scores: two stock kernels differ
