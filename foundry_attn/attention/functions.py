@@ -31,6 +31,7 @@ Core module: torch and transformers only.
 from __future__ import annotations
 
 import functools
+import importlib
 
 from foundry_attn.attention.backends import EAGER, FA2, FA2_REFERENCE, FLEX, PREFIX, SDPA, TORCH_VARLEN
 from foundry_attn.attention.dense_functions import by_length, eager_documents, flex_documents, sdpa_documents
@@ -91,3 +92,39 @@ def register() -> None:
     masks = {SDPA: SDPA, FLEX: FLEX}  # FA2, torch_varlen and eager take the additive mask on their mask branch
     for name in FUNCTIONS:
         AttentionMaskInterface.register(PREFIX + name, ALL_MASK_ATTENTION_FUNCTIONS[masks.get(name, EAGER)])
+
+
+def bypassed_by(backend: str) -> str | None:
+    """A function a user registered under the stock name ``backend`` that our dispatch bypasses, named, or None.
+
+    Args:
+        backend: the stock name (``sdpa``, ``flash_attention_2``, ``flex_attention``).
+
+    Returns:
+        What the flat path bypasses and where it still runs, or None where the stock function is registered.
+
+    Example::
+
+        >>> AttentionInterface.register("sdpa", my_sdpa)
+        >>> bypassed_by("sdpa")
+        "mine.my_sdpa is registered as 'sdpa'; the flat path runs foundry_sdpa instead and bypasses it (...)"
+    """
+    from transformers.modeling_utils import AttentionInterface
+
+    stock = {
+        SDPA: ("transformers.integrations.sdpa_attention", "sdpa_attention_forward"),
+        FA2: ("transformers.integrations.flash_attention", "flash_attention_forward"),
+        FLEX: ("transformers.integrations.flex_attention", "flex_attention_forward"),
+    }.get(backend)
+    registered = AttentionInterface._global_mapping.get(backend)
+    if stock is None or registered is None:
+        return None
+    original = getattr(importlib.import_module(stock[0]), stock[1], None)
+    if registered is original:
+        return None
+    name = getattr(registered, "__qualname__", repr(registered))
+    module = getattr(registered, "__module__", "?")
+    return (
+        f"{module}.{name} is registered as '{backend}'; the flat path runs foundry_{backend} instead and bypasses "
+        "it (attn_path: rows runs it)"
+    )

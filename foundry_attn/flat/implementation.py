@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from foundry_attn.attention.backends import BACKENDS, FA2, FA2_REFERENCE, PREFIX, backend_of
+from foundry_attn.attention.backends import BACKENDS, FA2, FA2_REFERENCE, PREFIX
 from foundry_attn.checks import check_choice
 
 
@@ -85,15 +85,15 @@ def running(hf: Any, name: str) -> Iterator[None]:
         use(hf, before)
 
 
-def point(hf: Any, backend: str | None = None, fa2_reference: bool = False) -> str:
-    """Point the HF model's attention at our function for ``backend`` (default: its current one), unproven.
+def point(hf: Any, backend: str, fa2_reference: bool = False) -> str:
+    """Point the HF model's attention at our function for ``backend``, unproven.
 
     Low level: :func:`foundry_attn.path.attach.attach` points, proves the flat path against stock and records the
     path; ``forward_documents`` runs a model that was only pointed one document per row.
 
     Args:
         hf: the transformers model (not a wrapper).
-        backend: one of the backend table's names; None: the one it runs now.
+        backend: one of the backend table's names.
         fa2_reference: FA2 on the pure-PyTorch reference kernel (CPU tests).
 
     Returns:
@@ -107,7 +107,7 @@ def point(hf: Any, backend: str | None = None, fa2_reference: bool = False) -> s
     from foundry_attn.attention.functions import register  # transformers' interface: only where a model is pointed
 
     register()
-    backend = check_choice("attention backend", backend or backend_of(current(hf)), BACKENDS)
+    backend = check_choice("attention backend", backend, BACKENDS)
     name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
     use(hf, name)
     return name

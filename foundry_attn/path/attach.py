@@ -21,24 +21,20 @@ ecosystem's packed batches take the proven path). When each path runs and when t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, FLEX, NAMES, SDPA, backend_of, rows_name
+from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, backend_of, rows_name
 from foundry_attn.attention.config_values import config_value
+from foundry_attn.attention.functions import bypassed_by
 from foundry_attn.checks import check_choice, check_interval
-from foundry_attn.flat.implementation import current, point, running, use
-from foundry_attn.flat.inputs import flat_inputs
-from foundry_attn.flat.layout import Layout
+from foundry_attn.flat.implementation import current, point, use
 from foundry_attn.flat.model_forward import replace_forwards
 from foundry_attn.flat.unwrap import compiled, unwrapped
 from foundry_attn.path.execution import EAGER_STEP, check_execution, execution_for
 from foundry_attn.path.forward import packed_backbone, packed_model, plain_call
-from foundry_attn.path.proven import prove, prove_rows, subject_of
+from foundry_attn.path.proven import prove_at_attach
 from foundry_attn.path.schedule import PROOF_INTERVAL, Schedule
 from foundry_attn.path.state import (
     AUTO_PATH,
@@ -49,39 +45,12 @@ from foundry_attn.path.state import (
     PathState,
     check_path,
 )
-from foundry_attn.proof.proving import hidden
-from foundry_attn.proof.runs import alone_inputs, evaluating, loss_shifts, run
-from foundry_attn.proof.synthetic import proof_lengths, synthetic_documents, unexercised
 from foundry_attn.selection import policy
-from foundry_attn.selection.backend_checks import model_check
-from foundry_attn.selection.decision import decide
+from foundry_attn.selection.decision import decide, refuse_unsupported, weights_compute_dtype
 from foundry_attn.selection.policy import DEFAULT_FALLBACK, AttentionUnavailableError, Decision
 from foundry_attn.selection.traits import ModelTraits
 
 log = logging.getLogger(__name__)
-
-
-def _bypassed(backend: str) -> str | None:
-    """A function a user registered under the stock name that our dispatch bypasses, named."""
-    from transformers.modeling_utils import AttentionInterface
-
-    stock = {
-        SDPA: ("transformers.integrations.sdpa_attention", "sdpa_attention_forward"),
-        FA2: ("transformers.integrations.flash_attention", "flash_attention_forward"),
-        FLEX: ("transformers.integrations.flex_attention", "flex_attention_forward"),
-    }.get(backend)
-    registered = AttentionInterface._global_mapping.get(backend)
-    if stock is None or registered is None:
-        return None
-    original = getattr(importlib.import_module(stock[0]), stock[1], None)
-    if registered is original:
-        return None
-    name = getattr(registered, "__qualname__", repr(registered))
-    module = getattr(registered, "__module__", "?")
-    return (
-        f"{module}.{name} is registered as '{backend}'; the flat path runs foundry_{backend} instead and bypasses "
-        "it (attn_path: rows runs it)"
-    )
 
 
 def attach(
@@ -148,13 +117,13 @@ def attach(
     check_execution(execution)
     if backend is not None:
         check_choice("attention backend", backend, (policy.AUTO, *BACKENDS))
-    hf = unwrapped(model)
+    hf, caller_compiles = unwrapped(model), compiled(model)
     if backend == policy.AUTO:
         decision = decide(
             None,
             policy.AUTO,
             tuple(fallback),
-            compute_dtype=_compute_dtype(hf, compute_dtype),
+            compute_dtype=weights_compute_dtype(next(hf.parameters()).dtype, compute_dtype),
             fa2_reference=fa2_reference,
             config=hf.config,
             model_class=type(hf),
@@ -172,7 +141,7 @@ def attach(
         )
     else:
         state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
-    return with_execution(with_capacity(state, hf, capacity), hf, execution, compiled(model))
+    return with_execution(with_capacity(state, hf, capacity), hf, execution, caller_compiles)
 
 
 def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
@@ -233,13 +202,6 @@ def with_execution(state: PathState, hf: Any, execution: str, caller_compiles: b
     if state.execution.runs != execution:
         log.warning("foundry_attn: %s: attn_execution %s: %s", type(hf).__name__, execution, state.execution.reason)
     return state
-
-
-def _compute_dtype(hf: Any, named: str) -> str:
-    """``auto``'s compute dtype for a built model: the weights' where they are half, else the named one."""
-    dtype = next(hf.parameters()).dtype
-    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
-    return half if half is not None and named == "auto" else named
 
 
 def attach_decision(
@@ -320,7 +282,7 @@ def _attach_backend(
     before = getattr(hf, PATH_ATTR, None)
     built = before.rows_name if before is not None else current(hf)
     backend = check_choice("attention backend", backend or backend_of(built) or EAGER, BACKENDS)
-    _refuse_unsupported(hf, backend, fa2_reference)
+    refuse_unsupported(ModelTraits.from_model_class(type(hf), hf.config), backend, fa2_reference)
     # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
     forwards = replace_forwards(hf, packed_model, packed_backbone, plain_call)
     cpu = next(hf.parameters()).device.type == "cpu"
@@ -339,7 +301,7 @@ def _attach_backend(
     named = f"attach(model, {backend!r})"  # attach_decision puts the chain's decision in its place
     state.decision = Decision.given(backend, named, strict=state.binding, compute_dtype=dtype, proof="first batch")
     setattr(hf, PATH_ATTR, state)
-    bypassed = _bypassed(backend)
+    bypassed = bypassed_by(backend)
     if bypassed:
         state.notes.append(bypassed)
         log.warning("foundry_attn: %s", bypassed)
@@ -347,18 +309,8 @@ def _attach_backend(
         state.path, state.reason = ROWS, "attn_path: rows"
         use(hf, rows)
     if prove_now:
-        device = next(hf.parameters()).device
-        docs = _exercised(hf, state, synthetic_documents(hf.config, proof_lengths(hf.config), device))
-        layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
-        ids = torch.cat(docs)[None]
-        inputs, _ = flat_inputs(hf, ids, None, layout)
-        with running(hf, rows):
-            state.first_targets = not loss_shifts(subject_of(hf), docs[0])
         try:
-            if path == ROWS:
-                prove_rows(state, hf, inputs, "attach")
-            else:
-                prove(state, hf, inputs, "attach")
+            prove_at_attach(state, hf)
         except AttentionUnavailableError:  # refused: the model as it was before this attach
             use(hf, built)
             if before is None:
@@ -370,44 +322,3 @@ def _attach_backend(
     elif path != ROWS:
         state.reason = "flat, proven on the first training batch"
     return state
-
-
-def _exercised(hf: Any, state: PathState, docs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The synthetic documents attach proves on, less a 1-token one stock cannot compute alone (then no proof could
-    judge); what they leave out (that document, a window no document passes) is said in the notes: the first
-    training batch that holds it is proven there."""
-    left_out = []
-    single = [d for d in docs if d.numel() == 1]
-    if single:
-        try:
-            with hidden(), evaluating(hf), running(hf, state.rows_name):
-                logits = run(subject_of(hf), alone_inputs(single[0][None]), [(0, 1)], grads=False).logits
-            if not bool(torch.isfinite(logits).all()):
-                raise ValueError("non-finite logits")
-        except Exception as exc:
-            docs = [d for d in docs if d.numel() > 1]
-            left_out.append(f"a 1-token document (stock cannot compute one alone here: {type(exc).__name__})")
-    window = unexercised(hf.config, [d.numel() for d in docs])
-    if window:
-        left_out.append(window)
-    if left_out:
-        note = f"attach did not exercise {' or '.join(left_out)}: the first training batch that holds it is proven"
-        state.notes.append(note)
-        log.info("foundry_attn: %s %s", type(hf).__name__, note)
-    return docs
-
-
-def _refuse_unsupported(hf: Any, backend: str, reference: bool = False) -> None:
-    """The model checks (:func:`foundry_attn.selection.backend_checks.model_check`), before anything is pointed: a
-    backend the class does not declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap
-    under sdpa, ALiBi under FA2) runs neither path exactly, so it is refused with the backends that do run the model."""
-    traits = ModelTraits.from_model_class(type(hf), hf.config)
-    failed = model_check(backend, traits, reference)
-    if failed is None:
-        return
-    check, refused = failed
-    runs = [name for name in NAMES if model_check(name, traits, reference) is None]
-    raise AttentionUnavailableError(
-        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
-        f"with one of {runs} (stock transformers refuses this pair at load too)"
-    )

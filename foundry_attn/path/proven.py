@@ -1,6 +1,7 @@
 """What a proof's outcome does to the path: kept, the flat row on stock's packed mask, one document per row, or
 refused. The path asks the proof (:mod:`foundry_attn.proof`) and acts on its answer here.
 
+    prove_at_attach(state, hf_model)                         # on synthetic documents, the path's own proof
     prove(state, hf_model, inputs, "attach")                 # the flat row, at attach or on a batch
     prove_rows(state, hf_model, inputs, "attach")            # one document per row (right-, else left-padded)
     prove_batch(state, hf_model, inputs, plan, truth=None)   # the proof a batch's plan calls for: the path after
@@ -16,20 +17,25 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from foundry_attn.attention.backends import BACKENDS, EAGER, SDPA
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.flat.implementation import running, use
-from foundry_attn.flat.inputs import stock_splits_packed_rows
-from foundry_attn.flat.layout import Truth
+from foundry_attn.flat.inputs import flat_inputs, stock_splits_packed_rows
+from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.layout_cost import FLAT, ROWS
 from foundry_attn.flat.model_forward import own_forward
 from foundry_attn.path.state import NoExactPath, PathState, Plan
 from foundry_attn.proof.prove import prove_flat, prove_packed
 from foundry_attn.proof.prove import prove_rows as rows_proof
+from foundry_attn.proof.proving import hidden
 from foundry_attn.proof.result import Proof
+from foundry_attn.proof.runs import alone_inputs, evaluating, loss_shifts, run
 from foundry_attn.proof.sides import rows_train_error
 from foundry_attn.proof.step_proof import StepProof
 from foundry_attn.proof.subject import Subject
+from foundry_attn.proof.synthetic import proof_lengths, synthetic_documents, unexercised
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,65 @@ def subject_of(hf: Any) -> Subject:
         True
     """
     return Subject(hf, functools.partial(own_forward, hf), functools.partial(running, hf))
+
+
+def prove_at_attach(state: PathState, hf: Any) -> Proof:
+    """The proof at attach: the path's proof on synthetic documents
+    (:func:`~foundry_attn.proof.synthetic.proof_lengths`, less what stock cannot compute alone, what they leave out
+    said in the notes), and whether the model's loss trains each document's first token (``state.first_targets``:
+    CPM-Ant).
+
+    Args:
+        state: the attached path's state (``path`` rows: the rows proof; else the flat one).
+        hf: the transformers model, pointed at ours.
+
+    Returns:
+        The proof that stands.
+
+    Raises:
+        FlatPathError: the flat proof failed and the path is binding.
+        NoExactPath: neither path is exact.
+
+    Example::
+
+        >>> prove_at_attach(state, hf_model).ok
+        True
+    """
+    subject = subject_of(hf)
+    device = next(hf.parameters()).device
+    docs = _exercised(subject, state, synthetic_documents(hf.config, proof_lengths(hf.config), device))
+    layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
+    inputs, _ = flat_inputs(hf, torch.cat(docs)[None], None, layout)
+    with subject.running(state.rows_name):
+        state.first_targets = not loss_shifts(subject, docs[0])
+    if state.path == ROWS:
+        return prove_rows(state, hf, inputs, "attach")
+    return prove(state, hf, inputs, "attach")
+
+
+def _exercised(subject: Subject, state: PathState, docs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The synthetic documents attach proves on, less a 1-token one stock cannot compute alone (then no proof could
+    judge); what they leave out (that document, a window no document passes) is said in the notes: the first
+    training batch that holds it is proven."""
+    left_out = []
+    single = [d for d in docs if d.numel() == 1]
+    if single:
+        try:
+            with hidden(), evaluating(subject.model), subject.running(state.rows_name):
+                logits = run(subject, alone_inputs(single[0][None]), [(0, 1)], grads=False).logits
+            if not bool(torch.isfinite(logits).all()):
+                raise ValueError("non-finite logits")
+        except Exception as exc:
+            docs = [d for d in docs if d.numel() > 1]
+            left_out.append(f"a 1-token document (stock cannot compute one alone here: {type(exc).__name__})")
+    window = unexercised(subject.model.config, [d.numel() for d in docs])
+    if window:
+        left_out.append(window)
+    if left_out:
+        note = f"attach did not exercise {' or '.join(left_out)}: the first training batch that holds it is proven"
+        state.notes.append(note)
+        log.info("foundry_attn: %s %s", type(subject.model).__name__, note)
+    return docs
 
 
 def prove(

@@ -8,9 +8,9 @@ autocast and embeddings (``forward_probe``).
 
 The path asks, the proof answers: it takes the model as a :class:`~foundry_attn.proof.subject.Subject` (its one door:
 the model's own forward and the stock implementation a block runs under, handed in by the path), the inputs that train
-and the truth read from the batch, and returns a :class:`~foundry_attn.proof.result.Proof`. It never imports the path (:mod:`foundry_attn.path`), whose state a
-step proof is handed (:class:`~foundry_attn.proof.step_proof.Keeper`), and it checks the flat row's building blocks
-(:mod:`foundry_attn.flat`) without deciding anything.
+and the truth read from the batch, and returns a :class:`~foundry_attn.proof.result.Proof`. It never imports the
+path (:mod:`foundry_attn.path`), whose state a step proof is handed (:class:`~foundry_attn.proof.step_proof.Keeper`),
+and it checks the flat row's building blocks (:mod:`foundry_attn.flat`) without deciding anything.
 
 May import: torch, transformers, :mod:`foundry_attn.attention`, :mod:`foundry_attn.selection`,
 :mod:`foundry_attn.flat`.

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from foundry_attn.attention.backends import FA2, FLEX, SDPA, load_name
+from foundry_attn.attention.backends import FA2, FLEX, NAMES, SDPA, load_name
 from foundry_attn.checks import check_choice
-from foundry_attn.selection.backend_checks import fa2_smoke_test
+from foundry_attn.selection.backend_checks import fa2_smoke_test, model_check
 from foundry_attn.selection.capability import Capability
-from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, Decision, choose
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableError, Decision, choose
 from foundry_attn.selection.traits import ModelTraits
 
 if TYPE_CHECKING:
@@ -194,3 +194,52 @@ def decide(
             break
         decision = decision.with_rejection(cand.name, error)
     return decision
+
+
+def weights_compute_dtype(weights: torch.dtype, named: str) -> str:
+    """``auto``'s compute dtype for a built model: the weights' where they are half, else the named one.
+
+    Args:
+        weights: the dtype of the model's weights.
+        named: ``attn_compute_dtype`` (``auto``, ``bf16``, ``fp16``, ``fp32``).
+
+    Returns:
+        ``bf16`` or ``fp16`` for half weights under ``auto``; else ``named``.
+
+    Example::
+
+        >>> weights_compute_dtype(torch.bfloat16, "auto"), weights_compute_dtype(torch.float32, "auto")
+        ('bf16', 'auto')
+    """
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weights)
+    return half if half is not None and named == "auto" else named
+
+
+def refuse_unsupported(traits: ModelTraits, backend: str, reference: bool = False) -> None:
+    """The model checks (:func:`foundry_attn.selection.backend_checks.model_check`), before anything is pointed: a
+    backend the class does not declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap
+    under sdpa, ALiBi under FA2) runs neither path exactly, so it is refused with the backends that do run the model.
+
+    Args:
+        traits: the model's traits (:meth:`ModelTraits.from_model_class`).
+        backend: the backend attach was asked for.
+        reference: FA2 on the pure-PyTorch reference kernel.
+
+    Raises:
+        AttentionUnavailableError: the failed check, its cause, and the backends that run the model.
+
+    Example::
+
+        >>> refuse_unsupported(ModelTraits.from_model_class(GPTJForCausalLM, GPTJConfig()), "sdpa")
+        Traceback (most recent call last):
+        AttentionUnavailableError: attach: sdpa cannot run GPTJForCausalLM exactly: check 'declared' failed: ...
+    """
+    failed = model_check(backend, traits, reference)
+    if failed is None:
+        return
+    check, refused = failed
+    runs = [name for name in NAMES if model_check(name, traits, reference) is None]
+    raise AttentionUnavailableError(
+        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
+        f"with one of {runs} (stock transformers refuses this pair at load too)"
+    )
