@@ -230,9 +230,9 @@ def refuse_unsupported(traits: ModelTraits, backend: str, reference: bool = Fals
 
     Example::
 
-        >>> refuse_unsupported(ModelTraits.from_model_class(GPTJForCausalLM, GPTJConfig()), "sdpa")
+        >>> refuse_unsupported(ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config()), "sdpa")
         Traceback (most recent call last):
-        AttentionUnavailableError: attach: sdpa cannot run GPTJForCausalLM exactly: check 'declared' failed: ...
+        AttentionUnavailableError: attach: sdpa cannot run Gemma2ForCausalLM exactly: check 'exactness' failed: ...
     """
     failed = model_check(backend, traits, reference)
     if failed is None:
