@@ -200,13 +200,11 @@ def flat_inputs(
     # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
     if "last_cache_position" in base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
         inputs["last_cache_position"] = shape[1]
-    inputs["attention_mask"] = (
-        # a MoE forward hands its mask to the router loss, which reads it as [batch, seq]: every token of the
-        # flat row is real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)
-        torch.ones(shape, dtype=torch.long, device=ids.device)
-        if config_value(hf.config, "output_router_logits", False)
-        else placeholder(hf.dtype, ids.device)
-    )
+    inputs["attention_mask"] = placeholder(hf.dtype, ids.device)
+    # a MoE forward hands its mask to the router loss, which reads it as [batch, seq]: every token of the flat row is
+    # real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)
+    if config_value(hf.config, "output_router_logits", False):
+        inputs["attention_mask"] = torch.ones(shape, dtype=torch.long, device=ids.device)
     inputs[DOCS_KEY] = docs
     return inputs, Placed(flat if unpadded else torch.arange(total, device=ids.device), flat, layout.rows, layout.width)
 

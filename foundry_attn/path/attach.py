@@ -119,11 +119,12 @@ def attach(
         check_choice("attention backend", backend, (policy.AUTO, *BACKENDS))
     hf, caller_compiles = unwrapped(model), compiled(model)
     if backend == policy.AUTO:
+        dtype = weights_compute_dtype(next(hf.parameters()).dtype, compute_dtype)
         decision = decide(
             None,
             policy.AUTO,
             tuple(fallback),
-            compute_dtype=weights_compute_dtype(next(hf.parameters()).dtype, compute_dtype),
+            compute_dtype=dtype,
             fa2_reference=fa2_reference,
             config=hf.config,
             model_class=type(hf),
@@ -240,6 +241,7 @@ def attach_decision(
         >>> decision.chosen, state.path
         ('sdpa', 'flat')
     """
+    check_choice("attention backend", decision.chosen, BACKENDS)
     return _chain(unwrapped(model), decision, path, fa2_reference, strict, interval, prove_now)
 
 
@@ -281,12 +283,17 @@ def _attach_backend(
     """:func:`attach` for one named backend, on the HF model; a refusal leaves the model as it was."""
     before = getattr(hf, PATH_ATTR, None)
     built = before.rows_name if before is not None else current(hf)
-    backend = check_choice("attention backend", backend or backend_of(built) or EAGER, BACKENDS)
-    refuse_unsupported(ModelTraits.from_model_class(type(hf), hf.config), backend, fa2_reference)
+    backend = backend or backend_of(built) or EAGER  # attach and decide checked the name given
+    traits = ModelTraits.from_model_class(type(hf), hf.config)
+    refuse_unsupported(traits, backend, fa2_reference)
+    rows = rows_name(backend, built, fa2_reference, next(hf.parameters()).device.type == "cpu")
+    bypassed = bypassed_by(backend)
     # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
     forwards = replace_forwards(hf, packed_model, packed_backbone, plain_call)
-    cpu = next(hf.parameters()).device.type == "cpu"
-    rows = rows_name(backend, built, fa2_reference, cpu)
+    binding = strict and path == FLAT
+    dtype = str(next(hf.parameters()).dtype).removeprefix("torch.")
+    named = f"attach(model, {backend!r})"  # attach_decision puts the chain's decision in its place
+    decision = Decision.given(backend, named, strict=binding, compute_dtype=dtype, proof="first batch")
     state = PathState(
         backend,
         FLAT,
@@ -294,14 +301,11 @@ def _attach_backend(
         point(hf, backend, fa2_reference),
         rows,
         reference=fa2_reference,
-        binding=strict and path == FLAT,
+        binding=binding,
         schedule=Schedule(interval=interval),
+        decision=decision,
     )
-    dtype = str(next(hf.parameters()).dtype).removeprefix("torch.")
-    named = f"attach(model, {backend!r})"  # attach_decision puts the chain's decision in its place
-    state.decision = Decision.given(backend, named, strict=state.binding, compute_dtype=dtype, proof="first batch")
     setattr(hf, PATH_ATTR, state)
-    bypassed = bypassed_by(backend)
     if bypassed:
         state.notes.append(bypassed)
         log.warning("foundry_attn: %s", bypassed)

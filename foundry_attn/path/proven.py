@@ -35,7 +35,7 @@ from foundry_attn.proof.runs import alone_inputs, evaluating, loss_shifts, run
 from foundry_attn.proof.sides import rows_train_error
 from foundry_attn.proof.step_proof import StepProof
 from foundry_attn.proof.subject import Subject
-from foundry_attn.proof.synthetic import proof_lengths, synthetic_documents, unexercised
+from foundry_attn.proof.synthetic import proof_documents, unexercised
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def subject_of(hf: Any) -> Subject:
 
 def prove_at_attach(state: PathState, hf: Any) -> Proof:
     """The proof at attach: the path's proof on synthetic documents
-    (:func:`~foundry_attn.proof.synthetic.proof_lengths`, less what stock cannot compute alone, what they leave out
+    (:func:`~foundry_attn.proof.synthetic.proof_documents`, less what stock cannot compute alone, what they leave out
     said in the notes), and whether the model's loss trains each document's first token (``state.first_targets``:
     CPM-Ant).
 
@@ -81,18 +81,17 @@ def prove_at_attach(state: PathState, hf: Any) -> Proof:
         True
     """
     subject = subject_of(hf)
-    device = next(hf.parameters()).device
-    docs = _exercised(subject, state, synthetic_documents(hf.config, proof_lengths(hf.config), device))
+    docs, window = proof_documents(hf.config, next(hf.parameters()).device)
+    docs = _exercised(subject, state, docs, window)
+    state.first_targets = not loss_shifts(subject, docs[0], state.rows_name)
     layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
     inputs, _ = flat_inputs(hf, torch.cat(docs)[None], None, layout)
-    with subject.running(state.rows_name):
-        state.first_targets = not loss_shifts(subject, docs[0])
     if state.path == ROWS:
         return prove_rows(state, hf, inputs, "attach")
     return prove(state, hf, inputs, "attach")
 
 
-def _exercised(subject: Subject, state: PathState, docs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _exercised(subject: Subject, state: PathState, docs: list[torch.Tensor], window: int | None) -> list[torch.Tensor]:
     """The synthetic documents attach proves on, less a 1-token one stock cannot compute alone (then no proof could
     judge); what they leave out (that document, a window no document passes) is said in the notes: the first
     training batch that holds it is proven."""
@@ -107,9 +106,9 @@ def _exercised(subject: Subject, state: PathState, docs: list[torch.Tensor]) -> 
         except Exception as exc:
             docs = [d for d in docs if d.numel() > 1]
             left_out.append(f"a 1-token document (stock cannot compute one alone here: {type(exc).__name__})")
-    window = unexercised(subject.model.config, [d.numel() for d in docs])
-    if window:
-        left_out.append(window)
+    missed = unexercised(window, [d.numel() for d in docs])
+    if missed:
+        left_out.append(missed)
     if left_out:
         note = f"attach did not exercise {' or '.join(left_out)}: the first training batch that holds it is proven"
         state.notes.append(note)

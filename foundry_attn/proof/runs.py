@@ -140,25 +140,26 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
 
 
-def loss_shifts(subject: Subject, doc: torch.Tensor) -> bool:
+def loss_shifts(subject: Subject, doc: torch.Tensor, stock: str) -> bool:
     """Whether the model's own loss is the next-token loss of its logits (transformers shifts the labels), read from
     one stock forward of ``doc`` with ``labels=doc``; False for a model whose loss reads each token's own label
     (CPM-Ant), so each document's first token is a target there too. True where it cannot be told.
 
     Args:
-        subject: the model, under its stock implementation.
+        subject: the model.
         doc: one document's ids ``[n]``, two tokens or more.
+        stock: the stock implementation the forward runs under.
 
     Returns:
         False only where the model's loss matches the unshifted cross-entropy and not the shifted one.
 
     Example::
 
-        >>> loss_shifts(subject_of(llama), doc), loss_shifts(subject_of(cpmant), doc)
+        >>> loss_shifts(subject_of(llama), doc, "sdpa"), loss_shifts(subject_of(cpmant), doc, "sdpa")
         (True, False)
     """
     try:
-        with hidden(), evaluating(subject.model), torch.random.fork_rng(devices=[]):
+        with hidden(), evaluating(subject.model), torch.random.fork_rng(devices=[]), subject.running(stock):
             out = subject.forward(input_ids=doc[None], labels=doc[None], use_cache=False)
     except Exception:  # a model that cannot run a document alone is judged by the proof, which says why
         return True

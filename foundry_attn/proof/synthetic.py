@@ -1,7 +1,8 @@
-"""The two synthetic documents the proof at attach runs: seeded ids that avoid special tokens, lengths past any
-short window of the config.
+"""The synthetic documents the proof at attach runs: seeded ids that avoid special tokens, lengths past any short
+window of the config.
 
-    docs = synthetic_documents(config, proof_lengths(config), device)    # [tensor of 28 ids, tensor of 13 ids]
+    docs, window = proof_documents(config, device)          # [28 ids, 13 ids, 1 id], the config's shortest window
+    docs = synthetic_documents(config, (30, 17), device)   # any lengths
 
 Core module: torch only.
 """
@@ -71,34 +72,56 @@ def shortest_window(config: Any) -> int | None:
     return min(windows, default=None)
 
 
-def proof_lengths(config: Any, longest: int = 23) -> tuple[int, ...]:
-    """The documents of the proof at attach, as batches hold them: the first longer than any short window or chunk of
-    the config, then 13 tokens, then a 1-token document (the flat proof compares the first and the 13 tokens, the
-    last with targets; one document per row the first and the 1-token one, the most padded).
+def proof_lengths(window: int | None, longest: int = 23) -> tuple[int, ...]:
+    """The documents of the proof at attach, as batches hold them: the first longer than the config's shortest window
+    or chunk, then 13 tokens, then a 1-token document (the flat proof compares the first and the 13 tokens, the last
+    with targets; one document per row the first and the 1-token one, the most padded).
 
     Args:
-        config: the model's config.
+        window: the config's shortest window or chunk (:func:`shortest_window`), or None.
         longest: the first document's length where the shortest window is longer than 59 tokens.
 
     Returns:
-        The lengths: the first 5 past the shortest window (or ``longest + 5`` without one; 9 at least), 13, then 1.
+        The lengths: the first 5 past the window (or ``longest + 5`` without one; 9 at least), 13, then 1.
 
     Example::
 
-        >>> proof_lengths(LlamaConfig()), proof_lengths(MistralConfig(sliding_window=16))
+        >>> proof_lengths(None), proof_lengths(16)
         ((28, 13, 1), (21, 13, 1))
     """
-    short = shortest_window(config) or longest
+    short = window or longest
     first = short + 5 if short + 5 <= 64 else longest
     return max(first, 9), 13, 1
 
 
-def unexercised(config: Any, lengths: Sequence[int]) -> str:
+def proof_documents(config: Any, device: torch.device) -> tuple[list[torch.Tensor], int | None]:
+    """The documents of the proof at attach (:func:`proof_lengths`, :func:`synthetic_documents`) and the window they
+    are laid out against, the config read once.
+
+    Args:
+        config: the model's config.
+        device: where the ids go.
+
+    Returns:
+        The documents and the config's shortest window or chunk (None: it names none).
+
+    Example::
+
+        >>> docs, window = proof_documents(MistralConfig(sliding_window=16), torch.device("cpu"))
+        >>> [len(d) for d in docs], window
+        ([21, 13, 1], 16)
+    """
+    window = shortest_window(config)
+    lengths = proof_lengths(window)
+    return synthetic_documents(config, lengths, device), window
+
+
+def unexercised(window: int | None, lengths: Sequence[int]) -> str:
     """What documents of ``lengths`` leave out of the config's windows: the shortest window or chunk no document
     passes, in words, or "".
 
     Args:
-        config: the model's config.
+        window: the config's shortest window or chunk (:func:`shortest_window`), or None.
         lengths: the proof's document lengths.
 
     Returns:
@@ -106,10 +129,9 @@ def unexercised(config: Any, lengths: Sequence[int]) -> str:
 
     Example::
 
-        >>> unexercised(MistralConfig(), (28, 13, 1))
+        >>> unexercised(4096, (28, 13, 1))
         'a window of 4096 tokens (documents up to 28)'
     """
-    short = shortest_window(config)
-    if short is None or max(lengths) > short:
+    if window is None or max(lengths) > window:
         return ""
-    return f"a window of {short} tokens (documents up to {max(lengths)})"
+    return f"a window of {window} tokens (documents up to {max(lengths)})"

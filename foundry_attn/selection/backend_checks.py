@@ -20,7 +20,7 @@ from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 from foundry_attn.attention.torch_varlen import call_varlen, torch_varlen_kernel
 from foundry_attn.selection.capability import Capability, rng_untouched
 from foundry_attn.selection.flash_compat import preflight
-from foundry_attn.selection.traits import ModelTraits, reference_refusal
+from foundry_attn.selection.traits import ModelTraits
 
 FA2_MIN_VERSION = Version("2.1.0")
 FA2_MAX_HEAD_DIM = 256
@@ -85,15 +85,36 @@ def model_check(name: str, traits: ModelTraits, reference: bool = False) -> tupl
         >>> model_check("sdpa", ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config()))
         ('exactness', "sdpa cannot apply Gemma2ForCausalLM's attention logit softcap (50.0) per document")
     """
+    stand_in = reference_refusal(traits) if name == FA2 and reference else None
     if name not in traits.supports:
         return "model class", f"{traits.class_name} has no {name} support"
     if why := dict(traits.config_refuses).get(name):
         return "model config", f"its config refuses {name}: {why}"
     if why := refusal(name, traits.needs):
         return "exactness", why
-    if name == FA2 and reference and (why := reference_refusal(traits)):
-        return "model class", why
-    return None
+    return ("model class", stand_in) if stand_in else None
+
+
+def reference_refusal(traits: ModelTraits) -> str | None:
+    """Why the FA2 reference kernel cannot stand in for flash-attn under this class, or None.
+
+    Args:
+        traits: the model's traits (:meth:`ModelTraits.from_model_class`).
+
+    Returns:
+        The refusal, naming the class, or None where the reference kernel can stand in.
+
+    Example::
+
+        >>> reference_refusal(ModelTraits.from_model_class(GPTJForCausalLM, GPTJConfig()))   # transformers 4.51
+        'GPTJForCausalLM builds its flash-attention class at construction and that class calls flash-attn itself, ...'
+    """
+    if not traits.fa2_calls_flash_attn:
+        return None
+    return (
+        f"{traits.class_name} builds its flash-attention class at construction and that class calls flash-attn "
+        f"itself, so {REFERENCE_NAME} cannot stand in for it"
+    )
 
 
 def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:

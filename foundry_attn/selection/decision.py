@@ -234,11 +234,12 @@ def refuse_unsupported(traits: ModelTraits, backend: str, reference: bool = Fals
         Traceback (most recent call last):
         AttentionUnavailableError: attach: sdpa cannot run Gemma2ForCausalLM exactly: check 'exactness' failed: ...
     """
-    failed = model_check(backend, traits, reference)
-    if failed is None:
+    failed = {name: model_check(name, traits, reference) for name in {*NAMES, backend}}
+    asked = failed[backend]
+    if asked is None:
         return
-    check, refused = failed
-    runs = [name for name in NAMES if model_check(name, traits, reference) is None]
+    check, refused = asked
+    runs = [name for name in NAMES if failed[name] is None]
     raise AttentionUnavailableError(
         f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
         f"with one of {runs} (stock transformers refuses this pair at load too)"

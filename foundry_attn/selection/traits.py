@@ -14,7 +14,6 @@ import sys
 
 from foundry_attn.attention.backends import EAGER, FA2, FLEX, NAMES, SDPA, TORCH_VARLEN, ModelNeeds, config_refusals
 from foundry_attn.attention.config_values import config_value
-from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +64,11 @@ class ModelTraits:
         name = model_class.__name__
         if config is None:
             return cls(name, None, frozenset(supports))
+        calls_flash_attn, te_attention = _fa2_calls_flash_attn(model_class), _te_attention(model_class)
+        head_dim = head_dim_of(config)
         refuses = config_refusals(config, sorted(supports - {EAGER}))
         needs = ModelNeeds.of(name, config)
-        return cls(
-            name,
-            head_dim_of(config),
-            frozenset(supports),
-            needs,
-            refuses,
-            _fa2_calls_flash_attn(model_class),
-            _te_attention(model_class),
-        )
+        return cls(name, head_dim, frozenset(supports), needs, refuses, calls_flash_attn, te_attention)
 
 
 def _te_attention(model_class: type) -> bool:
@@ -97,28 +90,6 @@ def _fa2_calls_flash_attn(model_class: type) -> bool:
         return False
     tables = [v for k, v in vars(module).items() if k.endswith("_ATTENTION_CLASSES") and isinstance(v, dict)]
     return any(FA2 in t for t in tables) and "_flash_attention_forward" not in vars(module)
-
-
-def reference_refusal(traits: ModelTraits) -> str | None:
-    """Why the FA2 reference kernel cannot stand in for flash-attn under this class, or None.
-
-    Args:
-        traits: the model's traits (:meth:`ModelTraits.from_model_class`).
-
-    Returns:
-        The refusal, naming the class, or None where the reference kernel can stand in.
-
-    Example::
-
-        >>> reference_refusal(ModelTraits.from_model_class(GPTJForCausalLM, GPTJConfig()))   # transformers 4.51
-        'GPTJForCausalLM builds its flash-attention class at construction and that class calls flash-attn itself, ...'
-    """
-    if not traits.fa2_calls_flash_attn:
-        return None
-    return (
-        f"{traits.class_name} builds its flash-attention class at construction and that class calls flash-attn "
-        f"itself, so {REFERENCE_NAME} cannot stand in for it"
-    )
 
 
 def head_dim_of(config: object) -> int | None:

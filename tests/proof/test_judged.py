@@ -93,7 +93,7 @@ def test_cpmants_loss_reads_each_tokens_own_label_and_llamas_the_next() -> None:
     for model_type, impl, shifts in (("cpmant", "eager", False), ("llama", "sdpa", True)):
         model = _model(model_type, impl)
         doc = synthetic_documents(model.config, (9,), torch.device("cpu"))[0]
-        assert loss_shifts(subject_of(model), doc) is shifts, model_type
+        assert loss_shifts(subject_of(model), doc, impl) is shifts, model_type
 
 
 def test_a_proof_that_could_not_judge_keeps_the_last_decision() -> None:
