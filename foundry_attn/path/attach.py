@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from foundry_attn.attention.backends import BACKENDS, EAGER, FA2, backend_of, rows_name
-from foundry_attn.attention.config_values import config_value
 from foundry_attn.attention.functions import bypassed_by
 from foundry_attn.checks import check_choice, check_interval
 from foundry_attn.flat.implementation import current, point, use
@@ -46,7 +45,8 @@ from foundry_attn.path.state import (
     check_path,
 )
 from foundry_attn.selection import policy
-from foundry_attn.selection.decision import decide, refuse_unsupported, weights_compute_dtype
+from foundry_attn.selection.backend_checks import model_refusal
+from foundry_attn.selection.decision import decide, weights_compute_dtype
 from foundry_attn.selection.policy import DEFAULT_FALLBACK, AttentionUnavailableError, Decision
 from foundry_attn.selection.traits import ModelTraits
 
@@ -142,7 +142,8 @@ def attach(
         )
     else:
         state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
-    return with_execution(with_capacity(state, hf, capacity), hf, execution, caller_compiles)
+    state = with_capacity(state, hf, capacity)
+    return with_execution(state, hf, execution, caller_compiles)
 
 
 def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
@@ -169,7 +170,7 @@ def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
     if not BACKENDS[state.backend].static:
         why = f"{state.backend} reads the documents' lengths on the host (flash_attention_2 and torch_varlen read "
         why += "their bounds on the device)"
-    elif config_value(hf.config, "output_router_logits", False):
+    elif state.traits.router_loss:
         why = "the router's loss counts every token of the row, the padding's too"
     if why:
         note = f"capacity {capacity} not applied: {why}; each flat row runs at its own length"
@@ -261,14 +262,14 @@ def _chain(
         except FlatPathError:
             raise
         except AttentionUnavailableError as exc:
-            decision = decision.with_rejection(chosen, str(exc), check="attach", fix="see the reason")
-            continue
-        if state.path == ROWS and backend_of(state.rows_name) != chosen:
-            decision = decision.with_rejection(chosen, state.reason, check="flat path")
-            continue
-        # the path, its reason and the last proof are the state's (PathState.decision_now); "off": none was asked
-        state.decision = dataclasses.replace(decision, proof="first batch" if prove_now else "off")
-        return state.decision, state
+            why, check, fix = str(exc), "attach", "see the reason"
+        else:
+            if state.path != ROWS or backend_of(state.rows_name) == chosen:
+                # the path, its reason and the last proof are the state's (PathState.decision_now); "off": none asked
+                state.decision = dataclasses.replace(decision, proof="first batch" if prove_now else "off")
+                return state.decision, state
+            why, check, fix = state.reason, "flat path", "see the error above"  # its rows run another backend
+        decision = decision.with_rejection(chosen, why, check=check, fix=fix)
 
 
 def _attach_backend(
@@ -285,7 +286,9 @@ def _attach_backend(
     built = before.rows_name if before is not None else current(hf)
     backend = backend or backend_of(built) or EAGER  # attach and decide checked the name given
     traits = ModelTraits.from_model_class(type(hf), hf.config)
-    refuse_unsupported(traits, backend, fa2_reference)
+    refused = model_refusal(traits, backend, fa2_reference)
+    if refused:
+        raise AttentionUnavailableError(refused)
     rows = rows_name(backend, built, fa2_reference, next(hf.parameters()).device.type == "cpu")
     bypassed = bypassed_by(backend)
     # the ecosystem's packed batches (DataCollatorWithFlattening) take the proven path
@@ -304,6 +307,7 @@ def _attach_backend(
         binding=binding,
         schedule=Schedule(interval=interval),
         decision=decision,
+        traits=traits,
     )
     setattr(hf, PATH_ATTR, state)
     if bypassed:

@@ -26,7 +26,7 @@ from foundry_attn.flat.inputs import flat_inputs, stock_splits_packed_rows
 from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.layout_cost import FLAT, ROWS
 from foundry_attn.flat.model_forward import own_forward
-from foundry_attn.path.state import NoExactPath, PathState, Plan
+from foundry_attn.path.state import FlatPathError, NoExactPath, PathChange, PathState, Plan
 from foundry_attn.proof.prove import prove_flat, prove_packed
 from foundry_attn.proof.prove import prove_rows as rows_proof
 from foundry_attn.proof.proving import hidden
@@ -35,7 +35,7 @@ from foundry_attn.proof.runs import alone_inputs, evaluating, loss_shifts, run
 from foundry_attn.proof.sides import rows_train_error
 from foundry_attn.proof.step_proof import StepProof
 from foundry_attn.proof.subject import Subject
-from foundry_attn.proof.synthetic import proof_documents, unexercised
+from foundry_attn.proof.synthetic import proof_documents
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ def prove_at_attach(state: PathState, hf: Any) -> Proof:
         True
     """
     subject = subject_of(hf)
-    docs, window = proof_documents(hf.config, next(hf.parameters()).device)
-    docs = _exercised(subject, state, docs, window)
+    docs, missed = proof_documents(hf.config, next(hf.parameters()).device)
+    docs = _exercised(subject, state, docs, missed)
     state.first_targets = not loss_shifts(subject, docs[0], state.rows_name)
     layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
     inputs, _ = flat_inputs(hf, torch.cat(docs)[None], None, layout)
@@ -91,10 +91,10 @@ def prove_at_attach(state: PathState, hf: Any) -> Proof:
     return prove(state, hf, inputs, "attach")
 
 
-def _exercised(subject: Subject, state: PathState, docs: list[torch.Tensor], window: int | None) -> list[torch.Tensor]:
+def _exercised(subject: Subject, state: PathState, docs: list[torch.Tensor], missed: str) -> list[torch.Tensor]:
     """The synthetic documents attach proves on, less a 1-token one stock cannot compute alone (then no proof could
-    judge); what they leave out (that document, a window no document passes) is said in the notes: the first
-    training batch that holds it is proven."""
+    judge); what they leave out (that document, ``missed``: a window no document passes, which the longest decides)
+    is said in the notes: the first training batch that holds it is proven."""
     left_out = []
     single = [d for d in docs if d.numel() == 1]
     if single:
@@ -106,7 +106,6 @@ def _exercised(subject: Subject, state: PathState, docs: list[torch.Tensor], win
         except Exception as exc:
             docs = [d for d in docs if d.numel() > 1]
             left_out.append(f"a 1-token document (stock cannot compute one alone here: {type(exc).__name__})")
-    missed = unexercised(window, [d.numel() for d in docs])
     if missed:
         left_out.append(missed)
     if left_out:
@@ -183,7 +182,7 @@ def keep_proof(
     if not proof.ok and (packed := _stock_mask_holds(state, hf, inputs, at, proof, grads, truth)):
         return packed
     if not proof.ok:
-        state.refuse(hf, f"proof at {at} {proof.describe()}", check="proof")
+        refuse(state, hf, f"proof at {at} {proof.describe()}", check="proof")
         prove_rows(state, hf, inputs, at, grads=grads, truth=truth)
         return proof
     state.schedule.cover(inputs[DOCS_KEY])
@@ -191,6 +190,35 @@ def keep_proof(
         mask = f"stock's packed mask ({state.rows_name}) " if state.stock_mask else ""
         state.reason = f"{mask}proven at {at}: {proof.describe()}"
     return proof
+
+
+def refuse(state: PathState, hf: Any, reason: str, check: str = "proof") -> None:
+    """Flat is refused for this model: rows from now on, one warning; binding: the error.
+
+    Args:
+        state: the path's state.
+        hf: the transformers model (its config is pointed at ``state.rows_name``).
+        reason: why, kept as ``state.reason`` and in ``state.changes``.
+        check: the failed check, named in the binding error.
+
+    Raises:
+        FlatPathError: the path is binding (``attn_path: flat``, strict).
+
+    Example::
+
+        >>> refuse(state, hf_model, "proof at attach failed (documents [28, 13] of a 41-token row): ...")
+        >>> state.path
+        'rows'
+    """
+    if state.binding:
+        raise FlatPathError(
+            f"attn_path: flat cannot run {type(hf).__name__} with {state.backend}: check '{check}' failed: "
+            f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
+        )
+    state.path, state.reason = ROWS, reason
+    use(hf, state.rows_name)
+    log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, state.rows_name, reason)
+    state.changes.append(PathChange(state.schedule.batches, ROWS, reason))
 
 
 def _stock_mask_holds(

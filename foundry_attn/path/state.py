@@ -25,7 +25,7 @@ import torch
 
 from foundry_attn.checks import check_choice
 from foundry_attn.flat.capacity import bucket
-from foundry_attn.flat.implementation import current, use
+from foundry_attn.flat.implementation import current
 from foundry_attn.flat.layout_cost import FLAT, ROWS
 from foundry_attn.flat.unwrap import compiled, unwrapped
 from foundry_attn.path.execution import EAGER_STEP, Execution
@@ -34,6 +34,7 @@ from foundry_attn.path.schedule import Schedule
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.step_proof import step_blocker
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
+from foundry_attn.selection.traits import ModelTraits
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class PathState:
     schedule: Schedule = dataclasses.field(default_factory=Schedule)  # when a proof is due
     choice: LayoutChoice = dataclasses.field(default_factory=LayoutChoice)  # the layout each batch runs
     execution: Execution = dataclasses.field(default_factory=Execution)  # eager, compiled or graphed, and why
+    traits: ModelTraits = dataclasses.field(default_factory=ModelTraits)  # what the model asks of attention (attach)
 
     def __deepcopy__(self, memo: dict) -> PathState:
         """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch."""
@@ -233,33 +235,6 @@ class PathState:
         at = f"batch {self.schedule.batches} ({due[0]})"
         in_step = in_step and layout == FLAT and not self.stock_mask and step_blocker(hf) is None
         return Plan(layout, at, due[1], in_step, groups)
-
-    def refuse(self, hf: Any, reason: str, check: str = "proof") -> None:
-        """Flat is refused for this model: rows from now on, one warning; binding: the error.
-
-        Args:
-            hf: the transformers model.
-            reason: why, kept as ``state.reason`` and in ``state.changes``.
-            check: the failed check, named in the binding error.
-
-        Raises:
-            FlatPathError: the path is binding (``attn_path: flat``, strict).
-
-        Example::
-
-            >>> state.refuse(hf_model, "proof at attach failed (documents [28, 13] of a 41-token row): ...")
-            >>> state.path
-            'rows'
-        """
-        if self.binding:
-            raise FlatPathError(
-                f"attn_path: flat cannot run {type(hf).__name__} with {self.backend}: check '{check}' failed: "
-                f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
-            )
-        self.path, self.reason = ROWS, reason
-        use(hf, self.rows_name)
-        log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, self.rows_name, reason)
-        self.changes.append(PathChange(self.schedule.batches, ROWS, reason))
 
 
 def compiled_by(model: Any) -> str | None:

@@ -2,7 +2,8 @@
 
 The proofs of the flat row and of one document per row against stock on each document alone (``prove``); the one
 that takes a training batch's own forward as its packed side (``step_proof``); running a model and reading what it
-computed (``runs``), what exact means (``tolerance``) and the comparison itself (``comparison``); the synthetic
+computed (``runs``), what exact means and each document against its run alone (``tolerance``), every parameter and
+the influence (``comparison``); the synthetic
 documents of the proof at attach (``synthetic``); the forwards the callbacks leave out (``proving``); a forward's
 autocast and embeddings (``forward_probe``).
 

@@ -1,13 +1,14 @@
-"""Packed against alone: the one comparison behind the proof (:mod:`foundry_attn.proof.prove`) and the inspector's
-verdict (:mod:`foundry_attn.observe.verdict`).
+"""Packed against alone for the whole model: every parameter's gradient (the documents' alone summed), and how far
+each document's gradient reaches into the others (the proof's :mod:`foundry_attn.proof.prove`, the inspector's
+verdict :mod:`foundry_attn.observe.verdict`).
 
-    alone = [run(hf, alone_inputs(doc), [(0, len(doc))], grads=True) for doc in documents]   # stock, eval mode
-    result = against_alone(packed, spans, alone, limits_for(hf, alone_inputs(documents[-1]), alone[-1]))
-    result.worst, result.worst_grad, result.differ     # the documents whose packed slice is not their run alone
+    worst, wrong = params_differ(packed.params, summed(alone), limits)   # "" where every parameter trains as alone
+    influence(packed.grad, spans).leaks                                  # a document's loss moves another's tokens
 
 A run (:mod:`foundry_attn.proof.runs`) is one forward's logits and, with grads, the gradient of its documents'
-next-token loss with respect to the input embeddings and every parameter; what exact means is
-:mod:`foundry_attn.proof.tolerance`'s. Core module: torch and transformers only.
+next-token loss with respect to the input embeddings and every parameter; each document's logits and input gradients
+against its run alone, and what exact means, are :mod:`foundry_attn.proof.tolerance`'s. Core module: torch and
+transformers only.
 """
 
 from __future__ import annotations
@@ -19,47 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from foundry_attn.proof.runs import ParamGrads, Run
-from foundry_attn.proof.tolerance import PARAM_FLOOR, PARAM_RTOL, Limits, differs, grad_differs, worse
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """Packed runs against runs alone: the worst differences (gradients: None if not compared) and the indices of
-    the documents beyond the limits."""
-
-    worst: float
-    worst_grad: float | None
-    differ: tuple[int, ...]
-
-
-def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence[Run], limits: Limits) -> Comparison:
-    """Each document's slice ``spans[i]`` of the ``packed`` run against ``alone[i]``: logits and, where both
-    have them, gradients.
-
-    Args:
-        packed: the packed row's :class:`Run`.
-        spans: each compared document's ``(start, end)`` in that row.
-        alone: each document's :class:`Run` alone, in the order of ``spans``.
-        limits: the tolerances (:func:`limits_for`).
-
-    Returns:
-        A :class:`Comparison`: the worst differences and the documents beyond the limits.
-
-    Example::
-
-        >>> against_alone(packed, [(0, 28), (28, 41)], alone, limits)
-        Comparison(worst=4.5e-08, worst_grad=1.9e-07, differ=())
-    """
-    worst, worst_grad, differ = 0.0, None, []
-    for i, ((s, e), mine) in enumerate(zip(spans, alone, strict=True)):
-        diff, bad = differs(packed.logits[s:e], mine.logits, limits.fp32, limits.logits)
-        worst = worse(worst, diff)
-        if packed.grad is not None and mine.grad is not None:
-            gdiff, gbad = grad_differs(packed.grad[s:e], mine.grad, limits)
-            worst_grad, bad = worse(worst_grad or 0.0, gdiff), bad or gbad
-        if bad:
-            differ.append(i)
-    return Comparison(worst, worst_grad, tuple(differ))
+from foundry_attn.proof.tolerance import PARAM_FLOOR, PARAM_RTOL, Limits, worse
 
 
 def summed(runs: Sequence[Run]) -> ParamGrads | None:

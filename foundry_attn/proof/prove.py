@@ -34,9 +34,9 @@ import torch
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.layout import Truth
-from foundry_attn.proof.comparison import against_alone, influence, params_differ, summed
+from foundry_attn.proof.comparison import influence, params_differ, summed
 from foundry_attn.proof.proving import hidden
-from foundry_attn.proof.result import NO_CALLS, NotRun, Proof, StockFailed, pick, pick_rows, undefined_values
+from foundry_attn.proof.result import NO_CALLS, NotRun, Proof, StockFailed
 from foundry_attn.proof.runs import (
     HeadCall,
     Run,
@@ -45,6 +45,7 @@ from foundry_attn.proof.runs import (
     evaluating,
     flat_tokens,
     run,
+    state_kept,
     token_embeddings,
     trainable,
 )
@@ -55,11 +56,62 @@ from foundry_attn.proof.sides import (
     row_labels,
     rows_side,
     short_error,
-    state_kept,
     stock_packed_run,
 )
 from foundry_attn.proof.subject import Subject
-from foundry_attn.proof.tolerance import limits_for, limits_note, worse
+from foundry_attn.proof.tolerance import against_alone, limits_for, limits_note, undefined_values, worse
+
+
+def pick(docs: Documents) -> tuple[int, int]:
+    """The two documents of a flat row to run alone: the longest (the length a kernel picks its code path by,
+    past a window where any document is) and the last of two tokens or more (the most exposed to what precedes it,
+    with targets: a 1-token document has no next-token loss); where that is the longest, the shortest other of two
+    tokens or more (another place in the row, at the least cost). A row of one document runs it twice: always two
+    forwards alone, so FSDP ranks proving the same batch all-gather the same number of times.
+
+    Args:
+        docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
+
+    Returns:
+        The two documents' indices in the row (``(0, 0)`` for a row of one).
+
+    Example::
+
+        >>> pick(Documents((0, 13, 42, 60)))     # lengths [13, 29, 18]: the longest and the last
+        (1, 2)
+    """
+    lengths = docs.lengths
+    if len(lengths) == 1:
+        return 0, 0
+    last = max((i for i, n in enumerate(lengths) if n > 1), default=len(lengths) - 1)
+    longest = max(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if longest != last:
+        return longest, last
+    rest = [i for i in range(len(lengths)) if i != last]
+    others = [i for i in rest if lengths[i] > 1] or rest
+    return min(others, key=lambda i: lengths[i]), last
+
+
+def pick_rows(docs: Documents) -> tuple[int, int]:
+    """The two documents a rows proof lays out one per row: the longest (no padding) and the shortest (the most
+    padding, where a model that is not padding-invariant shows it); rows do not see each other, so the place in
+    the row does not matter. A row of one document runs it twice, as :func:`pick`.
+
+    Args:
+        docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
+
+    Returns:
+        The two documents' indices in the row.
+
+    Example::
+
+        >>> pick_rows(Documents((0, 13, 42, 60)))     # lengths [13, 29, 18]: the longest and the shortest
+        (1, 0)
+    """
+    lengths = docs.lengths
+    longest = max(range(len(lengths)), key=lambda i: (lengths[i], i))
+    shortest = min(range(len(lengths)), key=lambda i: (lengths[i], -i))
+    return (longest, shortest) if shortest != longest else pick(docs)
 
 
 def prove_flat(
@@ -133,8 +185,18 @@ def prove_packed(
         >>> prove_packed(subject, inputs, "sdpa").ok     # transformers 5.x: stock splits the row at its positions
         True
     """
-    side: PackedSide = lambda subject, spans, grads: stock_packed_run(subject, inputs, spans, grads, stock)  # noqa: E731
-    return _prove(subject, inputs, stock, compare, reference, grads, truth, None, side, ours=False)
+    return _prove(
+        subject,
+        inputs,
+        stock,
+        compare,
+        reference,
+        grads,
+        truth,
+        None,
+        lambda subject, spans, grads: stock_packed_run(subject, inputs, spans, grads, stock),
+        ours=False,
+    )
 
 
 def prove_rows(
@@ -265,7 +327,7 @@ def _prove(
     docs: Documents = inputs[DOCS_KEY]
     compare = (pick(docs) if rows_name is None else pick_rows(docs)) if compare is None else tuple(compare)
     if packed is None:
-        packed = flat_side(inputs) if rows_name is None else rows_side(inputs, rows_name, reference, truth)
+        packed = rows_side(inputs, rows_name, reference, truth) if rows_name is not None else flat_side(inputs)
     with hidden(), state_kept(subject.model):
         worst, worst_grad, reason = _compare(
             subject, inputs, stock, compare, reference, grads, truth, rows_name, packed, ours

@@ -122,6 +122,35 @@ def head_calls(hf: Any, grads: bool) -> Iterator[list[HeadCall]]:
         handle.remove()
 
 
+@contextlib.contextmanager
+def state_kept(hf: Any) -> Iterator[None]:
+    """The tensors modules keep as plain attributes (RecurrentGemma's recurrent and conv state, a layer's cached
+    rotary table) as they were before the proof: its forwards leave nothing the training forwards read (a state
+    left with the proof's freed graph would fail the next backward).
+
+    Args:
+        hf: the transformers model.
+
+    Returns:
+        A context manager that puts every module's tensor attributes back on exit.
+
+    Example::
+
+        >>> with state_kept(hf_model):
+        ...     hf_model(**alone)           # a proof's forward
+    """
+    kept = [(m, {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor) or v is None}) for m in hf.modules()]
+    try:
+        yield
+    finally:
+        for module, before in kept:
+            for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in before]:
+                delattr(module, key)
+            for key, value in before.items():
+                if vars(module).get(key, value) is not value:
+                    setattr(module, key, value)
+
+
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The summed next-token loss of one document's ``[n, vocab]`` logits on its ``[n]`` ids.
 

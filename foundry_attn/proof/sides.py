@@ -9,10 +9,9 @@ Each side returns a :class:`~foundry_attn.proof.runs.Run` of the whole row (or w
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,48 +24,21 @@ from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.packing import IGNORE_INDEX
 from foundry_attn.proof.comparison import summed
 from foundry_attn.proof.proving import hidden
-from foundry_attn.proof.result import NO_CALLS, undefined_values
+from foundry_attn.proof.result import NO_CALLS
 from foundry_attn.proof.runs import (
     Run,
     embeddings,
     loss_grads,
     run,
+    state_kept,
     token_embeddings,
     trainable,
 )
 from foundry_attn.proof.subject import Subject
+from foundry_attn.proof.tolerance import undefined_values
 
 #: the packed side of a proof: (the model, the compared documents' spans, grads) -> its run, or None and why not
 PackedSide = Callable[[Subject, Sequence[tuple[int, int]], bool], tuple["Run | None", str]]
-
-
-@contextlib.contextmanager
-def state_kept(hf: Any) -> Iterator[None]:
-    """The tensors modules keep as plain attributes (RecurrentGemma's recurrent and conv state, a layer's cached
-    rotary table) as they were before the proof: its forwards leave nothing the training forwards read (a state
-    left with the proof's freed graph would fail the next backward).
-
-    Args:
-        hf: the transformers model.
-
-    Returns:
-        A context manager that puts every module's tensor attributes back on exit.
-
-    Example::
-
-        >>> with state_kept(hf_model):
-        ...     hf_model(**alone)           # a proof's forward
-    """
-    kept = [(m, {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor) or v is None}) for m in hf.modules()]
-    try:
-        yield
-    finally:
-        for module, before in kept:
-            for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in before]:
-                delattr(module, key)
-            for key, value in before.items():
-                if vars(module).get(key, value) is not value:
-                    setattr(module, key, value)
 
 
 def dropped_in_training(subject: Subject, inputs: Mapping[str, Any]) -> str | None:
@@ -146,10 +118,10 @@ def _flat_run(
     if not passes_kwargs(hf):
         base = type(getattr(hf, "base_model", hf)).__name__
         return None, f"{base}.forward takes no **kwargs: the documents cannot reach attention"
-    docs: Documents = inputs[DOCS_KEY]
+    labels, docs = row_labels(inputs), inputs[DOCS_KEY]
     fresh = Documents(docs.bounds, docs.device_bounds, docs.host_bounds, docs.real, docs.pinned)
     try:
-        flat = run(subject, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads, row_labels(inputs))
+        flat = run(subject, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads, labels)
     except DocumentsDropped as exc:
         caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
         checkpointing = (
@@ -232,9 +204,10 @@ def stock_packed_run(
 
         >>> run_, why = stock_packed_run(subject, inputs, [(0, 28)], True, "sdpa")
     """
+    labels = row_labels(inputs)
     try:
         with subject.running(stock):
-            return run(subject, {**stock_packed(inputs), "labels": None}, spans, grads, row_labels(inputs)), ""
+            return run(subject, {**stock_packed(inputs), "labels": None}, spans, grads, labels), ""
     except Exception as exc:
         return None, f"the flat row with stock's packed mask does not run: {short_error(exc)}"
 

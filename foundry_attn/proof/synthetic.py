@@ -1,7 +1,7 @@
 """The synthetic documents the proof at attach runs: seeded ids that avoid special tokens, lengths past any short
 window of the config.
 
-    docs, window = proof_documents(config, device)          # [28 ids, 13 ids, 1 id], the config's shortest window
+    docs, missed = proof_documents(config, device)          # [28 ids, 13 ids, 1 id], a window they leave out
     docs = synthetic_documents(config, (30, 17), device)   # any lengths
 
 Core module: torch only.
@@ -94,26 +94,26 @@ def proof_lengths(window: int | None, longest: int = 23) -> tuple[int, ...]:
     return max(first, 9), 13, 1
 
 
-def proof_documents(config: Any, device: torch.device) -> tuple[list[torch.Tensor], int | None]:
-    """The documents of the proof at attach (:func:`proof_lengths`, :func:`synthetic_documents`) and the window they
-    are laid out against, the config read once.
+def proof_documents(config: Any, device: torch.device) -> tuple[list[torch.Tensor], str]:
+    """The documents of the proof at attach (:func:`proof_lengths`, :func:`synthetic_documents`) and the window of
+    the config they leave unexercised (:func:`unexercised`), the config's windows read once.
 
     Args:
         config: the model's config.
         device: where the ids go.
 
     Returns:
-        The documents and the config's shortest window or chunk (None: it names none).
+        The documents, and the window no document passes in words ("" where one passes every window).
 
     Example::
 
-        >>> docs, window = proof_documents(MistralConfig(sliding_window=16), torch.device("cpu"))
-        >>> [len(d) for d in docs], window
-        ([21, 13, 1], 16)
+        >>> docs, missed = proof_documents(MistralConfig(), torch.device("cpu"))
+        >>> [len(d) for d in docs], missed
+        ([28, 13, 1], 'a window of 4096 tokens (documents up to 28)')
     """
     window = shortest_window(config)
     lengths = proof_lengths(window)
-    return synthetic_documents(config, lengths, device), window
+    return synthetic_documents(config, lengths, device), unexercised(window, lengths)
 
 
 def unexercised(window: int | None, lengths: Sequence[int]) -> str:

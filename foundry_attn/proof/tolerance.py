@@ -1,7 +1,10 @@
-"""What exact means: the limits a proof tolerates, fp32 and half precision, and stock's own noise that raises them.
+"""What exact means: the limits a proof tolerates, fp32 and half precision, stock's own noise that raises them, and
+each document's slice of a packed run against its run alone within them.
 
     limits = limits_for(subject, alone_inputs(documents[-1]), alone[-1])   # fp32: max |diff|; half: per token, noise
     diff, bad = differs(got, want, limits.fp32, limits.logits)
+    result = against_alone(packed, spans, alone, limits)                   # result.worst, result.differ
+    undefined_values(alone, spans)                                         # "" where every value is finite
 
 fp32 compares max |diff| (logits ``ATOL_FP32`` x max |logit|, gradients ``GRAD_RTOL_FP32`` x max |grad|). Half
 precision (autocast or half weights) compares **per token**, the worst token's relative L2 difference over the
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -361,3 +364,71 @@ def limits_note(limits: Limits) -> str:
         f" (half precision, worst token; limits {limits.logits:.1e} logits, {limits.grads:.1e} gradients; stock "
         f"against itself {limits.noise[0]:.1e}, {limits.noise[1]:.1e})"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Packed runs against runs alone: the worst differences (gradients: None if not compared) and the indices of
+    the documents beyond the limits."""
+
+    worst: float
+    worst_grad: float | None
+    differ: tuple[int, ...]
+
+
+def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence[Run], limits: Limits) -> Comparison:
+    """Each document's slice ``spans[i]`` of the ``packed`` run against ``alone[i]``: logits and, where both
+    have them, gradients.
+
+    Args:
+        packed: the packed row's :class:`Run`.
+        spans: each compared document's ``(start, end)`` in that row.
+        alone: each document's :class:`Run` alone, in the order of ``spans``.
+        limits: the tolerances (:func:`limits_for`).
+
+    Returns:
+        A :class:`Comparison`: the worst differences and the documents beyond the limits.
+
+    Example::
+
+        >>> against_alone(packed, [(0, 28), (28, 41)], alone, limits)
+        Comparison(worst=4.5e-08, worst_grad=1.9e-07, differ=())
+    """
+    worst, worst_grad, differ = 0.0, None, []
+    for i, ((s, e), mine) in enumerate(zip(spans, alone, strict=True)):
+        diff, bad = differs(packed.logits[s:e], mine.logits, limits.fp32, limits.logits)
+        worst = worse(worst, diff)
+        if packed.grad is not None and mine.grad is not None:
+            gdiff, gbad = grad_differs(packed.grad[s:e], mine.grad, limits)
+            worst_grad, bad = worse(worst_grad or 0.0, gdiff), bad or gbad
+        if bad:
+            differ.append(i)
+    return Comparison(worst, worst_grad, tuple(differ))
+
+
+def undefined_values(runs: Sequence[Run], spans: Sequence[tuple[int, int]], packed: bool = False) -> str:
+    """Where runs are not finite (a fully masked score row, a softmax over nothing), in words; "" where they are.
+
+    Args:
+        runs: one run per span, or with ``packed`` one run of the whole row.
+        spans: the documents' ``(start, end)`` in the row.
+        packed: read the one run at each span (else each run whole).
+
+    Returns:
+        Each document with non-finite logits or gradients, and at how many tokens; "" where every value is finite.
+
+    Example::
+
+        >>> undefined_values([Run(logits)], [(0, 3), (3, 5)], packed=True)     # a nan at token 3
+        'document of 2 tokens: nan or inf logits at 1 of its 2 tokens'
+    """
+    bad = []
+    for i, (s, e) in enumerate(spans):
+        mine = runs[0] if packed else runs[i]
+        logits = mine.logits[s:e] if packed else mine.logits
+        tokens = int((~torch.isfinite(logits.float())).any(-1).sum())
+        grads = mine.grad is not None and not bool(torch.isfinite(mine.grad[s:e] if packed else mine.grad).all())
+        if tokens or grads:
+            what = f"nan or inf logits at {tokens} of its {e - s} tokens" if tokens else "nan or inf gradients"
+            bad.append(f"document of {e - s} tokens: {what}")
+    return "; ".join(bad)

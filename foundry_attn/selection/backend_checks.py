@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from packaging.version import Version
 
-from foundry_attn.attention.backends import EAGER, FA2, FLEX, SDPA, TORCH_VARLEN, refusal
+from foundry_attn.attention.backends import EAGER, FA2, FLEX, NAMES, SDPA, TORCH_VARLEN, refusal
 from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 from foundry_attn.attention.torch_varlen import call_varlen, torch_varlen_kernel
 from foundry_attn.selection.capability import Capability, rng_untouched
@@ -95,6 +95,36 @@ def model_check(name: str, traits: ModelTraits, reference: bool = False) -> tupl
     return ("model class", stand_in) if stand_in else None
 
 
+def model_refusal(traits: ModelTraits, backend: str, reference: bool = False) -> str | None:
+    """Why attach refuses ``backend`` for this model before anything is pointed, or None: a backend the class does not
+    declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap under sdpa, ALiBi under
+    FA2) runs neither path exactly (:func:`model_check`); the refusal names the backends that do run the model.
+
+    Args:
+        traits: the model's traits (:meth:`ModelTraits.from_model_class`).
+        backend: the backend attach was asked for.
+        reference: FA2 on the pure-PyTorch reference kernel.
+
+    Returns:
+        The failed check, its cause and the backends that run the model; None where ``backend`` passes.
+
+    Example::
+
+        >>> model_refusal(ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config()), "sdpa")
+        "attach: sdpa cannot run Gemma2ForCausalLM exactly: check 'exactness' failed: ..."
+    """
+    failed = {name: model_check(name, traits, reference) for name in {*NAMES, backend}}
+    asked = failed[backend]
+    if asked is None:
+        return None
+    check, refused = asked
+    runs = [name for name in NAMES if failed[name] is None]
+    return (
+        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
+        f"with one of {runs} (stock transformers refuses this pair at load too)"
+    )
+
+
 def reference_refusal(traits: ModelTraits) -> str | None:
     """Why the FA2 reference kernel cannot stand in for flash-attn under this class, or None.
 
@@ -162,7 +192,8 @@ def check_fa2(
     fa2_reference: bool = False,
 ) -> Candidate:
     """Whether ``flash_attention_2`` can run here: the model class, the install (or transformers' hub kernel), the
-    GPU checks, a tiny kernel call and exactness; with ``fa2_reference``, the reference kernel's checks only.
+    GPU checks and a tiny kernel call (exactness is :func:`check`'s, last); with ``fa2_reference``, the reference
+    kernel's checks only.
 
     Args:
         cap: the machine.
@@ -215,9 +246,6 @@ def check_fa2(
                 f"{cap.device_name} {cap.sm}: {error}",
                 "reinstall flash-attn built for this GPU and torch, or use sdpa",
             )
-    inexact = refusal(FA2, traits.needs, cap.flash_attn_version)
-    if inexact:
-        return _fail(FA2, "exactness", inexact, "pick a backend that honours it, or change the model config")
     kernel = (
         f"hub kernel {cap.hub_kernel} (transformers' stand-in for flash-attn, cached)"
         if hub
@@ -293,8 +321,8 @@ def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | N
 def check_torch_varlen(
     cap: Capability, dtype: torch.dtype, traits: ModelTraits, smoke_test: SmokeTest | None
 ) -> Candidate:
-    """Whether ``torch_varlen`` can run here: the model class, torch >= 2.10, the GPU checks, exactness and a tiny
-    kernel call.
+    """Whether ``torch_varlen`` can run here: the model class, torch >= 2.10, the GPU checks and a tiny kernel call
+    (exactness is :func:`check`'s, last).
 
     Args:
         cap: the machine.
@@ -328,9 +356,6 @@ def check_torch_varlen(
     unfit = _failed_flash_check(name, "varlen_attn", cap, dtype, traits, TORCH_VARLEN_FIXES)
     if unfit:
         return unfit
-    inexact = refusal(name, traits.needs)
-    if inexact:
-        return _fail(name, "exactness", inexact, "pick a backend that honours it, or change the model config")
     if smoke_test is not None:
         error = smoke_test(torch.device("cuda"), dtype)
         if error:
@@ -368,9 +393,25 @@ def check(
     if config_refuses:
         return _fail(name, "model config", config_refuses, "pick another implementation, or change the model config")
     if name == FA2:
-        return check_fa2(cap, dtype, traits, smoke_test, fa2_reference)
-    if name == TORCH_VARLEN:
-        return check_torch_varlen(cap, dtype, traits, None if smoke_test is None else torch_varlen_smoke_test)
+        here = check_fa2(cap, dtype, traits, smoke_test, fa2_reference)
+    elif name == TORCH_VARLEN:
+        here = check_torch_varlen(cap, dtype, traits, None if smoke_test is None else torch_varlen_smoke_test)
+    else:
+        here = _check_torch_attention(name, cap, traits)
+    if not here.available:
+        return here
+    # exactness last, on the machine that runs it: FA2's softcap needs flash-attn >= 2.6 (not the reference kernel's)
+    inexact = refusal(name, traits.needs, cap.flash_attn_version if name == FA2 and not fa2_reference else None)
+    if inexact and name in (FA2, TORCH_VARLEN):
+        return _fail(name, "exactness", inexact, "pick a backend that honours it, or change the model config")
+    if inexact:
+        return _fail(name, "exactness", inexact, "pick a backend that honours it (eager honours all)")
+    return here
+
+
+def _check_torch_attention(name: str, cap: Capability, traits: ModelTraits) -> Candidate:
+    """Whether torch's own ``flex_attention``, ``sdpa`` or ``eager`` can run here (the class, torch's version, flex's
+    backward on this device), exactness aside."""
     if name not in traits.supports:
         return _fail(name, "model class", f"{traits.class_name} has no {name} support", "pick another implementation")
     torch_version = Version(cap.torch_version.split("+")[0])
@@ -385,9 +426,6 @@ def check(
         )
     if name == SDPA and torch_version < Version("2.1.1"):
         return _fail(name, "torch version", f"torch {cap.torch_version} < 2.1.1", "pip install 'torch>=2.1.1'")
-    inexact = refusal(name, traits.needs)
-    if inexact:
-        return _fail(name, "exactness", inexact, "pick a backend that honours it (eager honours all)")
     where = f"{cap.device_name} {cap.sm}" if cap.cuda else "cpu"
     detail = {FLEX: "torch flex_attention", SDPA: "torch scaled_dot_product_attention", EAGER: "plain matmul"}
     return Candidate(name, True, f"{detail[name]} on {where}")

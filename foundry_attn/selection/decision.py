@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from foundry_attn.attention.backends import FA2, FLEX, NAMES, SDPA, load_name
+from foundry_attn.attention.backends import FA2, FLEX, SDPA, load_name
 from foundry_attn.checks import check_choice
-from foundry_attn.selection.backend_checks import fa2_smoke_test, model_check
+from foundry_attn.selection.backend_checks import fa2_smoke_test
 from foundry_attn.selection.capability import Capability
-from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, AttentionUnavailableError, Decision, choose
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, Decision, choose
 from foundry_attn.selection.traits import ModelTraits
 
 if TYPE_CHECKING:
@@ -213,34 +213,3 @@ def weights_compute_dtype(weights: torch.dtype, named: str) -> str:
     """
     half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weights)
     return half if half is not None and named == "auto" else named
-
-
-def refuse_unsupported(traits: ModelTraits, backend: str, reference: bool = False) -> None:
-    """The model checks (:func:`foundry_attn.selection.backend_checks.model_check`), before anything is pointed: a
-    backend the class does not declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap
-    under sdpa, ALiBi under FA2) runs neither path exactly, so it is refused with the backends that do run the model.
-
-    Args:
-        traits: the model's traits (:meth:`ModelTraits.from_model_class`).
-        backend: the backend attach was asked for.
-        reference: FA2 on the pure-PyTorch reference kernel.
-
-    Raises:
-        AttentionUnavailableError: the failed check, its cause, and the backends that run the model.
-
-    Example::
-
-        >>> refuse_unsupported(ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config()), "sdpa")
-        Traceback (most recent call last):
-        AttentionUnavailableError: attach: sdpa cannot run Gemma2ForCausalLM exactly: check 'exactness' failed: ...
-    """
-    failed = {name: model_check(name, traits, reference) for name in {*NAMES, backend}}
-    asked = failed[backend]
-    if asked is None:
-        return
-    check, refused = asked
-    runs = [name for name in NAMES if failed[name] is None]
-    raise AttentionUnavailableError(
-        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
-        f"with one of {runs} (stock transformers refuses this pair at load too)"
-    )

@@ -29,6 +29,7 @@ class ModelTraits:
     config_refuses: tuple[tuple[str, str], ...] = ()
     fa2_calls_flash_attn: bool = False  # its FA2 class, built at construction, calls flash-attn itself (4.51)
     te_attention: bool = False  # its code builds TransformerEngine's own attention (which calls flash-attn itself)
+    router_loss: bool = False  # its forward hands the mask to a router loss that reads it as [batch, seq] (MoE)
 
     @classmethod
     def from_model_class(cls, model_class: type, config: object | None = None) -> ModelTraits:
@@ -65,10 +66,10 @@ class ModelTraits:
         if config is None:
             return cls(name, None, frozenset(supports))
         calls_flash_attn, te_attention = _fa2_calls_flash_attn(model_class), _te_attention(model_class)
-        head_dim = head_dim_of(config)
+        head_dim, router = head_dim_of(config), config_value(config, "output_router_logits", False) is True
         refuses = config_refusals(config, sorted(supports - {EAGER}))
         needs = ModelNeeds.of(name, config)
-        return cls(name, head_dim, frozenset(supports), needs, refuses, calls_flash_attn, te_attention)
+        return cls(name, head_dim, frozenset(supports), needs, refuses, calls_flash_attn, te_attention, router)
 
 
 def _te_attention(model_class: type) -> bool:

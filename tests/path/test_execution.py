@@ -18,6 +18,7 @@ from foundry_attn.path import execution
 from foundry_attn.path.attach import attach
 from foundry_attn.path.execution import COMPILED, EAGER_STEP, GRAPHED, PROOF_DUE, ROWS_BATCH
 from foundry_attn.path.forward import forward_documents
+from foundry_attn.path.proven import refuse
 from foundry_attn.path.state import compiled_by
 from foundry_attn.verify import conformance
 
@@ -110,8 +111,8 @@ def test_graphed_needs_cuda_and_a_capacity_else_it_runs_compiled_and_says_why(gr
 
 def test_rows_run_eagerly_and_the_callers_compile_runs_its_own(graphs: list[int]) -> None:
     model, twin = _twins("llama", "sdpa", execution=COMPILED)
-    model.foundry_path.refuse(model, "a test moves the run to rows")  # after attach: compiled, rows each batch
-    twin.foundry_path.refuse(twin, "a test moves the run to rows")
+    refuse(model.foundry_path, model, "a test moves the run to rows")  # after attach: compiled, rows each batch
+    refuse(twin.foundry_path, twin, "a test moves the run to rows")
     _steps_agree(model, twin, _layouts(3))
     assert model.foundry_path.execution.eager == {ROWS_BATCH: 3} and not graphs
     on_rows = attach(conformance.build("llama", "sdpa"), "sdpa", path="rows", execution=COMPILED).execution

@@ -12,10 +12,10 @@ from foundry_attn.flat.implementation import running
 from foundry_attn.path.attach import attach
 from foundry_attn.path.forward import forward_documents
 from foundry_attn.path.proven import keep_proof, subject_of
-from foundry_attn.proof.result import Proof, undefined_values
+from foundry_attn.proof.result import Proof
 from foundry_attn.proof.runs import alone_inputs, loss_shifts, run
 from foundry_attn.proof.synthetic import synthetic_documents
-from foundry_attn.proof.tolerance import stock_noise
+from foundry_attn.proof.tolerance import stock_noise, undefined_values
 from foundry_attn.verify import zoo
 
 #: real batches of several lengths, a 1-token document and documents past Llama-4's chunk of 8 among them
