@@ -109,7 +109,7 @@ def proof_documents(config: Any, device: torch.device) -> tuple[list[torch.Tenso
 
         >>> docs, missed = proof_documents(MistralConfig(), torch.device("cpu"))
         >>> [len(d) for d in docs], missed
-        ([28, 13, 1], 'a window of 4096 tokens (documents up to 28)')
+        ([23, 13, 1], 'a window of 4096 tokens (documents up to 23)')
     """
     window = shortest_window(config)
     lengths = proof_lengths(window)
