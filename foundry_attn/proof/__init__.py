@@ -3,9 +3,8 @@
 The proofs of the flat row and of one document per row against stock on each document alone (``prove``); the one
 that takes a training batch's own forward as its packed side (``step_proof``); running a model and reading what it
 computed (``runs``), what exact means and each document against its run alone (``tolerance``), every parameter and
-the influence (``comparison``); the synthetic
-documents of the proof at attach (``synthetic``); the forwards the callbacks leave out (``proving``); a forward's
-autocast and embeddings (``forward_probe``).
+the influence (``comparison``); the synthetic documents of the proof at attach (``synthetic``); the forwards the
+callbacks leave out (``proving``); a forward's autocast and embeddings (``forward_probe``).
 
 The path asks, the proof answers: it takes the model as a :class:`~foundry_attn.proof.subject.Subject` (its one door:
 the model's own forward and the stock implementation a block runs under, handed in by the path), the inputs that train

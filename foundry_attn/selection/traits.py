@@ -66,7 +66,7 @@ class ModelTraits:
         if config is None:
             return cls(name, None, frozenset(supports))
         calls_flash_attn, te_attention = _fa2_calls_flash_attn(model_class), _te_attention(model_class)
-        head_dim, router = head_dim_of(config), config_value(config, "output_router_logits", False) is True
+        head_dim, router = head_dim_of(config), bool(config_value(config, "output_router_logits", False))
         refuses = config_refusals(config, sorted(supports - {EAGER}))
         needs = ModelNeeds.of(name, config)
         return cls(name, head_dim, frozenset(supports), needs, refuses, calls_flash_attn, te_attention, router)
