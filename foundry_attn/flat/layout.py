@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from foundry_attn.flat.packing import IGNORE_INDEX
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -314,7 +316,8 @@ def packed_rows(batch: Mapping) -> list[DocumentRow]:
     """Every row the batch marks as holding two documents or more (one host sync).
 
     Read from ``doc_lens`` (foundry_attn's collator), else ``sequence_id`` (LLM-Foundry's packing: -1 on padding),
-    else ``position_ids`` that restart inside a row (on real tokens when a 2-D ``attention_mask`` is given).
+    else ``position_ids`` that restart inside a row (on real tokens when a 2-D ``attention_mask`` is given; a row's
+    tail padding without a mask, :func:`padding_spans`, is no document).
 
     Args:
         batch: a batch with ``doc_lens``, ``sequence_id`` or ``position_ids`` (and ``attention_mask``).
@@ -343,14 +346,60 @@ def packed_rows(batch: Mapping) -> list[DocumentRow]:
         return []
     mask = batch.get("attention_mask")
     real_mask = mask.bool().tolist() if isinstance(mask, torch.Tensor) and mask.shape == pos.shape else None
+    ends = {r: s for r, s, e in padding_spans(batch) if e == pos.shape[1]}  # a row's tail padding, mask or none
     for r, p in enumerate(pos.tolist()):
-        real = [i for i in range(len(p)) if real_mask is None or real_mask[r][i]]
+        real = [i for i in range(ends.get(r, len(p))) if real_mask is None or real_mask[r][i]]
         if not real:
             continue
         starts = [k for k in range(len(real)) if k == 0 or p[real[k]] <= p[real[k - 1]]]
         lengths = tuple(b - a for a, b in itertools.pairwise([*starts, len(real)]))
         out.append(DocumentRow(r, real[0], lengths))
     return [row for row in out if len(row[2]) > 1]
+
+
+def padding_spans(batch: Mapping) -> list[tuple[int, int, int]]:
+    """The padding of packed rows that carry no mask (axolotl's, whose collator pads each row with a segment of its
+    own, ``position_ids`` ``0..remainder``, and drops the mask): each segment between position restarts whose labels
+    are all -100 and whose ids are one token repeated, of two tokens or more or at the end of its row (one host
+    sync; a row's first token always starts a segment). Nothing is read without ``labels`` and ``position_ids``, or
+    beside a 2-D ``attention_mask`` or ``doc_lens`` (they say what is padding).
+
+    Args:
+        batch: a batch, or a model call's keywords.
+
+    Returns:
+        ``(row, start, end)`` of each padding segment; empty where none, or none is read.
+
+    Example::
+
+        >>> ids, pos = torch.tensor([[5, 6, 7, 0, 0]]), torch.tensor([[0, 1, 2, 0, 1]])
+        >>> padding_spans({"input_ids": ids, "position_ids": pos, "labels": torch.tensor([[5, 6, 7, -100, -100]])})
+        [(0, 3, 5)]
+    """
+    ids, pos, labels = (batch.get(k) for k in ("input_ids", "position_ids", "labels"))
+    mask = batch.get("attention_mask")
+    if batch.get("doc_lens") is not None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        return []
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (ids, pos, labels)):
+        return []
+    if not ids.shape == pos.shape == labels.shape or not ids.numel():
+        return []
+    width = ids.shape[1]
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] <= pos[:, :-1]
+    segment = starts.reshape(-1).cumsum(0) - 1
+    n = int(starts.sum())
+    flat_ids, zero = ids.reshape(-1), torch.zeros(n, dtype=ids.dtype, device=ids.device)
+    targets = torch.zeros(n, dtype=torch.long, device=ids.device).index_add_(
+        0, segment, (labels.reshape(-1) != IGNORE_INDEX).long()
+    )
+    low = zero.scatter_reduce(0, segment, flat_ids, "amin", include_self=False)
+    high = zero.scatter_reduce(0, segment, flat_ids, "amax", include_self=False)
+    first = starts.reshape(-1).nonzero().reshape(-1)
+    ends = torch.cat([first[1:], first.new_tensor([ids.numel()])])
+    padding = (targets == 0) & (low == high) & ((ends - first > 1) | (ends % width == 0))
+    found = torch.stack([first, ends])[:, padding].tolist()
+    return [(s // width, s % width, (e - 1) % width + 1) for s, e in zip(*found, strict=True)]
 
 
 def flattened_lengths(batch: Mapping) -> list[int] | None:

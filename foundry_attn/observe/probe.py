@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from foundry_attn.attention.documents import is_placeholder
-from foundry_attn.flat.layout import Layout
+from foundry_attn.flat.layout import Layout, padding_spans
 from foundry_attn.observe.discovery import ModuleMap, attn_implementation, discover_modules
 from foundry_attn.proof.proving import proving
 
@@ -219,8 +219,9 @@ class BatchInfo:
 
     @classmethod
     def from_batch(cls, batch: Any) -> BatchInfo:
-        """Read by :class:`foundry_attn.flat.layout.Layout` (``doc_lens``, else a 2-D mask, else every position); a mask
-        whose rows have gaps (the forward refuses it) is counted as it is.
+        """Read by :class:`foundry_attn.flat.layout.Layout` (``doc_lens``, else a 2-D mask, else every position but
+        the padding of packed rows, :func:`~foundry_attn.flat.layout.padding_spans`); a mask whose rows have gaps (the
+        forward refuses it) is counted as it is.
 
         Args:
             batch: the collated batch (a mapping with ``input_ids``); anything else gives an empty :class:`BatchInfo`.
@@ -236,7 +237,7 @@ class BatchInfo:
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
             return cls()
         try:
-            real = Layout.from_batch(batch).real_tokens
+            real = Layout.from_batch(batch).real_tokens - sum(e - s for _, s, e in padding_spans(batch))
         except ValueError:
             real = int(batch["attention_mask"].bool().sum())
         return cls(tuple(batch["input_ids"].shape), real)
@@ -433,7 +434,7 @@ class ModelInspector:
             real, source = mask_real, "mask"
         elif isinstance(cu, torch.Tensor) and cu.numel():
             real, source = int(cu[-1]), "cu_seq_lens"
-        elif rows_width is not None and rows_width == self.batch.shape and self.batch.real_tokens is not None:
+        elif positions and positions == self.batch.positions and self.batch.real_tokens is not None:  # or flattened
             real, source = self.batch.real_tokens, "batch"
         else:
             real, source = positions, "assumed"

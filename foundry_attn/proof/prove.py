@@ -34,6 +34,7 @@ import torch
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.layout import Truth
+from foundry_attn.flat.packing import IGNORE_INDEX
 from foundry_attn.proof.comparison import influence, params_differ, summed
 from foundry_attn.proof.proving import hidden
 from foundry_attn.proof.result import NO_CALLS, NotRun, Proof, StockFailed
@@ -62,7 +63,7 @@ from foundry_attn.proof.subject import Subject
 from foundry_attn.proof.tolerance import against_alone, limits_for, limits_note, undefined_values, worse
 
 
-def pick(docs: Documents) -> tuple[int, int]:
+def pick(docs: Documents, real: Sequence[int] | None = None) -> tuple[int, int]:
     """The two documents of a flat row to run alone: the longest (the length a kernel picks its code path by,
     past a window where any document is) and the last of two tokens or more (the most exposed to what precedes it,
     with targets: a 1-token document has no next-token loss); where that is the longest, the shortest other of two
@@ -71,6 +72,7 @@ def pick(docs: Documents) -> tuple[int, int]:
 
     Args:
         docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
+        real: the documents to choose among (:func:`real_documents`: padding is none); None or empty: every one.
 
     Returns:
         The two documents' indices in the row (``(0, 0)`` for a row of one).
@@ -81,24 +83,26 @@ def pick(docs: Documents) -> tuple[int, int]:
         (1, 2)
     """
     lengths = docs.lengths
-    if len(lengths) == 1:
-        return 0, 0
-    last = max((i for i, n in enumerate(lengths) if n > 1), default=len(lengths) - 1)
-    longest = max(range(len(lengths)), key=lambda i: (lengths[i], i))
+    real = list(real or range(len(lengths)))
+    if len(real) == 1:
+        return real[0], real[0]
+    last = max((i for i in real if lengths[i] > 1), default=real[-1])
+    longest = max(real, key=lambda i: (lengths[i], i))
     if longest != last:
         return longest, last
-    rest = [i for i in range(len(lengths)) if i != last]
+    rest = [i for i in real if i != last]
     others = [i for i in rest if lengths[i] > 1] or rest
     return min(others, key=lambda i: lengths[i]), last
 
 
-def pick_rows(docs: Documents) -> tuple[int, int]:
+def pick_rows(docs: Documents, real: Sequence[int] | None = None) -> tuple[int, int]:
     """The two documents a rows proof lays out one per row: the longest (no padding) and the shortest (the most
     padding, where a model that is not padding-invariant shows it); rows do not see each other, so the place in
     the row does not matter. A row of one document runs it twice, as :func:`pick`.
 
     Args:
         docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
+        real: the documents to choose among (:func:`real_documents`); None or empty: every one.
 
     Returns:
         The two documents' indices in the row.
@@ -109,9 +113,35 @@ def pick_rows(docs: Documents) -> tuple[int, int]:
         (1, 0)
     """
     lengths = docs.lengths
-    longest = max(range(len(lengths)), key=lambda i: (lengths[i], i))
-    shortest = min(range(len(lengths)), key=lambda i: (lengths[i], -i))
-    return (longest, shortest) if shortest != longest else pick(docs)
+    among = list(real or range(len(lengths)))
+    longest = max(among, key=lambda i: (lengths[i], i))
+    shortest = min(among, key=lambda i: (lengths[i], -i))
+    return (longest, shortest) if shortest != longest else pick(docs, among)
+
+
+def real_documents(docs: Documents, labels: torch.Tensor | None) -> list[int] | None:
+    """The documents of a flat row with a target of their own (a label past their first token): a segment of
+    padding (axolotl's packed rows pad each row with one) has none (one host sync).
+
+    Args:
+        docs: the flat row's :class:`~foundry_attn.attention.documents.Documents`.
+        labels: the row's labels as the batch gives them (``[1, tokens]``), or None (every next token a target).
+
+    Returns:
+        Their indices, or None where ``labels`` is None.
+
+    Example::
+
+        >>> real_documents(Documents((0, 3, 5)), torch.tensor([[5, 6, 7, -100, -100]]))
+        [0]
+    """
+    if labels is None:
+        return None
+    counted = torch.cat([labels.new_zeros(1), (labels.reshape(-1) != IGNORE_INDEX).long().cumsum(0)])
+    starts = torch.tensor([min(s + 1, e) for s, e in docs.spans], device=labels.device)
+    ends = torch.tensor([e for _, e in docs.spans], device=labels.device)
+    targets = (counted[ends] - counted[starts]).tolist()
+    return [i for i, n in enumerate(targets) if n > 0]
 
 
 def prove_flat(
@@ -325,7 +355,10 @@ def _prove(
 ) -> Proof:
     start = time.perf_counter()
     docs: Documents = inputs[DOCS_KEY]
-    compare = (pick(docs) if rows_name is None else pick_rows(docs)) if compare is None else tuple(compare)
+    if compare is None:
+        real = real_documents(docs, truth.labels if truth is not None else None)
+        compare = pick(docs, real) if rows_name is None else pick_rows(docs, real)
+    compare = tuple(compare)
     if packed is None:
         packed = rows_side(inputs, rows_name, reference, truth) if rows_name is not None else flat_side(inputs)
     with hidden(), state_kept(subject.model):

@@ -13,6 +13,7 @@ import is the slow part); axolotl's process-wide state (its plugin manager, the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -212,6 +213,7 @@ def run(name: str, assets: Path, out: Path) -> dict[str, Any]:
     from axolotl.train import train
     from axolotl.utils.dict import DictDefault
 
+    from foundry_attn.flat.layout import padding_spans
     from foundry_attn.integrations.axolotl.batches import documents
 
     impl, plugin, backend, varlen = VARIANTS[name]
@@ -233,6 +235,12 @@ def run(name: str, assets: Path, out: Path) -> dict[str, Any]:
     summary = ours.summary() if ours is not None else None
     ran = summary["backend"] if summary is not None else impl
     batch = record["batch"]
+    pads = padding_spans(batch)
+    spans = [
+        (r, start, start + n)
+        for r, row in enumerate(batch["position_ids"].tolist())
+        for start, n in zip(itertools.accumulate(documents(row), initial=0), documents(row), strict=False)
+    ]
     result = {
         "variant": name,
         "attn_implementation": impl,
@@ -244,6 +252,11 @@ def run(name: str, assets: Path, out: Path) -> dict[str, Any]:
         "shape": list(batch["input_ids"].shape),
         "keys": sorted(batch),
         "documents": [n for row in batch["position_ids"].tolist() for n in documents(row)],
+        "padding": sum(e - s for _, s, e in pads),
+        "padding_documents": [k for k, span in enumerate(spans) if span in pads],
+        "proofs_compared": []
+        if ours is None
+        else [list(p.compared) for _, p in ours.state.proofs[ours.attach_proofs :]],
         "summary": summary,
         "logged": sorted({k for logs in trainer.state.log_history for k in logs if k.startswith("attn/")}),
         "first_logs": {k: v for k, v in trainer.state.log_history[0].items() if isinstance(v, (int, float))},

@@ -91,6 +91,11 @@ def test_with_the_plugin_the_first_step_is_each_document_alone(
         assert "sdpa_varlen wrapper" in summary["ran"] and "bypassed" in summary["ran"], summary["ran"]
     assert {"attn/path_flat", "attn/documents_isolated", "attn/packed_position_ids"} <= set(r["logged"]), r["logged"]
     assert r["first_logs"]["attn/documents_isolated"] == 1.0 and r["first_logs"]["attn/path_flat"] == 1.0
+    # true numbers: each row's tail padding is padding, and never one of the proof's documents
+    assert r["padding"] > 0 and r["padding_documents"], r
+    assert r["first_logs"]["attn/real_tokens"] == 256 - r["padding"], r["first_logs"]
+    assert r["first_logs"]["attn/fill_ratio"] == (256 - r["padding"]) / 256, r["first_logs"]
+    assert r["proofs_compared"] and not set(r["padding_documents"]) & {i for c in r["proofs_compared"] for i in c}
 
 
 @pytest.mark.slow
