@@ -9,15 +9,19 @@
     foundry_attn_log_interval: 50
     foundry_attn_verdict_interval: 100
 
-pydantic only (axolotl's config is a pydantic model; this class joins it as a base class).
+pydantic only (axolotl's config is a pydantic model; this class joins it as a base class, so its model validator
+sees the whole config and refuses what the plugin cannot honour before axolotl sets anything up).
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ValidationInfo, field_validator
+from typing import Any
+
+from pydantic import BaseModel, ValidationInfo, field_validator, model_validator
 
 from foundry_attn.attention.backends import NAMES
 from foundry_attn.checks import check_choice, check_interval
+from foundry_attn.integrations.axolotl.refusals import refusal
 from foundry_attn.path.execution import EAGER_STEP, EXECUTIONS
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.selection.policy import AUTO
@@ -60,6 +64,16 @@ class FoundryAttnArgs(BaseModel):
     foundry_attn_events_dir: str | None = None
     foundry_attn_log_interval: int = 50
     foundry_attn_verdict_interval: int = 100
+
+    @model_validator(mode="before")
+    @classmethod
+    def _honoured(cls, data: Any) -> Any:
+        """axolotl's whole config, as given: a setting the plugin cannot honour is refused here, with the reason and
+        the fix in axolotl's keys (:func:`~foundry_attn.integrations.axolotl.refusals.refusal`)."""
+        why = refusal(data) if isinstance(data, dict) else None
+        if why is not None:
+            raise ValueError(f"{OWNER}: {why}")
+        return data
 
     @field_validator("foundry_attn_backend")
     @classmethod

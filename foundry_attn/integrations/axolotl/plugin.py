@@ -23,6 +23,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from foundry_attn.integrations.axolotl.batches import document_targets, read_packed, shaped_back
+from foundry_attn.integrations.axolotl.refusals import refusal
 from foundry_attn.integrations.hf_trainer import install
 from foundry_attn.path.attach import attach
 from foundry_attn.path.execution import EAGER_STEP
@@ -42,44 +43,6 @@ def _axolotl_base() -> type:
 #: under axolotl's namespace: axolotl's log filter shows ``axolotl.*`` at INFO and other loggers from WARNING only
 LOG = logging.getLogger("axolotl.integrations.foundry_attn")
 ENTRY = "foundry_attn.integrations.axolotl.FoundryAttnPlugin"
-#: axolotl's ``attn_implementation`` values whose attention foundry_attn attaches (the others are axolotl's own patches)
-ATTACHABLE = ("sdpa", "eager", "flash_attention_2", "flex_attention")
-
-
-def refusal(cfg: Any) -> str | None:
-    """Why this axolotl config cannot train each document as alone with foundry_attn, or None.
-
-    Args:
-        cfg: axolotl's validated config (``DictDefault``: a missing key reads None).
-
-    Returns:
-        The cause and what to change, or None.
-
-    Example::
-
-        >>> refusal(DictDefault(attn_implementation="xformers", sample_packing=True))
-        "attn_implementation: 'xformers' is axolotl's own attention patch ..."
-    """
-    impl = cfg.get("attn_implementation")
-    if impl is not None and impl not in ATTACHABLE:
-        return (
-            f"attn_implementation: {impl!r} is axolotl's own attention patch or kernel, which foundry_attn cannot "
-            f"prove or replace; use one of {', '.join(ATTACHABLE)} (foundry_attn_backend: auto picks among them)"
-        )
-    for key in ("context_parallel_size", "sequence_parallel_degree", "tensor_parallel_size"):
-        if (cfg.get(key) or 1) > 1:
-            return (
-                f"{key}: {cfg.get(key)} splits each packed row across ranks (ring attention); foundry_attn proves "
-                f"whole rows only: set {key}: 1 or leave out the plugin"
-            )
-    if cfg.get("s2_attention"):
-        return "s2_attention: shifted sparse attention mixes token groups across documents; set s2_attention: false"
-    if cfg.get("pretraining_dataset") and cfg.get("sample_packing") and cfg.get("pretrain_multipack_attn") is False:
-        return (
-            "pretrain_multipack_attn: false concatenates pretraining documents with positions counting on across "
-            "them, so no batch says where a document ends; set pretrain_multipack_attn: true (or leave it out)"
-        )
-    return None
 
 
 def sdpa_varlen_on() -> bool:
@@ -335,7 +298,8 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
         LOG.info("foundry_attn %s: axolotl plugin loaded (%s)", version("foundry-attn"), ENTRY)
 
     def pre_model_load(self, cfg: Any) -> None:
-        """Refuse, before the model loads, a setting that cannot train each document as alone.
+        """Refuse, before the model loads, a setting that cannot train each document as alone (``FoundryAttnArgs``
+        refuses them while axolotl validates its config; this holds where a config skipped that validation).
 
         Args:
             cfg: axolotl's validated config.

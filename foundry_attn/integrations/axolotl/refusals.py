@@ -1,0 +1,120 @@
+"""The axolotl settings foundry_attn cannot honour, each with its reason and a fix in axolotl's own YAML keys.
+
+    why = refusal(cfg)      # None, or "tensor_parallel_size: 2 shards ... Fix: set tensor_parallel_size: 1 ..."
+
+Read from axolotl's whole config, raw (``FoundryAttnArgs``' model validator, before axolotl validates or sets
+anything up) or validated (``pre_model_load``). No axolotl import: the config is read as a mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: axolotl's ``attn_implementation`` values whose attention foundry_attn attaches (the others are axolotl's own patches)
+ATTACHABLE = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+#: axolotl's legacy attention flags and the ``attn_implementation`` each stands for (axolotl maps them the same way)
+LEGACY_FLAGS = {
+    "xformers_attention": "xformers",
+    "sage_attention": "sage",
+    "flex_attention": "flex_attention",
+    "flash_attention": "flash_attention_2",
+    "sdp_attention": "sdpa",
+    "eager_attention": "eager",
+}
+#: settings that split a packed row, or shard the weights, across ranks
+PARALLEL = {
+    "context_parallel_size": "splits each packed row across ranks (ring attention), and foundry_attn proves whole "
+    "rows only",
+    "sequence_parallel_degree": "splits each packed row across ranks (ring attention), and foundry_attn proves whole "
+    "rows only",
+    "tensor_parallel_size": "shards every layer's weights across ranks, and foundry_attn's proof runs each document "
+    "alone on one rank, which sharded weights cannot do",
+}
+#: axolotl's own patches of the attention a model runs, past foundry_attn's attach: key -> (the values that patch,
+#: why, the value that does not)
+PATCHES: dict[str, tuple[tuple[Any, ...], str, str]] = {
+    "gemma4_hybrid_attn_impl": (
+        (True,),
+        "axolotl swaps the global layers' attention to its own sdpa after load",
+        "false",
+    ),
+    "large_head_attention": (
+        ("auto", "triton_flash"),
+        "routes attention through axolotl's Triton flash kernel",
+        "sdpa",
+    ),
+    "flash_attn_d512": ((True,), "routes attention through axolotl's Triton flash kernel", "false"),
+    "flash_optimum": ((True,), "BetterTransformer replaces the attention modules", "false"),
+}
+FIX = "Fix: set "
+LEAVE = ", or take foundry_attn out of plugins:"
+
+
+def attention_setting(cfg: Mapping[str, Any]) -> str | None:
+    """The attention axolotl will run: ``attn_implementation``, else the first legacy flag set (as axolotl reads
+    them), else None.
+
+    Args:
+        cfg: axolotl's config, raw or validated.
+
+    Returns:
+        The ``attn_implementation`` value, or None.
+
+    Example::
+
+        >>> attention_setting({"xformers_attention": True})
+        'xformers'
+    """
+    impl = cfg.get("attn_implementation")
+    if impl:
+        return str(impl)
+    return next((name for flag, name in LEGACY_FLAGS.items() if cfg.get(flag)), None)
+
+
+def _above_one(value: Any) -> bool:
+    try:
+        return int(value or 1) > 1
+    except (TypeError, ValueError):
+        return False  # axolotl's own validation names a value that is not a number
+
+
+def refusal(cfg: Mapping[str, Any]) -> str | None:
+    """Why foundry_attn cannot train each document of this axolotl config as alone, with the fix in axolotl's keys;
+    None where it can.
+
+    Args:
+        cfg: axolotl's config (a mapping; a missing key reads None).
+
+    Returns:
+        The setting, the reason and the fix, or None.
+
+    Example::
+
+        >>> refusal({"attn_implementation": "sdpa", "tensor_parallel_size": 2})
+        "tensor_parallel_size: 2 shards every layer's weights across ranks, ... Fix: set tensor_parallel_size: 1 ..."
+    """
+    impl = attention_setting(cfg)
+    if impl is not None and impl not in ATTACHABLE:
+        return (
+            f"attn_implementation: {impl} is axolotl's own attention patch or kernel, which foundry_attn cannot prove "
+            f"or replace. {FIX}attn_implementation: {', '.join(ATTACHABLE[:-1])} or {ATTACHABLE[-1]} "
+            f"(foundry_attn_backend: auto then picks among them){LEAVE}"
+        )
+    for key, why in PARALLEL.items():
+        if _above_one(cfg.get(key)):
+            return f"{key}: {cfg.get(key)} {why}. {FIX}{key}: 1{LEAVE}"
+    if cfg.get("s2_attention"):
+        why = "shifted sparse attention mixes token groups across documents"
+        return f"s2_attention: true: {why}. {FIX}s2_attention: false{LEAVE}"
+    for key, (values, why, fix) in PATCHES.items():
+        value = cfg.get(key)
+        if value is not None and value in values:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            return f"{key}: {shown}: {why}, which foundry_attn cannot prove or replace. {FIX}{key}: {fix}{LEAVE}"
+    if cfg.get("pretraining_dataset") and cfg.get("sample_packing") and cfg.get("pretrain_multipack_attn") is False:
+        return (
+            "pretrain_multipack_attn: false concatenates pretraining documents with positions counting on across "
+            f"them, so no batch says where a document ends. {FIX}pretrain_multipack_attn: true (or leave it out)"
+        )
+    return None
