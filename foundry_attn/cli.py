@@ -4,7 +4,8 @@ foundry-attn doctor [--json] [--attn-implementation auto] [--attn-fallback flash
 [--attn-strict] [--model-config ./build/tiny/tiny-llama]   (with a config: each candidate's path, flat or rows)
 foundry-attn assets build/tiny
 foundry-attn bench padding|callbacks|compile|proof|events|train|trainer|guard --json [--device cuda] [--quick]
-foundry-attn bench gpu --json [--quick] [--layers 30] [--rounds 10] [--tiers a,b] [--memory-gb 24] [--device cpu]
+foundry-attn bench gpu --json [--quick] [--shape llama-3.2-1b] [--jsonl out.jsonl] [--layers 30] [--rounds 10]
+    [--tiers a,b] [--memory-gb 24] [--device cpu]
 foundry-attn bench layouts --json [--quick] [--rounds 3] [--device cuda]
 foundry-attn bench step --json [--rounds 4]
 foundry-attn bench host --json [--rounds 40] [--threads 1]
@@ -148,14 +149,21 @@ def bench(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    given = (("layers", args.layers), ("rounds", args.rounds), ("tiers", args.tiers), ("memory_gb", args.memory_gb))
+    given = (
+        ("layers", args.layers),
+        ("rounds", args.rounds),
+        ("tiers", args.tiers),
+        ("memory_gb", args.memory_gb),
+        ("shape", args.shape),
+        ("jsonl", args.jsonl),
+    )
     options = {k: v for k, v in given if v is not None}
-    gpu = {"layers", "rounds", "tiers", "memory_gb"}
+    gpu = {"layers", "rounds", "tiers", "memory_gb", "shape", "jsonl"}
     takes = {"gpu": gpu, "layouts": {"rounds"}, "step": {"rounds"}, "host": {"rounds"}}.get(args.which, set())
     if set(options) - takes:
         raise SystemExit(
-            f"foundry-attn bench {args.which}: --layers, --tiers and --memory-gb are options of bench gpu, --rounds "
-            "of bench gpu, layouts, step and host"
+            f"foundry-attn bench {args.which}: --layers, --tiers, --memory-gb, --shape and --jsonl are options of "
+            "bench gpu, --rounds of bench gpu, layouts, step and host"
         )
     module = importlib.import_module(f"foundry_attn.bench.{args.which}")
     result = module.run(quick=args.quick, device=args.device, **options)
@@ -320,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         help="gpu: only these tiers, comma-separated (padded_dense and sdpa_per_document always run)",
     )
     p.add_argument("--memory-gb", type=float, default=None, help="gpu: the equal-memory budget in GiB (default 24)")
+    p.add_argument("--shape", default=None, help="gpu: the model's shapes, smollm2-135m (default) or llama-3.2-1b")
+    p.add_argument("--jsonl", default=None, help="gpu: a file that gets each result as a JSON line when measured")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (a shared box: try 1)")
     p.set_defaults(func=bench)
     p = sub.add_parser("conformance", help="every model family x backend: exact against stock, or refused (why)")

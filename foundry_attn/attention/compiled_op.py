@@ -56,12 +56,14 @@ def allowed(n: int, window: int | None, device: torch.device) -> torch.Tensor:
 def sdpa_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float | None, dropout: float = 0.0
 ) -> torch.Tensor:
-    """Causal SDPA over one document ``[B, H, n, D]``; a window longer than the document changes nothing.
+    """Causal SDPA over one document ``[B, H, n, D]``; a window longer than the document changes nothing. Grouped KV
+    heads go to SDPA as they are (``enable_gqa``) where no mask is needed and its fused kernel takes them here (CUDA;
+    the CPU from torch 2.8 or so); else repeated, so it never falls back to SDPA's math.
 
     Args:
-        q: the document's queries ``[B, H, n, D]``, GQA heads already expanded.
-        k: its keys ``[B, H, n, D]``.
-        v: its values ``[B, H, n, Dv]``.
+        q: the document's queries ``[B, H, n, D]``.
+        k: its keys ``[B, H_kv, n, D]`` (``H_kv`` divides ``H``).
+        v: its values ``[B, H_kv, n, Dv]``.
         window: how many keys a query sees, itself included (0 or None: no window).
         scale: the softmax scale (None: ``1/sqrt(D)``).
         dropout: the attention dropout probability.
@@ -75,12 +77,28 @@ def sdpa_document(
         >>> sdpa_document(q, q, q, window=None, scale=None).shape
         torch.Size([1, 8, 17, 64])
     """
-    n = q.shape[2]
+    n, groups = q.shape[2], q.shape[1] // k.shape[1]
     if window and n > window:
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed(n, window, q.device), dropout_p=dropout, scale=scale
         )
+    if groups > 1 and _grouped_natively(q.device, q.dtype, q.shape[-1], v.shape[-1]):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True, enable_gqa=True)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True)
+
+
+@functools.cache
+def _grouped_natively(device: torch.device, dtype: torch.dtype, dim: int, value_dim: int) -> bool:
+    """Whether SDPA's fused kernel takes grouped KV heads as they are on ``device`` (not its math fallback)."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.zeros(1, 2, 4, dim, dtype=dtype, device=device)
+    k, v = q[:, :1], torch.zeros(1, 1, 4, value_dim, dtype=dtype, device=device)
+    return torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True) != int(SDPBackend.MATH)
 
 
 def additive_mask(n: int, window: int | None, like: torch.Tensor, fill: float | None = None) -> torch.Tensor:

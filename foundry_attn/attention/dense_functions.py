@@ -68,14 +68,15 @@ def by_length(
     key: torch.Tensor,
     value: torch.Tensor,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    grouped: bool = False,
 ) -> torch.Tensor:
     """Every document alone, in one call of ``attend`` per group of documents of about one length
     (:meth:`Documents.groups`, at most :data:`~foundry_attn.attention.length_groups.MAX_GROUPS`): each group
     right-padded into one batch, causal within each document, its real tokens put back in row order. Documents of one
     length are a reshape (one document: the row as it is); on the CPU a long document runs alone, a view of the row
-    (:data:`~foundry_attn.attention.length_groups.CPU_ALONE`); grouped KV heads are repeated in the gather. Where
-    every document runs alone (each of its own length; on the CPU, groups that would not halve the calls),
-    ``LengthGroups.pad`` splits the row once and ``LengthGroups.unpad`` joins the outputs by one cat. Rows
+    (:data:`~foundry_attn.attention.length_groups.CPU_ALONE`); grouped KV heads are repeated in the gather (unless
+    ``grouped``). Where every document runs alone (each of its own length; on the CPU, groups that would not halve the
+    calls), ``LengthGroups.pad`` splits the row once and ``LengthGroups.unpad`` joins the outputs by one cat. Rows
     (``B > 1``: documents of one length laid out once per batch, one per row) are attended as they are.
 
     Args:
@@ -85,6 +86,7 @@ def by_length(
         value: ``[B, H_kv, S, Dv]``.
         attend: causal attention over right-padded documents, ``(q, k, v)`` -> ``[n, H, L, Dv]``
             (:func:`~foundry_attn.attention.compiled_op.sdpa_document`: a real query sees only real keys).
+        grouped: ``attend`` takes grouped KV heads as they are (sdpa); else they are repeated to the query's heads.
 
     Returns:
         The output ``[B, S, H, Dv]``, contiguous.
@@ -96,12 +98,12 @@ def by_length(
         torch.Size([1, 57, 4, 16])
     """
     if query.shape[0] > 1:  # rows of one length, each a whole document (flat_inputs' even rows): no regrouping
-        key, value = expand_kv(query, key, value)
+        key, value = (key, value) if grouped else expand_kv(query, key, value)
         return attend(query, key, value).transpose(1, 2).contiguous()
     groups = docs.groups(query.device)
     if not groups.shapes:  # a row of no tokens
         return query.new_empty((*query.shape[:1], 0, query.shape[1], value.shape[-1]))
-    repeat = query.shape[1] // key.shape[1]
+    repeat = 1 if grouped else query.shape[1] // key.shape[1]
     batches = zip(groups.pad(query), groups.pad(key, repeat), groups.pad(value, repeat), strict=True)
     return groups.unpad([attend(q, k, v) for q, k, v in batches])
 
@@ -125,7 +127,7 @@ def sdpa_documents(
     Args:
         module: the attention layer that calls (its ``is_causal``, ``training``).
         query: ``[B, H, S, D]``; on the flat path one row holding every document.
-        key: ``[B, H_kv, S, D]`` (grouped KV heads are repeated here).
+        key: ``[B, H_kv, S, D]`` (grouped KV heads go to SDPA as they are, as stock's call takes them).
         value: ``[B, H_kv, S, D]``.
         attention_mask: the model's mask (on the flat path a placeholder); without documents, what stock applies.
         dropout: the attention dropout probability.
@@ -160,7 +162,7 @@ def sdpa_documents(
         out = _compiled(SDPA, query, key, value, docs, sliding_window, scaling, None, dropout)
         return out.transpose(1, 2).contiguous(), None
     return by_length(
-        docs, query, key, value, lambda q, k, v: sdpa_document(q, k, v, sliding_window, scaling, dropout)
+        docs, query, key, value, lambda q, k, v: sdpa_document(q, k, v, sliding_window, scaling, dropout), grouped=True
     ), None
 
 

@@ -96,10 +96,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import platform
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,7 +111,7 @@ from foundry_attn.bench import machine
 from foundry_attn.bench.gpu_memory import budget_of, equal_memory, release
 from foundry_attn.bench.gpu_memory import skipped as memory_skipped
 from foundry_attn.bench.gpu_profile import not_profiled, profile_step
-from foundry_attn.bench.gpu_report import BASELINE, REFERENCE, agreement, targets
+from foundry_attn.bench.gpu_report import BASELINE, DEFAULT, OURS_EAGER, REFERENCE, agreement, targets
 from foundry_attn.bench.gpu_report import OURS as OURS
 from foundry_attn.bench.gpu_report import PADDED as PADDED
 from foundry_attn.bench.gpu_report import TARGETS as TARGETS
@@ -136,6 +138,29 @@ NEEDS_CUDA = (
 #: seconds on CUDA after which the equal-memory search stops (the whole command within 8 minutes on an H100/H200)
 GPU_BUDGET_S = 420.0
 NOT_SELECTED = "not selected (--tiers)"
+#: ``--quick``: the short GPU run (within 4 minutes on an H200, its compiles included): padded dense eager and at its
+#: best (graphed), ours eager and as a user gets it (``ours_default``), the reference; batches (a) and (b); no equal
+#: memory
+QUICK_TIERS = (BASELINE, "padded_dense_graphed", OURS_EAGER, DEFAULT, REFERENCE)
+QUICK_BATCHES = ("a_report", "b_no_padding")
+NOT_QUICK = "not in --quick (the short run: padded dense eager and graphed, ours eager and default, the reference)"
+
+
+class Lines:
+    """``--jsonl PATH``: one JSON line per result as soon as it is measured (appended and flushed), so a run stopped
+    part way keeps what it measured; nothing without a path."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        with open(self.path, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
+            out.flush()
 
 
 class Clock:
@@ -157,9 +182,13 @@ class Clock:
         print(f"foundry-attn bench gpu: {self.elapsed:6.1f} s: {phase} done", file=sys.stderr, flush=True)
 
 
-def select(tiers: list[Tier], names: str | Sequence[str] | None) -> None:
-    """Skip the tiers not in ``names`` (comma-separated or a list; None: all); the baseline and the reference
-    always run."""
+def select(tiers: list[Tier], names: str | Sequence[str] | None, quick: bool = False) -> None:
+    """Skip the tiers not in ``names`` (comma-separated or a list; None: all, or :data:`QUICK_TIERS` under
+    ``quick``); the baseline and the reference always run."""
+    if names is None and quick:
+        for tier in tiers:
+            if tier.skipped is None and tier.name not in QUICK_TIERS:
+                tier.skipped = NOT_QUICK
     if names is None:
         return
     wanted = {n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()}
@@ -180,19 +209,33 @@ def bench_workload(
     models: Mapping[str, torch.nn.Module],
     settings: Settings,
     device: torch.device,
+    lines: Lines | None = None,
 ) -> dict[str, Any]:
-    """Every running tier on one batch: warmed (compiled, recorded), timed round-robin, then profiled once."""
+    """Every running tier on one batch: warmed (compiled, recorded), timed round-robin, then profiled once; each
+    warm-up and each tier's result written to ``lines`` as measured."""
+    lines = lines or Lines(None)
     batches = workload.batches(device)
     warmed: dict[str, Warm] = {}
     failed: dict[str, str] = {}
     running = [t for t in tiers if t.skipped is None]
     for tier in running:
         try:
-            warmed[tier.name] = warm(tier, models[tier.name], batches[tier.batch], settings.warmup, device)
+            warmed[tier.name] = w = warm(tier, models[tier.name], batches[tier.batch], settings.warmup, device)
+            lines.write(
+                "warm_up",
+                batch=workload.name,
+                tier=tier.name,
+                execution=tier.runs,
+                compile_warmup_s=w.warmup_s,
+                warmup_steps=w.steps,
+                peak_mem_mb=w.peak / 2**20,
+                loss=w.loss,
+            )
         except Exception as exc:  # one failing tier (a kernel, an OOM) must not cost the others their numbers
             if device.type == "cpu":
                 raise  # the plumbing run is a test: fail loudly
             failed[tier.name] = f"{type(exc).__name__}: {exc}"[:2000]
+            lines.write("failed", batch=workload.name, tier=tier.name, error=failed[tier.name])
             models[tier.name].zero_grad(set_to_none=True)
             release(device)
     timed = [t for t in running if t.name not in failed]
@@ -260,7 +303,12 @@ def bench_workload(
     exact = {n: r["document_exact"] for n, r in result.items() if "loss" in r}
     ran = {n: r["loss"] for n, r in result.items() if "loss" in r}
     release(device)
-    return {**workload.describe(), "tiers": result, "loss_agreement": agreement(ran, exact, settings.dtype)}
+    agree = agreement(ran, exact, settings.dtype)
+    for name, stats in result.items():
+        if "loss" in stats:
+            lines.write("result", batch=workload.name, tier=name, **{k: v for k, v in stats.items() if k != "launches"})
+    lines.write("loss_agreement", batch=workload.name, **agree)
+    return {**workload.describe(), "tiers": result, "loss_agreement": agree}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -289,6 +337,8 @@ def command(
     rounds: int | None,
     tiers: str | Sequence[str] | None = None,
     memory_gb: float | None = None,
+    shape: str | None = None,
+    jsonl: str | None = None,
 ) -> str:
     parts = [COMMAND]
     if device and device != "cuda":
@@ -303,6 +353,10 @@ def command(
         parts.append(f"--tiers {tiers if isinstance(tiers, str) else ','.join(tiers)}")
     if memory_gb is not None:
         parts.append(f"--memory-gb {memory_gb:g}")
+    if shape:
+        parts.append(f"--shape {shape}")
+    if jsonl:
+        parts.append(f"--jsonl {jsonl}")
     return " ".join(parts)
 
 
@@ -333,10 +387,14 @@ def run(
     tiers: str | Sequence[str] | None = None,
     memory_gb: float | None = None,
     budget_s: float | None = None,
+    shape: str | None = None,
+    jsonl: str | None = None,
 ) -> dict[str, Any]:
-    """The benchmark; ``{"skipped": why}`` where CUDA is asked for (the default) and absent. ``tiers``: a subset
+    """The benchmark; ``{"skipped": why}`` where CUDA is asked for (the default) and absent. ``quick``: the short run
+    (:data:`QUICK_TIERS` on :data:`QUICK_BATCHES`, 3 rounds, no equal memory); ``tiers``: a subset
     (comma-separated); ``memory_gb``: the equal-memory budget; ``budget_s``: seconds after which the equal-memory
-    search stops (default :data:`GPU_BUDGET_S` on CUDA, none on the CPU)."""
+    search stops (default :data:`GPU_BUDGET_S` on CUDA, none on the CPU); ``shape``: a name of
+    ``llama_shapes.SHAPES`` (CUDA); ``jsonl``: a file that gets each result as a JSON line as soon as it is measured."""
     dev = torch.device(device or "cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         return {"skipped": NEEDS_CUDA}
@@ -348,30 +406,38 @@ def run(
     gpu = dev.type == "cuda"
     if gpu and dev.index is not None:
         torch.cuda.set_device(dev)
-    settings = Settings.make(dev, quick, layers, rounds)
+    settings = Settings.make(dev, quick, layers, rounds, shape)
+    lines = Lines(jsonl)
+    said = command(device, quick, layers, rounds, tiers, memory_gb, shape, jsonl)
+    lines.write("start", command=said, settings=dataclasses.asdict(settings), machine=environment(dev))
     budget_gb = budget_of(memory_gb, dev)
     all_tiers = make_tiers(dev, ROWS * settings.width)
-    select(all_tiers, tiers)
+    select(all_tiers, tiers, quick)
     models = _setup(all_tiers, settings, dev)
+    lines.write("tiers", tiers={t.name: t.describe(models) for t in all_tiers})
     clock.done("setup")
     batches = {}
-    loads = workloads(settings.width, settings.vocab)
+    loads = [w for w in workloads(settings.width, settings.vocab) if not quick or w.name in QUICK_BATCHES]
     for workload in loads:
-        batches[workload.name] = bench_workload(workload, all_tiers, models, settings, dev)
+        batches[workload.name] = bench_workload(workload, all_tiers, models, settings, dev, lines)
         clock.done(workload.name)
     limit = budget_s if budget_s is not None else (GPU_BUDGET_S if gpu else None)
     deadline = clock.started + limit if limit is not None else None
-    if deadline is not None and time.perf_counter() > deadline:
+    if quick:
+        memory = memory_skipped("not in --quick")
+    elif deadline is not None and time.perf_counter() > deadline:
         memory = memory_skipped(f"the run's time budget ({limit:.0f} s) was spent")
     else:
         memory = equal_memory(
             all_tiers, models, loads[0], batches[loads[0].name]["tiers"], dev, budget_gb=budget_gb, deadline=deadline
         )
+        lines.write("equal_memory", **memory)
     clock.done("equal_memory")
-    goals = targets(batches, gpu)
-    met = [t["met"] for t in goals.values()]
+    goals = targets(batches, gpu, settings.model)
+    lines.write("targets", targets=goals, elapsed_s=clock.elapsed)
+    met = [t["met"] for t in goals.values() if t["met"] is not None]
     return {
-        "command": command(device, quick, layers, rounds, tiers, memory_gb),
+        "command": said,
         "gpu_number": gpu,
         "note": None if gpu else f"CPU plumbing run, tiny model, fp32: {REFERENCE_LABEL}; targets not judged",
         "torch": torch.__version__,
@@ -380,7 +446,7 @@ def run(
         "settings": {
             **dataclasses.asdict(settings),
             "model": "LlamaForCausalLM, random init (seed 0), "
-            + ("SmolLM2-135M shapes" if gpu else "shapes.TINY_SHAPE"),
+            + (f"{settings.model} shapes" if gpu else "shapes.TINY_SHAPE"),
             "shape": settings.shape,
             "step": "forward + backward, grads set to None before",
             "seed": SEED,
@@ -394,7 +460,7 @@ def run(
         "equal_memory": memory,
         "targets": goals,
         "correct": all(b["loss_agreement"]["ok"] for b in batches.values()),
-        "all_targets_met": all(met) if gpu else None,
+        "all_targets_met": all(met) if gpu and met else None,
         "phases_s": clock.phases,
         "elapsed_s": clock.elapsed,
     }

@@ -91,6 +91,7 @@ class Tier:
     stock_row_layout: bool = False  # attends across documents in a row (stock masks): exact with one per row
     capacity: int = 0  # ours: each flat row padded to a few fixed shapes up to this many tokens (0: its own length)
     execution: str = EAGER  # asked: stock compiles the model here, ours asks attach(..., execution=)
+    default: bool = False  # ours as a user gets it: attach(model, backend) with no capacity or execution given
     compile_backend: str = "inductor"  # stock compiled and graphed tiers
     runs: str = EAGER  # the execution that runs (ours: attach's choice, settled on the first flat batch)
     execution_reason: str = "eager"
@@ -98,16 +99,17 @@ class Tier:
 
     @property
     def graphed(self) -> bool:
-        return self.execution == GRAPHED
+        return GRAPHED in (self.execution, self.runs)
 
     def warmup(self, least: int) -> int:
         """Warm-up steps before the measured one: ``least``, more where the step compiles or records graphs."""
-        return max(least, LEAST_WARMUP[self.execution])
+        return max(least, LEAST_WARMUP[self.execution], LEAST_WARMUP.get(self.runs, 0))
 
     def setup(self, model: Any) -> None:
         if self.backend is not None:
             with self.context():  # the proof runs the tier's kernel (a CPU stand-in where there is no GPU)
-                state = attach(model, self.backend, capacity=self.capacity, execution=self.execution)
+                options = {} if self.default else {"capacity": self.capacity, "execution": self.execution}
+                state = attach(model, self.backend, **options)
             if state.path != "flat":
                 raise RuntimeError(f"{self.name}: the flat path is not proven for this model: {state.reason}")
         else:
@@ -122,6 +124,8 @@ class Tier:
             state = path_of(model)
             assert state is not None  # setup attached it
             self.runs, self.execution_reason = state.execution.runs, state.execution.reason
+            if self.default:
+                self.kernel = f"{state.backend} (attach's choice; capacity {state.capacity or 'none'})"
         elif self.execution != EAGER:
             self.runs = self.execution
             mode = ', mode="reduce-overhead" (CUDA graphs)' if self.graphed else ""
@@ -146,7 +150,7 @@ class Tier:
             "kernel": self.kernel,
             "runs": self.skipped is None,
             "skipped": self.skipped,
-            "execution_asked": self.execution,
+            "execution_asked": "auto" if self.default else self.execution,
             "execution": self.runs if self.skipped is None else None,
             "execution_reason": self.execution_reason if self.skipped is None else None,
         }
@@ -273,6 +277,17 @@ def make_tiers(device: torch.device, capacity: int = ROWS * WIDTH) -> list[Tier]
         )
     )
     tiers.extend(_ours(cuda, varlen is not None, capacity))
+    tiers.append(
+        Tier(
+            "ours_default",
+            "attach(model, 'auto') + forward_documents, nothing else given: the chain's backend, execution 'auto' "
+            "(CUDA: graphed at the first batch's rows x width where the backend reads its bounds on the device)",
+            "the chain's choice (attach's decision)",
+            backend="auto",
+            default=True,
+            context=reference_torch_varlen if not cuda else contextlib.nullcontext,
+        )
+    )
     tiers.append(
         Tier(
             "ours_flash_attn",

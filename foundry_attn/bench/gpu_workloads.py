@@ -2,7 +2,8 @@
 
 The batches (:func:`workloads`: ``a_report``, ``b_no_padding``, ``c_mix``, see :mod:`foundry_attn.bench.gpu`) as
 :class:`Workload` (token ids, each row's document lengths, the padded, masked and documents forms of one batch);
-:class:`Settings` (CUDA: SmolLM2-135M's shapes in bf16; CPU: a tiny model in fp32) and :func:`build_model`.
+:class:`Settings` (CUDA: SmolLM2-135M's shapes, or another of ``llama_shapes.SHAPES``, in bf16; CPU: a tiny model in
+fp32) and :func:`build_model`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 import torch
 
 from foundry_attn.flat.packing import IGNORE_INDEX
-from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SMOLLM2_135M_SHAPE, SMOLLM2_VOCAB, TINY_SHAPE, llama_config
+from foundry_attn.verify.llama_shapes import BLOG_LENGTHS, SHAPES, TINY_SHAPE, llama_config
 
 REPORT_LENGTHS = BLOG_LENGTHS
 ROWS, WIDTH, CPU_WIDTH, CPU_VOCAB = 6, 2048, 128, 512
 PAD_ID, SEED = 0, 0
 MIX_MEDIAN, MIX_SIGMA, MIX_MIN = 0.15, 1.0, 64  # lognormal: median 15% of a row, clipped to 64..width (at 2048)
+DEFAULT_SHAPE = "smollm2-135m"
 
 
 # ---- workloads ----------------------------------------------------------------------------------------------
@@ -163,26 +165,33 @@ class Settings:
     rounds: int
     warmup: int
     quick: bool
+    model: str = DEFAULT_SHAPE  # a name of llama_shapes.SHAPES (CUDA); the CPU builds TINY_SHAPE
 
     @classmethod
-    def make(cls, device: torch.device, quick: bool, layers: int | None, rounds: int | None) -> Settings:
+    def make(
+        cls, device: torch.device, quick: bool, layers: int | None, rounds: int | None, shape: str | None = None
+    ) -> Settings:
         cuda = device.type == "cuda"
-        shape = SMOLLM2_135M_SHAPE if cuda else TINY_SHAPE
+        model = shape or DEFAULT_SHAPE
+        if model not in SHAPES:
+            raise ValueError(f"foundry-attn bench gpu: unknown --shape {model!r}; valid: {', '.join(SHAPES)}")
+        base, vocab = SHAPES[model] if cuda else (TINY_SHAPE, CPU_VOCAB)
         default_rounds = (3 if cuda else 2) if quick else (10 if cuda else 5)
         return cls(
             device=str(device),
             dtype="bfloat16" if cuda else "float32",
-            layers=layers or shape["num_hidden_layers"],
+            layers=layers or base["num_hidden_layers"],
             width=WIDTH if cuda else CPU_WIDTH,
-            vocab=SMOLLM2_VOCAB if cuda else CPU_VOCAB,
+            vocab=vocab,
             rounds=rounds or default_rounds,
             warmup=1 if quick else 2,
             quick=quick,
+            model=model,
         )
 
     @property
     def shape(self) -> dict[str, Any]:
-        base = SMOLLM2_135M_SHAPE if self.device.startswith("cuda") else TINY_SHAPE
+        base = SHAPES[self.model][0] if self.device.startswith("cuda") else TINY_SHAPE
         return {
             **base,
             "num_hidden_layers": self.layers,

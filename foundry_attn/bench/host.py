@@ -2,15 +2,16 @@
 
     foundry-attn bench host --json            # CPU, fp32, one thread, 30 layers of width 64, ~1 min
 
-A Llama of tiny width (hidden 64, 4 heads, 30 layers: the host's work per layer, not the arithmetic, sets the
-pace), 6 documents of 8 tokens, forward + backward. Stock dense: the six documents as six full rows, no mask (the
-least a step can do on these tokens). Ours: the same model attached (:func:`~foundry_attn.path.attach.attach`) and
-the same tokens as a packed batch through :func:`~foundry_attn.path.forward.forward_documents` (one flat row).
-Round-robin medians of ``rounds`` steps each; aten ops and host syncs (``aten::_local_scalar_dense``) counted on one
-step of each. Both losses are checked equal. Beside the targets, six documents of six lengths (3-13 tokens) against
-stock's rows padded to the longest with a mask. And ours on the FA2 code path (the pure-PyTorch reference kernel
-on a CPU) with each flat row at its own length against padded to a capacity (``capacity``: host syncs counted from
-the batch to the optimizer step, the target 0). Core module: torch and transformers only.
+A Llama of tiny width (hidden 64, 4 heads, 30 layers: the host's work per layer, not the arithmetic, sets the pace; 4 KV
+heads, and 2 as grouped-query models have), 6 documents of 8 tokens, forward + backward. Stock dense: the six documents
+as six full rows, no mask (the least a step can do on these tokens). Ours: the same model attached
+(:func:`~foundry_attn.path.attach.attach`) and the same tokens as a packed batch through
+:func:`~foundry_attn.path.forward.forward_documents` (one flat row). Round-robin medians of ``rounds`` steps each; aten
+ops and host syncs (``aten::_local_scalar_dense``) counted on one step of each. Both losses are checked equal. Beside
+the targets, six documents of six lengths (3-13 tokens) against stock's rows padded to the longest with a mask. And ours
+on the FA2 code path (the pure-PyTorch reference kernel on a CPU) with each flat row at its own length against padded to
+a capacity (``capacity``: host syncs counted from the batch to the optimizer step, the target 0). Core module: torch and
+transformers only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from foundry_attn.bench.timing import median, paired_ratio_median, round_robin
 
 COMMAND = "foundry-attn bench host --json"
 HIDDEN, HEADS, LAYERS, DOCUMENTS, LENGTH, VOCAB = 64, 4, 30, 6, 8, 64
+#: grouped-query heads (SmolLM2: 9 heads, 3 KV heads): the same targets, the KV heads as stock's call takes them
+KV_HEADS = 2
 #: six documents of six lengths (48 tokens too): stock's rows padded to the longest with a mask, reported beside
 MIXED = (3, 5, 7, 9, 11, 13)
 #: the targets of issue 55 on the CPU: ours' host time and aten ops per step against stock dense
@@ -55,7 +58,8 @@ def run(quick: bool = False, device: str | None = None, rounds: int = 40, **_: A
 
     Returns:
         ``command``, per backend the two variants' ``ms``, ``ms_per_layer``, ``ops``, ``syncs`` and the ratios (and
-        the same at six lengths, ``<backend>_mixed``), ``targets`` and ``correct`` (the losses agree).
+        the same with grouped-query heads, ``<backend>_gqa``, and at six lengths, ``<backend>_mixed``), ``targets``
+        and ``correct`` (the losses agree).
 
     Example::
 
@@ -67,11 +71,12 @@ def run(quick: bool = False, device: str | None = None, rounds: int = 40, **_: A
     result: dict[str, Any] = {"command": COMMAND + (" --quick" if quick else ""), "layers": layers}
     correct, targets = True, {}
     for impl in ("sdpa", "eager"):
-        cell = _cell(impl, layers, rounds, dev, (LENGTH,) * DOCUMENTS)
-        correct = correct and cell.pop("same_loss")
-        result[impl] = cell
-        targets[f"{impl}_time_ratio_at_most_{TIME_RATIO}"] = _target(cell["time_ratio"], TIME_RATIO)
-        targets[f"{impl}_ops_ratio_at_most_{OPS_RATIO}"] = _target(cell["ops_ratio"], OPS_RATIO)
+        for name, kv_heads in ((impl, HEADS), (f"{impl}_gqa", KV_HEADS)):
+            cell = _cell(impl, layers, rounds, dev, (LENGTH,) * DOCUMENTS, kv_heads)
+            correct = correct and cell.pop("same_loss")
+            result[name] = cell
+            targets[f"{name}_time_ratio_at_most_{TIME_RATIO}"] = _target(cell["time_ratio"], TIME_RATIO)
+            targets[f"{name}_ops_ratio_at_most_{OPS_RATIO}"] = _target(cell["ops_ratio"], OPS_RATIO)
         mixed = _cell(impl, layers, rounds, dev, MIXED)  # reported beside, not a target: rows padded with a mask
         correct = correct and mixed.pop("same_loss")
         result[f"{impl}_mixed"] = mixed
@@ -150,7 +155,9 @@ def _capacity_cell(layers: int, rounds: int, dev: torch.device) -> dict[str, Any
     return cell
 
 
-def _cell(impl: str, layers: int, rounds: int, dev: torch.device, lengths: tuple[int, ...]) -> dict[str, Any]:
+def _cell(
+    impl: str, layers: int, rounds: int, dev: torch.device, lengths: tuple[int, ...], kv_heads: int = HEADS
+) -> dict[str, Any]:
     import transformers
 
     from foundry_attn.path.attach import attach
@@ -163,7 +170,7 @@ def _cell(impl: str, layers: int, rounds: int, dev: torch.device, lengths: tuple
         intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers,
         num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
+        num_key_value_heads=kv_heads,
     )
     torch.manual_seed(0)
     # a config of its own each: transformers 5.x shares the one given, and attach points ours at our function

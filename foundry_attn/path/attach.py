@@ -31,7 +31,7 @@ from foundry_attn.checks import check_choice, check_interval
 from foundry_attn.flat.implementation import current, point, use
 from foundry_attn.flat.model_forward import replace_forwards
 from foundry_attn.flat.unwrap import compiled, unwrapped
-from foundry_attn.path.execution import EAGER_STEP, check_execution, execution_for
+from foundry_attn.path.execution import AUTO_STEP, check_execution, execution_for
 from foundry_attn.path.forward import packed_backbone, packed_model, plain_call
 from foundry_attn.path.proven import prove_at_attach
 from foundry_attn.path.schedule import PROOF_INTERVAL, Schedule
@@ -65,7 +65,7 @@ def attach(
     interval: int = PROOF_INTERVAL,
     prove_now: bool = True,
     capacity: int = 0,
-    execution: str = EAGER_STEP,
+    execution: str = AUTO_STEP,
 ) -> PathState:
     """Point ``model``'s attention at our function for ``backend`` and prove the flat path against stock on two
     synthetic documents; a model it does not hold for runs one document per row, with the reason.
@@ -90,9 +90,11 @@ def attach(
         capacity: pad each flat row to a few fixed shapes, up to this many tokens (:mod:`foundry_attn.flat.capacity`:
             a step a CUDA graph can capture, no host sync), where the backend reads the bounds on the device
             (flash_attention_2, torch_varlen); 0: each row at its own length.
-        execution: how the flat step runs (:mod:`foundry_attn.path.execution`): ``eager``, ``compiled``
-            (``torch.compile`` of forward and backward) or ``graphed`` (compiled and captured in CUDA graphs; needs
-            CUDA and a ``capacity``); where one cannot apply, the next, with the reason (``state.execution``).
+        execution: how the flat step runs (:mod:`foundry_attn.path.execution`): ``auto`` (graphed on CUDA where the
+            backend reads its bounds on the device, at ``capacity`` or the first flat batch's rows x width; else
+            compiled; eager on a CPU), ``eager``, ``compiled`` (the decoder layers compiled, forward and backward) or
+            ``graphed`` (compiled and captured in CUDA graphs; needs CUDA and a ``capacity``); where one cannot
+            apply, the next, with the reason (``state.execution``).
 
     Returns:
         The :class:`~foundry_attn.path.state.PathState` kept on the model: ``path`` (``flat`` or ``rows``),
@@ -166,12 +168,7 @@ def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
     state.capacity = 0
     if not capacity:
         return state
-    why = ""
-    if not BACKENDS[state.backend].static:
-        why = f"{state.backend} reads the documents' lengths on the host (flash_attention_2 and torch_varlen read "
-        why += "their bounds on the device)"
-    elif state.traits.router_loss:
-        why = "the router's loss counts every token of the row, the padding's too"
+    why = capacity_refusal(state)
     if why:
         note = f"capacity {capacity} not applied: {why}; each flat row runs at its own length"
         state.notes.append(note)
@@ -181,14 +178,38 @@ def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
     return state
 
 
+def capacity_refusal(state: PathState) -> str:
+    """Why the flat row of ``state`` cannot be padded to a capacity ("" where it can).
+
+    Args:
+        state: the attached path's state.
+
+    Returns:
+        The reason, or "".
+
+    Example::
+
+        >>> capacity_refusal(attach(model, "sdpa"))
+        'sdpa reads the documents' lengths on the host (flash_attention_2 and torch_varlen read their bounds on ...'
+    """
+    if not BACKENDS[state.backend].static:
+        return (
+            f"{state.backend} reads the documents' lengths on the host (flash_attention_2 and torch_varlen read "
+            "their bounds on the device)"
+        )
+    if state.traits.router_loss:
+        return "the router's loss counts every token of the row, the padding's too"
+    return ""
+
+
 def with_execution(state: PathState, hf: Any, execution: str, caller_compiles: bool = False) -> PathState:
-    """Run the flat step ``eager``, ``compiled`` or ``graphed`` where it applies to this state (its capacity and
-    backend; the device on the first batch), else the next one, the reason said (the path event, the inspector).
+    """Run the flat step ``auto``, ``eager``, ``compiled`` or ``graphed`` where it applies to this state (its capacity
+    and backend; the device on the first batch), else the next one, the reason said (the path event, the inspector).
 
     Args:
         state: the attached path's state, its capacity applied (:func:`with_capacity`).
         hf: the transformers model.
-        execution: ``eager``, ``compiled`` or ``graphed``.
+        execution: ``auto``, ``eager``, ``compiled`` or ``graphed``.
         caller_compiles: attach was given a compiled model (``torch.compile(model)``): the caller's compile runs it.
 
     Returns:
@@ -200,9 +221,14 @@ def with_execution(state: PathState, hf: Any, execution: str, caller_compiles: b
         'compiled'
     """
     rows = state.path == ROWS
-    state.execution = execution_for(execution, caller_compiles, state.backend, state.capacity, state.stock_mask, rows)
-    if state.execution.runs != execution:
+    device, why = next(hf.parameters()).device, capacity_refusal(state)
+    state.execution = execution_for(
+        execution, caller_compiles, state.backend, state.capacity, state.stock_mask, rows, device, why
+    )
+    if execution != AUTO_STEP and state.execution.runs != execution:
         log.warning("foundry_attn: %s: attn_execution %s: %s", type(hf).__name__, execution, state.execution.reason)
+    elif execution == AUTO_STEP:
+        log.info("foundry_attn: %s: attn_execution %s", type(hf).__name__, state.execution.reason)
     return state
 
 

@@ -44,7 +44,7 @@ from foundry_attn.flat.inputs import (
 )
 from foundry_attn.flat.layout import Layout, Truth, padding_side
 from foundry_attn.flat.unwrap import compiled, unwrapped
-from foundry_attn.path.execution import PROOF_DUE, ROWS_BATCH, Execution
+from foundry_attn.path.execution import EAGER_STEP, PROOF_DUE, ROWS_BATCH, Execution
 from foundry_attn.path.proven import prove_batch, step_proof
 from foundry_attn.path.state import FLAT, ROWS, PathChange, PathState, Plan, path_of
 from foundry_attn.proof.step_proof import StepProof
@@ -121,7 +121,7 @@ def run_prepared(
             execution.ran_eagerly(PROOF_DUE)
         return _proven(forward, model, batch, prepared.proof, prepared)
     if prepared.flat and execution is not None:
-        return execution.run(forward, prepared.inputs), prepared
+        return execution.run(forward, prepared.inputs, unwrapped(model)), prepared
     if execution is not None:  # rows: a shape per batch
         execution.ran_eagerly(ROWS_BATCH)
     if prepared.forwards:
@@ -270,8 +270,12 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
                 plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
         groups = plan.groups
         if plan.path == FLAT:
-            # documents of one length as even rows where the function would regroup them in every layer (uncompiled)
-            even = in_step and (state.stock_mask or BACKENDS[state.backend].regroups)
+            if not state.execution.settled:  # the first flat batch: its device, and auto's capacity (rows x width)
+                state.capacity = state.execution.settle(ids.device, state.capacity, ids.numel())
+            # documents of one length as even rows where the function would regroup them in every layer (uncompiled:
+            # a compiled step takes every layout as one flat row, one graph)
+            regroups = state.stock_mask or BACKENDS[state.backend].regroups
+            even = in_step and state.execution.runs == EAGER_STEP and regroups
             inputs, placed = flat_inputs(hf, ids, labels, layout, even)
             if state.capacity and not state.stock_mask:  # a few fixed shapes: the kernel reads the bounds on the device
                 inputs = _at_capacity(state, hf, inputs)

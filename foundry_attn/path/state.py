@@ -34,6 +34,7 @@ from foundry_attn.path.schedule import Schedule
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.step_proof import step_blocker
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
+from foundry_attn.selection.surfaces import Surface, spoken
 from foundry_attn.selection.traits import ModelTraits
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class PathState:
     choice: LayoutChoice = dataclasses.field(default_factory=LayoutChoice)  # the layout each batch runs
     execution: Execution = dataclasses.field(default_factory=Execution)  # eager, compiled or graphed, and why
     traits: ModelTraits = dataclasses.field(default_factory=ModelTraits)  # what the model asks of attention (attach)
+    surface: Surface = dataclasses.field(default_factory=spoken)  # whose keys its errors name: the caller's at attach
 
     def __deepcopy__(self, memo: dict) -> PathState:
         """A copied model (``copy.deepcopy``) keeps its path but proves again on its first batch."""
@@ -253,7 +255,7 @@ def compiled_by(model: Any) -> str | None:
         >>> compiled_by(torch.compile(hf_model))
         'torch.compile'
         >>> compiled_by(hf_model)           # attach(hf_model, "sdpa", execution="compiled")
-        "attn_execution compiled (compiled: torch.compile of the flat step (forward and backward; ...))"
+        "attn_execution compiled (compiled: torch.compile of the decoder layers, one graph per kind (forward and ...))"
     """
     if compiled(model):
         return "torch.compile"

@@ -34,6 +34,7 @@ TIERS = (  # the order the benchmark reports them in
     "ours_torch_varlen_capacity",
     "ours_torch_varlen_compiled",
     "ours_torch_varlen_graphed",
+    "ours_default",
     "ours_flash_attn",
     "flex_document_mask",
     "sdpa_per_document",
@@ -46,6 +47,7 @@ CPU_TIERS = (
     "ours_torch_varlen",
     "ours_torch_varlen_capacity",
     "ours_torch_varlen_compiled",
+    "ours_default",
     "sdpa_per_document",
 )
 CPU_SKIPPED = {"padded_dense_graphed", "ours_torch_varlen_graphed", "ours_flash_attn", "flex_document_mask"}
@@ -59,7 +61,13 @@ TIER_KEYS = set(
     "samples_ms execution compile_warmup_s warmup_steps gpu_busy_share launches_per_step".split()
 )
 #: exact against each document alone on a batch of several documents a row (stock's 2-D masks attend across them)
-PACKED_EXACT = {"stock_padding_free", "ours_torch_varlen", "ours_torch_varlen_capacity", "ours_torch_varlen_compiled"}
+PACKED_EXACT = {
+    "stock_padding_free",
+    "ours_torch_varlen",
+    "ours_torch_varlen_capacity",
+    "ours_torch_varlen_compiled",
+    "ours_default",
+}
 OURS = PACKED_EXACT - {"stock_padding_free"}
 #: the equal-memory tiers that run on the CPU
 CPU_EQUAL_MEMORY = (
@@ -99,12 +107,13 @@ def test_python_m_foundry_attn_cli_bench_runs_without_composer() -> None:
 def test_cpu_plumbing_runs_every_cpu_tier_and_losses_agree(capsys: pytest.CaptureFixture[str]) -> None:
     threads = torch.get_num_threads()
     try:  # one thread: a tiny model's steps are bound by overhead, and 2 threads on a busy box spin for cores
-        assert main(["bench", "gpu", "--json", "--device", "cpu", "--quick", "--layers", "2", "--threads", "1"]) == 0
+        args = ["bench", "gpu", "--json", "--device", "cpu", "--rounds", "2", "--layers", "2", "--threads", "1"]
+        assert main(args) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out)
     assert RESULT_KEYS <= result.keys()
-    assert result["command"] == "foundry-attn bench gpu --json --device cpu --quick --layers 2"
+    assert result["command"] == "foundry-attn bench gpu --json --device cpu --layers 2 --rounds 2"
     assert result["torch"] == torch.__version__ and result["gpu_number"] is False
     assert {"threads", "torch", "transformers", "cpu", "device_name"} <= result["machine"].keys()
     assert result["settings"]["dtype"] == "float32" and result["settings"]["layers"] == 2
@@ -116,7 +125,11 @@ def test_cpu_plumbing_runs_every_cpu_tier_and_losses_agree(capsys: pytest.Captur
         assert tiers[name]["kernel"] == "reference kernel (not a GPU number)"
     for name in ("padded_dense_compiled", "ours_torch_varlen_compiled"):  # Dynamo's capture, no inductor, on the CPU
         assert tiers[name]["execution"] == "compiled" and "backend='eager'" in tiers[name]["kernel"], tiers[name]
-    assert "torch.compile of the flat step" in tiers["ours_torch_varlen_compiled"]["execution_reason"]
+    assert "torch.compile of the decoder layers" in tiers["ours_torch_varlen_compiled"]["execution_reason"]
+    assert (
+        tiers["ours_default"]["execution_asked"] == "auto"
+        and "auto: eager on cpu" in (tiers["ours_default"]["execution_reason"])
+    )
     for name in ("padded_dense_graphed", "ours_torch_varlen_graphed"):
         assert (
             tiers[name]["execution_asked"] == "graphed" and "CUDA graphs need a CUDA device" in tiers[name]["skipped"]
@@ -132,7 +145,7 @@ def test_cpu_plumbing_runs_every_cpu_tier_and_losses_agree(capsys: pytest.Captur
             assert TIER_KEYS <= stats.keys()
             assert stats["gpu_busy_share"] is None and stats["launches_per_step"] is None  # CUDA only, and why
             assert stats["profile"] == gpu_profile.NOT_CUDA
-            assert stats["warmup_steps"] == (2 if tier.endswith("_compiled") else 1), (name, tier)
+            assert stats["warmup_steps"] == 2, (name, tier)
         assert batch["tiers"]["padded_dense"]["ratio_vs_padded_dense"] == 1.0
         assert set(batch["tiers"]) - set(CPU_TIERS) == CPU_SKIPPED
         assert all("skipped" in batch["tiers"][t] for t in CPU_SKIPPED)
@@ -162,6 +175,7 @@ def test_cpu_plumbing_runs_every_cpu_tier_and_losses_agree(capsys: pytest.Captur
     for name, target in result["targets"].items():
         assert {"target", "value", "tier", "values", "batch"} <= target.keys()
         assert target["met"] is None and target["tier"] in OURS, name  # not judged
+    assert result["targets"]["ours_default_vs_padded_best_a_report"]["tier"] == "ours_default"
     busy = result["targets"]["ours_best_gpu_busy_share_a_report"]
     assert busy["value"] is None  # no profile on the CPU
     assert result["targets"]["ours_best_vs_stock_padding_free_a_report"]["against"] == "stock_padding_free"
@@ -459,20 +473,50 @@ def test_targets_take_each_contender_at_its_best() -> None:
             "stock_padding_free": 500,
             "ours_torch_varlen": 400,
             "ours_torch_varlen_compiled": 620,
-            "ours_torch_varlen_graphed": 700,  # the fastest, but its loss disagrees: not ours at its best
+            "ours_default": 1100,
+            "ours_torch_varlen_graphed": 1300,  # the fastest, but its loss disagrees: not ours at its best
         },
         busy=0.75,
         disagree=("ours_torch_varlen_graphed",),
     )
-    b = _batch({"padded_dense": 100, "padded_dense_graphed": 90, "ours_torch_varlen_compiled": 96})
+    a["tiers"]["ours_default"]["compile_warmup_s"] = 20.0
+    a["tiers"]["padded_dense_graphed"]["compile_warmup_s"] = 50.0
+    b = _batch({"padded_dense": 100, "padded_dense_graphed": 90, "ours_default": 96})
     goals = gpu_report.targets({"a_report": a, "b_no_padding": b}, gpu=True)
     vs_padded = goals["ours_best_vs_padded_best_a_report"]
-    assert (vs_padded["tier"], vs_padded["against"]) == ("ours_torch_varlen_compiled", "padded_dense_graphed")
-    assert vs_padded["value"] == pytest.approx(3.1) and vs_padded["met"]
+    assert (vs_padded["tier"], vs_padded["against"]) == ("ours_default", "padded_dense_graphed")
+    assert vs_padded["value"] == pytest.approx(5.5) and vs_padded["met"]
     assert vs_padded["stock_vs_padded_best"]["stock_padding_free"] == pytest.approx(2.5)
-    assert goals["ours_best_vs_stock_padding_free_a_report"]["value"] == pytest.approx(1.24)
-    b_goal = goals["ours_best_vs_padded_best_b_no_padding"]
+    assert goals["ours_best_vs_stock_padding_free_a_report"]["value"] == pytest.approx(2.2)
+    eager = goals["ours_eager_vs_padded_eager_a_report"]
+    assert (eager["tier"], eager["against"], eager["value"]) == ("ours_torch_varlen", "padded_dense", 4.0)
+    b_goal = goals["ours_default_vs_padded_best_b_no_padding"]
     assert (b_goal["against"], b_goal["value"], b_goal["met"]) == ("padded_dense", pytest.approx(0.96), True)
+    assert goals["ours_default_warmup_vs_padded_graphed_a_report"]["value"] == pytest.approx(2.5)
     assert goals["ours_best_gpu_busy_share_a_report"]["value"] == 0.75
     assert all(t["met"] for t in goals.values())
     assert all(t["met"] is None for t in gpu_report.targets({"a_report": a, "b_no_padding": b}, gpu=False).values())
+    del a["tiers"]["padded_dense_graphed"]  # not run (--tiers): its targets are not judged, the others still are
+    partial = gpu_report.targets({"a_report": a, "b_no_padding": b}, gpu=True)
+    assert partial["ours_default_warmup_vs_padded_graphed_a_report"]["met"] is None
+    assert partial["ours_default_vs_padded_best_a_report"]["met"] is True
+    one_b = gpu_report.targets({"a_report": a, "b_no_padding": b}, gpu=True, shape="llama-3.2-1b")
+    assert list(one_b) == list(gpu_report.TARGETS_BY_SHAPE["llama-3.2-1b"])
+
+
+@no_cuda
+def test_quick_runs_the_short_set_on_two_batches_and_writes_each_result_as_measured(tmp_path: Path) -> None:
+    lines = tmp_path / "gpu.jsonl"
+    result = gpu.run(quick=True, device="cpu", layers=1, rounds=1, jsonl=str(lines))
+    ran = [n for n, t in result["tiers"].items() if t["runs"]]
+    assert ran == ["padded_dense", "ours_torch_varlen", "ours_default", "sdpa_per_document"]  # graphed: CUDA only
+    assert result["tiers"]["padded_dense_compiled"]["skipped"] == gpu.NOT_QUICK
+    assert list(result["batches"]) == ["a_report", "b_no_padding"] and "skipped" in result["equal_memory"]
+    records = [json.loads(line) for line in lines.read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds[:2] == ["start", "tiers"] and kinds[-1] == "targets"
+    results = [(r["batch"], r["tier"]) for r in records if r["kind"] == "result"]
+    assert results == [(b, t) for b in ("a_report", "b_no_padding") for t in ran]
+    assert records[0]["command"].endswith(f"--quick --layers 1 --rounds 1 --jsonl {lines}")
+    with pytest.raises(ValueError, match=r"unknown --shape 'gpt'; valid: smollm2-135m, llama-3\.2-1b"):
+        gpu.Settings.make(torch.device("cpu"), True, None, None, "gpt")

@@ -1,7 +1,9 @@
-"""The user's switch for how the flat step runs (``attach(..., execution=)``, ``attn_execution``): compiled, the step
-is exact against the uncompiled one on every layout, in one graph with no graph break; graphed where it cannot apply
-(no CUDA, no capacity) runs compiled and says why; a batch with a proof due, and rows, run eagerly, said once; the
-choice reaches the decision's fields, and the observers step aside."""
+"""The user's switch for how the flat step runs (``attach(..., execution=)``, ``attn_execution``): ``auto`` by default,
+eager on a CPU with the reason, graphed or compiled by the device and backend, eager where a compile fails; compiled,
+the step is exact against the uncompiled one on every layout, the decoder layers in one graph (every layer, a second
+model too) with no graph break; graphed where it cannot apply (no CUDA, no capacity) runs compiled and says why; a
+batch with a proof due, and rows, run eagerly, said once; the choice reaches the decision's fields, and the observers
+step aside."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from foundry_attn.bench.gpu import reference_torch_varlen
 from foundry_attn.integrations.llm_foundry.keys import AttnKeys
 from foundry_attn.path import execution
 from foundry_attn.path.attach import attach
-from foundry_attn.path.execution import COMPILED, EAGER_STEP, GRAPHED, PROOF_DUE, ROWS_BATCH
+from foundry_attn.path.execution import AUTO_STEP, COMPILED, EAGER_STEP, GRAPHED, PROOF_DUE, ROWS_BATCH, execution_for
 from foundry_attn.path.forward import forward_documents
 from foundry_attn.path.proven import refuse
 from foundry_attn.path.state import compiled_by
@@ -78,11 +80,12 @@ def _steps_agree(model: torch.nn.Module, twin: torch.nn.Module, batches: Iterato
 
 
 @pytest.mark.parametrize(
-    ("family", "backend", "layouts"),
-    [("llama", "sdpa", 50), ("qwen2", "eager", 12), ("llama", "torch_varlen", 12)],
+    ("family", "backend", "layouts", "made"),
+    # Qwen2's attention reads its layer_idx: the first layer's graph holds it constant, the next takes it as an input
+    [("llama", "sdpa", 50, 1), ("qwen2", "eager", 12, 2), ("llama", "torch_varlen", 12, 1)],
 )
 def test_a_compiled_step_is_exact_in_one_graph_over_every_layout(
-    graphs: list[int], family: str, backend: str, layouts: int
+    graphs: list[int], family: str, backend: str, layouts: int, made: int
 ) -> None:
     from torch._dynamo.utils import counters
 
@@ -90,7 +93,7 @@ def test_a_compiled_step_is_exact_in_one_graph_over_every_layout(
         model, twin = _twins(family, backend, capacity=128 * (backend == "torch_varlen"), execution=COMPILED)
         assert _steps_agree(model, twin, _layouts(layouts)) == layouts
     state = model.foundry_path
-    assert len(graphs) == 1 and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
+    assert len(graphs) == made and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
     assert state.execution.runs == COMPILED and state.execution.eager == {PROOF_DUE: 1}  # the first batch's proof
     assert compiled_by(model).startswith("attn_execution compiled (compiled: ") and compiled_by(twin) is None
 
@@ -122,10 +125,10 @@ def test_rows_run_eagerly_and_the_callers_compile_runs_its_own(graphs: list[int]
 
 
 def test_an_unknown_execution_lists_the_valid_ones() -> None:
-    valid = "attn_execution: unknown value 'graph'; valid values: eager, compiled, graphed"
+    valid = "attn_execution: unknown value 'graph'; valid values: auto, eager, compiled, graphed"
     with pytest.raises(ValueError, match=valid):
         attach(conformance.build("llama", "sdpa"), "sdpa", execution="graph")
-    assert AttnKeys.parse(0, attn_execution="graphed").execution == GRAPHED and AttnKeys.parse(0).execution == "eager"
+    assert AttnKeys.parse(0, attn_execution="graphed").execution == GRAPHED and AttnKeys.parse(0).execution == AUTO_STEP
     with pytest.raises(ValueError, match="attn_execution: unknown value"):
         AttnKeys.parse(0, attn_execution="fast")
 
@@ -170,3 +173,68 @@ def test_the_observers_step_aside_under_a_compiled_execution_and_say_why(caplog:
         core.resolve(model, model)
     assert core.idle_reason.startswith("the model runs under attn_execution compiled (compiled: torch.compile")
     assert any("upad_tracer: the model runs under attn_execution compiled" in r.message for r in caplog.records)
+
+
+def test_auto_is_the_default_eager_on_a_cpu_and_says_why() -> None:
+    model = conformance.build("llama", "sdpa")
+    state = attach(model, "sdpa")
+    want = "auto: eager on cpu (compiled and graphed steps pay on a CUDA device"
+    assert state.execution.asked == AUTO_STEP and state.execution.runs == EAGER_STEP
+    assert state.execution.reason.startswith(want)
+    forward_documents(model, next(_layouts(1))).loss.backward()  # the first flat batch reads the device: the same
+    assert state.execution.runs == EAGER_STEP and state.execution.reason.startswith(want) and state.capacity == 0
+    assert state.decision_now().as_dict()["execution_reason"].startswith(want)
+
+
+def test_auto_on_cuda_graphs_a_backend_with_bounds_on_the_device_at_the_first_batchs_rows_x_width() -> None:
+    cuda = torch.device("cuda")
+    varlen = execution_for(AUTO_STEP, False, "torch_varlen", 0, False, False, cuda)
+    assert varlen.runs == GRAPHED and varlen.by_device
+    assert varlen.settle(cuda, 0, 12288) == 12288 and varlen.runs == GRAPHED
+    assert varlen.reason.endswith("at capacity 12288 (the first flat batch's rows x width)")
+    given = execution_for(AUTO_STEP, False, "torch_varlen", 4096, False, False, cuda)
+    assert given.settle(cuda, 4096, 12288) == 4096 and given.reason.endswith("at capacity 4096")
+    why = "sdpa reads the documents' lengths on the host"
+    sdpa = execution_for(AUTO_STEP, False, "sdpa", 0, False, False, cuda, why)
+    assert sdpa.runs == COMPILED and sdpa.reason.endswith(f"graphed not applied: {why}")
+    moved = execution_for(AUTO_STEP, False, "torch_varlen", 0, False, False, cuda)  # built on CUDA, trained on a CPU
+    assert moved.settle(torch.device("cpu"), 0, 12288) == 0 and moved.runs == EAGER_STEP
+    caller = execution_for(AUTO_STEP, True, "torch_varlen", 0, False, False, cuda)
+    assert caller.runs == EAGER_STEP and not caller.by_device and "compiled already" in caller.reason
+
+
+def test_identical_layers_and_a_second_model_share_one_compiled_graph(graphs: list[int]) -> None:
+    from foundry_attn.verify.conformance import FAMILIES
+
+    config, model_class = FAMILIES["llama"]()
+    config.num_hidden_layers, config._attn_implementation = 6, "sdpa"
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(model_class(config).train())
+        attach(models[-1], "sdpa", execution=COMPILED)
+    for model in models:
+        for batch in _layouts(3, seed=len(graphs)):
+            forward_documents(model, batch).loss.backward()
+    assert len(graphs) == 1, graphs  # 6 layers, two models, every layout
+    assert models[0].foundry_path.execution.compiled.kinds == {"LlamaDecoderLayer": 6}
+    assert models[0].foundry_path.execution.compile_s > 0
+    assert all("forward" not in layer.__dict__ for layer in models[0].model.layers)  # their own after each step
+
+
+def test_a_compile_that_fails_under_auto_leaves_the_step_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(execution, "BACKEND", failing)
+    model, twin = _twins("llama", "sdpa", execution="eager")
+    state = model.foundry_path
+    state.execution = execution_for(AUTO_STEP, False, "sdpa", 0, False, False, torch.device("cuda"), "a test")
+    state.execution.settled = True  # as on CUDA: compiled
+    try:
+        _steps_agree(model, twin, _layouts(3))
+    finally:
+        torch._dynamo.reset()
+    assert state.execution.runs == EAGER_STEP and "the compiled step failed here" in state.execution.reason
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)

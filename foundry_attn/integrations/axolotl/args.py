@@ -4,7 +4,7 @@
     foundry_attn_strict: false
     foundry_attn_proof_interval: 100
     foundry_attn_capacity: 0            # N: flat rows padded to a few fixed shapes (flash_attention_2, torch_varlen)
-    foundry_attn_execution: eager       # eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
+    foundry_attn_execution: auto        # auto | eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
     foundry_attn_events_dir: ./out/attn_events
     foundry_attn_log_interval: 50
     foundry_attn_verdict_interval: 100
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationInfo, field_validator, model_validator
 from foundry_attn.attention.backends import NAMES
 from foundry_attn.checks import check_choice, check_interval
 from foundry_attn.integrations.axolotl.refusals import refusal
-from foundry_attn.path.execution import EAGER_STEP, EXECUTIONS
+from foundry_attn.path.execution import AUTO_STEP, EXECUTIONS
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.selection.policy import AUTO
 
@@ -44,8 +44,8 @@ class FoundryAttnArgs(BaseModel):
             batch and changes of the attention code only).
         foundry_attn_capacity: pad each flat row to a few fixed shapes up to N tokens where the kernel reads the
             documents' bounds on the device (0: each row at its own length; :mod:`foundry_attn.flat.capacity`).
-        foundry_attn_execution: how the flat step runs, ``eager``, ``compiled`` or ``graphed``
-            (:mod:`foundry_attn.path.execution`).
+        foundry_attn_execution: how the flat step runs, ``auto`` (graphed on CUDA where it can be, else compiled;
+            eager on a CPU), ``eager``, ``compiled`` or ``graphed`` (:mod:`foundry_attn.path.execution`).
         foundry_attn_events_dir: the folder of ``events-rank<r>.jsonl`` (default ``<output_dir>/attn_events``).
         foundry_attn_log_interval: optimizer steps between inspected steps (the first is always inspected).
         foundry_attn_verdict_interval: optimizer steps between verdicts on packed documents.
@@ -60,7 +60,7 @@ class FoundryAttnArgs(BaseModel):
     foundry_attn_strict: bool = False
     foundry_attn_proof_interval: int = PROOF_INTERVAL
     foundry_attn_capacity: int = 0
-    foundry_attn_execution: str = EAGER_STEP
+    foundry_attn_execution: str = AUTO_STEP
     foundry_attn_events_dir: str | None = None
     foundry_attn_log_interval: int = 50
     foundry_attn_verdict_interval: int = 100

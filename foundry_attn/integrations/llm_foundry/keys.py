@@ -10,7 +10,7 @@
       attn_proof_interval: 100
       attn_prove_at_build: true          # the proof at build (false: on the first training batch)
       attn_capacity: 0                   # pad each flat row to a few fixed shapes up to N tokens (varlen backends)
-      attn_execution: eager              # eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
+      attn_execution: auto               # auto | eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
       fa2_reference_kernel: false
       attn_rank_overrides: {1: {attn_implementation: sdpa}}
 
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from foundry_attn.attention.backends import FA2
 from foundry_attn.checks import check_interval
-from foundry_attn.path.execution import EAGER_STEP, check_execution
+from foundry_attn.path.execution import AUTO_STEP, check_execution
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, check_path
 from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, validate_names
@@ -76,7 +76,7 @@ class AttnKeys:
     prove_at_build: bool = True
     fa2_reference: bool = False
     capacity: int = 0
-    execution: str = EAGER_STEP
+    execution: str = AUTO_STEP
 
     @classmethod
     def parse(
@@ -90,7 +90,7 @@ class AttnKeys:
         attn_proof_interval: int = PROOF_INTERVAL,
         attn_prove_at_build: bool = True,
         attn_capacity: int = 0,
-        attn_execution: str = EAGER_STEP,
+        attn_execution: str = AUTO_STEP,
         fa2_reference_kernel: bool = False,
         attn_rank_overrides: Mapping | None = None,
         use_flash_attention_2: bool = False,
@@ -108,8 +108,8 @@ class AttnKeys:
             attn_prove_at_build: prove at build (False: on the first training batch).
             attn_capacity: pad each flat row to a few fixed shapes up to this many tokens (0: off;
                 :mod:`foundry_attn.flat.capacity`).
-            attn_execution: how the flat step runs: ``eager``, ``compiled`` or ``graphed``
-                (:mod:`foundry_attn.path.execution`).
+            attn_execution: how the flat step runs: ``auto`` (graphed on CUDA where it can be, else compiled;
+                eager on a CPU), ``eager``, ``compiled`` or ``graphed`` (:mod:`foundry_attn.path.execution`).
             fa2_reference_kernel: run FA2 on the pure-PyTorch reference kernel.
             attn_rank_overrides: per rank, the keys it sets otherwise (:func:`rank_override`).
             use_flash_attention_2: LLM-Foundry's old key; under ``auto``, asks for ``flash_attention_2``.

@@ -15,7 +15,7 @@
                                            # whenever the attention code changes); 0: first batch and changes only
       attn_prove_at_build: true            # the proof at build on two synthetic documents (false: first batch only)
       attn_capacity: 0                     # N: each flat row padded to a few fixed shapes up to N tokens (varlen)
-      attn_execution: eager                # compiled: torch.compile the step; graphed: and CUDA graphs (a capacity)
+      attn_execution: auto                 # graphed on CUDA where it can be, else compiled; eager on a CPU
       attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
         1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
     callbacks:
@@ -53,6 +53,7 @@ from foundry_attn.path.forward import Prepared, finish_documents, has_layout, pr
 from foundry_attn.selection.capability import probe
 from foundry_attn.selection.decision import decide, model_class_for
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
+from foundry_attn.selection.surfaces import LLM_FOUNDRY, speaking
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +83,17 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         )
         set_config_overrides(config, kwargs.get("config_overrides") or {})  # a bad key fails here, not as attention
         try:
-            decision = decide(
-                pretrained_model_name_or_path,
-                keys.requested,
-                keys.fallback,
-                keys.strict,
-                keys.compute_dtype,
-                cap,
-                fa2_reference=keys.fa2_reference,
-                config=config,
-            )
+            with speaking(LLM_FOUNDRY):  # every "Fix:" names this YAML's keys
+                decision = decide(
+                    pretrained_model_name_or_path,
+                    keys.requested,
+                    keys.fallback,
+                    keys.strict,
+                    keys.compute_dtype,
+                    cap,
+                    fa2_reference=keys.fa2_reference,
+                    config=config,
+                )
             self._build(tokenizer, pretrained_model_name_or_path, config, decision, keys.fa2_reference, kwargs)
             self._attach(decision, keys.fa2_reference, keys.prove_at_build)
         except AttentionUnavailableError as exc:  # the log says which rank failed, and why, before the raise
@@ -130,15 +132,16 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         ``attach(model, "auto")`` takes too); rows where it does not hold, the next backend where neither path runs.
         The decision is kept on the model's :class:`~foundry_attn.path.state.PathState`."""
         keys = self.attn_keys
-        _, self.attn_state = attach_decision(
-            self.model,
-            decision,
-            keys.path,
-            fa2_reference=reference,
-            strict=keys.strict,
-            interval=keys.proof_interval,
-            prove_now=at_build,
-        )
+        with speaking(LLM_FOUNDRY):  # the path's state keeps it for the errors of later proofs
+            _, self.attn_state = attach_decision(
+                self.model,
+                decision,
+                keys.path,
+                fa2_reference=reference,
+                strict=keys.strict,
+                interval=keys.proof_interval,
+                prove_now=at_build,
+            )
         with_execution(with_capacity(self.attn_state, self.model, keys.capacity), self.model, keys.execution)
         self._changes_read = len(self.attn_state.changes)
         self._execution_read = self.attn_state.execution.runs
