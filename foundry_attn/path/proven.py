@@ -211,9 +211,11 @@ def refuse(state: PathState, hf: Any, reason: str, check: str = "proof") -> None
         'rows'
     """
     if state.binding:
+        keys = state.surface
         raise FlatPathError(
-            f"attn_path: flat cannot run {type(hf).__name__} with {state.backend}: check '{check}' failed: "
-            f"{reason}. Fix: set attn_path: auto (one document per row where flat is not exact)"
+            f"the flat path ({keys.setting('path', 'flat')}) cannot run {type(hf).__name__} with {state.backend}: "
+            f"check '{check}' failed: {reason}. Fix: {keys.fix('path', 'auto')} (one document per row where flat is "
+            "not exact)"
         )
     state.path, state.reason = ROWS, reason
     use(hf, state.rows_name)
@@ -346,8 +348,8 @@ def prove_rows(
     sides = "right- and left-padded" if proof.ran else "it does not run here"
     raise NoExactPath(
         f"foundry_attn: neither path trains {type(hf).__name__} with {state.backend} as each document alone: "
-        f'{flat}one document per row ({sides}): {proof.describe()}. Fix: attach(model, "auto") (the fastest '
-        "backend that runs here), another backend, or train without packing"
+        f"{flat}one document per row ({sides}): {proof.describe()}. Fix: {state.surface.fix('backend', 'auto')} (the "
+        "fastest backend that runs here), another backend, or train without packing"
     )
 
 

@@ -20,6 +20,7 @@ from foundry_attn.attention.fa2_reference import REFERENCE_NAME
 from foundry_attn.attention.torch_varlen import call_varlen, torch_varlen_kernel
 from foundry_attn.selection.capability import Capability, rng_untouched
 from foundry_attn.selection.flash_compat import preflight
+from foundry_attn.selection.surfaces import Surface, spoken
 from foundry_attn.selection.traits import ModelTraits
 
 FA2_MIN_VERSION = Version("2.1.0")
@@ -95,7 +96,9 @@ def model_check(name: str, traits: ModelTraits, reference: bool = False) -> tupl
     return ("model class", stand_in) if stand_in else None
 
 
-def model_refusal(traits: ModelTraits, backend: str, reference: bool = False) -> str | None:
+def model_refusal(
+    traits: ModelTraits, backend: str, reference: bool = False, surface: Surface | None = None
+) -> str | None:
     """Why attach refuses ``backend`` for this model before anything is pointed, or None: a backend the class does not
     declare (stock refuses it at load) or whose kernel cannot honour the config (a softcap under sdpa, ALiBi under
     FA2) runs neither path exactly (:func:`model_check`); the refusal names the backends that do run the model.
@@ -104,6 +107,7 @@ def model_refusal(traits: ModelTraits, backend: str, reference: bool = False) ->
         traits: the model's traits (:meth:`ModelTraits.from_model_class`).
         backend: the backend attach was asked for.
         reference: FA2 on the pure-PyTorch reference kernel.
+        surface: whose keys the fix names (None: :func:`~foundry_attn.selection.surfaces.spoken`).
 
     Returns:
         The failed check, its cause and the backends that run the model; None where ``backend`` passes.
@@ -119,9 +123,10 @@ def model_refusal(traits: ModelTraits, backend: str, reference: bool = False) ->
         return None
     check, refused = asked
     runs = [name for name in NAMES if failed[name] is None]
+    surface = surface or spoken()
     return (
-        f"attach: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: {refused}. Fix: attach "
-        f"with one of {runs} (stock transformers refuses this pair at load too)"
+        f"{surface.key('backend')}: {backend} cannot run {traits.class_name} exactly: check '{check}' failed: "
+        f"{refused}. Fix: {surface.fix_choice('backend', runs)} (stock transformers refuses this pair at load too)"
     )
 
 
@@ -151,19 +156,26 @@ def _fail(name: str, check: str, reason: str, fix: str) -> Candidate:
     return Candidate(name, False, reason, check, fix)
 
 
-#: the fix each GPU-class check names, per implementation
+#: the fix each GPU-class check names, per implementation; ``{sdpa}`` and ``{half}`` in the keys of the surface in use
+#: (:func:`~foundry_attn.selection.surfaces.spoken`: ``set attn_implementation: sdpa``, ``set bf16: true``, ...)
 FA2_FIXES = {
-    "CUDA device": "run on an NVIDIA Ampere-or-newer GPU",
-    "compute capability": "FA2 needs Ampere or newer (A100, A10, L4, H100); use sdpa on this GPU",
-    "dtype": "train with precision: amp_bf16 (or load the model in bf16)",
-    "head dim": "use sdpa for models with head_dim > 256",
+    "CUDA device": "run on an NVIDIA Ampere-or-newer GPU, or {sdpa}",
+    "compute capability": "FA2 needs Ampere or newer (A100, A10, L4, H100); {sdpa} on this GPU",
+    "dtype": "{half}",
+    "head dim": "{sdpa} for models with head_dim > 256",
 }
 TORCH_VARLEN_FIXES = {
-    "CUDA device": "use sdpa here",
-    "compute capability": "use sdpa on this GPU",
-    "dtype": "train with precision: amp_bf16",
-    "head dim": "use sdpa",
+    "CUDA device": "{sdpa} here",
+    "compute capability": "{sdpa} on this GPU",
+    "dtype": "{half}",
+    "head dim": "{sdpa}",
 }
+
+
+def _fix(template: str) -> str:
+    """A fix of :data:`FA2_FIXES` in the keys of the surface in use."""
+    surface = spoken()
+    return template.format(sdpa=surface.fix("backend", SDPA), half=surface.fix("half"))
 
 
 def _failed_flash_check(
@@ -172,15 +184,17 @@ def _failed_flash_check(
     """The first failed check of those every flash-class kernel shares (CUDA, sm80+, fp16/bf16, head dim <= 256),
     as a rejected candidate; None when all pass."""
     if not cap.cuda or cap.compute_capability is None:
-        return _fail(name, "CUDA device", f"no CUDA device ({kernel} runs on NVIDIA GPUs only)", fixes["CUDA device"])
+        return _fail(
+            name, "CUDA device", f"no CUDA device ({kernel} runs on NVIDIA GPUs only)", _fix(fixes["CUDA device"])
+        )
     if cap.compute_capability < (8, 0):
-        return _fail(name, "compute capability", f"{cap.device_name} {cap.sm} < 8.0", fixes["compute capability"])
+        return _fail(name, "compute capability", f"{cap.device_name} {cap.sm} < 8.0", _fix(fixes["compute capability"]))
     if dtype not in HALF_DTYPES:
         return _fail(
-            name, "dtype", f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16", fixes["dtype"]
+            name, "dtype", f"compute dtype {str(dtype).removeprefix('torch.')} is not fp16/bf16", _fix(fixes["dtype"])
         )
     if traits.head_dim is not None and traits.head_dim > FA2_MAX_HEAD_DIM:
-        return _fail(name, "head dim", f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}", fixes["head dim"])
+        return _fail(name, "head dim", f"head dim {traits.head_dim} > {FA2_MAX_HEAD_DIM}", _fix(fixes["head dim"]))
     return None
 
 
@@ -359,7 +373,7 @@ def check_torch_varlen(
     if smoke_test is not None:
         error = smoke_test(torch.device("cuda"), dtype)
         if error:
-            return _fail(name, "kernel call", f"{cap.device_name} {cap.sm}: {error}", "use sdpa on this GPU")
+            return _fail(name, "kernel call", f"{cap.device_name} {cap.sm}: {error}", _fix("{sdpa} on this GPU"))
     return Candidate(name, True, f"torch {cap.torch_version} varlen_attn on {cap.device_name} {cap.sm}")
 
 

@@ -27,6 +27,7 @@ from foundry_attn.attention.backends import (
 from foundry_attn.checks import check_choice
 from foundry_attn.selection.backend_checks import Candidate, SmokeTest, check, fa2_smoke_test
 from foundry_attn.selection.capability import Capability
+from foundry_attn.selection.surfaces import Surface, spoken
 from foundry_attn.selection.traits import ModelTraits
 
 AUTO = "auto"
@@ -38,7 +39,13 @@ class AttentionUnavailableError(RuntimeError):
 
 
 def strict_error(
-    name: str, check: str, reason: str, fix: str, where: str, fallback: Sequence[str] = ()
+    name: str,
+    check: str,
+    reason: str,
+    fix: str,
+    where: str,
+    fallback: Sequence[str] = (),
+    surface: Surface | None = None,
 ) -> AttentionUnavailableError:
     """The one strict-mode message: which implementation, which check, on which device and host, how to fix it.
 
@@ -49,6 +56,7 @@ def strict_error(
         fix: how to fix it.
         where: ``<device> (<sm>) on <host>``.
         fallback: the chain ``attn_strict: false`` would walk (empty: no such hint).
+        surface: whose keys the message names (None: :func:`~foundry_attn.selection.surfaces.spoken`).
 
     Returns:
         The error, for the caller to raise.
@@ -58,9 +66,10 @@ def strict_error(
         >>> raise strict_error(FA2, "compute capability", "Tesla T4 sm75 < 8.0", "use sdpa on this GPU", d.where)
         AttentionUnavailableError: attn_strict: flash_attention_2 cannot run on Tesla T4 (sm75) on node-3: check ...
     """
-    relax = f"; or set attn_strict: false to fall back along {list(fallback)}" if fallback else ""
+    surface = surface or spoken()
+    relax = f"; or {surface.fix('strict', False)} to fall back along {list(fallback)}" if fallback else ""
     return AttentionUnavailableError(
-        f"attn_strict: {name} cannot run on {where}: check '{check}' failed: {reason}. Fix: {fix}{relax}."
+        f"{surface.key('strict')}: {name} cannot run on {where}: check '{check}' failed: {reason}. Fix: {fix}{relax}."
     )
 
 
@@ -323,12 +332,15 @@ def choose(
     return dataclasses.replace(decision, chosen=chosen.name)
 
 
-def nothing_runs(candidates: Sequence[Candidate], where: str) -> AttentionUnavailableError:
+def nothing_runs(
+    candidates: Sequence[Candidate], where: str, surface: Surface | None = None
+) -> AttentionUnavailableError:
     """The error when no candidate of the chain can run: each one's failed check, reason and fix.
 
     Args:
         candidates: the checked candidates, all rejected.
         where: ``<device> (<sm>) on <host>``.
+        surface: whose keys the message names (None: :func:`~foundry_attn.selection.surfaces.spoken`).
 
     Returns:
         The error, for the caller to raise.
@@ -339,7 +351,8 @@ def nothing_runs(candidates: Sequence[Candidate], where: str) -> AttentionUnavai
         AttentionUnavailableError: attention: no implementation in ['flash_attention_2'] can run on Tesla T4 ...
     """
     failures = "; ".join(f"{c.name}: check '{c.check}' failed: {c.reason} (fix: {c.fix})" for c in candidates)
+    chain = (surface or spoken()).key("fallback")
     return AttentionUnavailableError(
         f"attention: no implementation in {[c.name for c in candidates]} can run on {where}: {failures}. "
-        f"Fix one of these, or add sdpa/eager to attn_fallback."
+        f"Fix one of these{f', or add sdpa/eager to {chain}' if chain else ''}."
     )

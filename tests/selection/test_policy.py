@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from foundry_attn.attention.backends import EAGER, FA2, FLEX, NAMES, SDPA, TORCH
 from foundry_attn.selection.backend_checks import Candidate
 from foundry_attn.selection.capability import Capability, probe
 from foundry_attn.selection.policy import AUTO, AttentionUnavailableError, Decision, choose
+from foundry_attn.selection.surfaces import AXOLOTL, LLM_FOUNDRY, speaking
 from foundry_attn.selection.traits import ModelTraits
 
 LLAMA_TRAITS = ModelTraits("LlamaForCausalLM", 64, frozenset(NAMES))
@@ -160,12 +162,20 @@ def test_kernel_call_smoke_test_failure() -> None:
 
 
 def test_strict_raises_with_check_device_and_fix() -> None:
-    with pytest.raises(AttentionUnavailableError) as info:
+    with speaking(LLM_FOUNDRY), pytest.raises(AttentionUnavailableError) as info:
         decide(T4, requested=FA2, strict=True)
     msg = str(info.value)
     assert "compute capability" in msg  # the failed check
     assert "Tesla T4" in msg and "sm75" in msg and "node-1" in msg  # device, sm, host
-    assert "Fix:" in msg and "sdpa" in msg and "attn_strict: false" in msg
+    assert "Fix:" in msg and "set attn_implementation: sdpa on this GPU" in msg and "set attn_strict: false" in msg
+    # the same cause, its fix in the keys of the surface in use: axolotl's YAML, attach's keywords
+    with speaking(AXOLOTL), pytest.raises(AttentionUnavailableError) as info:
+        decide(T4, requested=FA2, strict=True)
+    assert "set foundry_attn_backend: sdpa on this GPU; or set foundry_attn_strict: false" in str(info.value)
+    assert not re.search(r"(?<!foundry_)attn_(strict|path|implementation)", str(info.value)), str(info.value)
+    with pytest.raises(AttentionUnavailableError) as info:
+        decide(T4, requested=FA2, strict=True)
+    assert 'call attach(model, "sdpa") on this GPU; or pass strict=False to attach' in str(info.value)
     with pytest.raises(AttentionUnavailableError, match="kernel call"):
         decide(make_cap(), requested=FA2, strict=True, smoke_test=lambda device, dtype: "boom")
     ok = decide(make_cap(), requested=FA2, strict=True)
@@ -186,7 +196,7 @@ def test_strict_auto_fails_only_when_nothing_runs() -> None:
     assert d.chosen == SDPA and d.strict
     with pytest.raises(AttentionUnavailableError, match="model class"):
         decide(T4, requested=AUTO, strict=True, fallback=[FA2, SDPA], traits=ModelTraits("M", 64, frozenset({EAGER})))
-    with pytest.raises(AttentionUnavailableError) as info:  # non-strict too: nothing in the chain can run
+    with speaking(LLM_FOUNDRY), pytest.raises(AttentionUnavailableError) as info:  # non-strict too: nothing runs
         decide(T4, fallback=[FA2])
     msg = str(info.value)
     assert "compute capability" in msg and "Tesla T4 (sm75)" in msg and "attn_fallback" in msg
@@ -354,11 +364,11 @@ def test_one_strict_rule_and_one_message_on_every_path() -> None:
     import re
 
     early = pytest.raises(AttentionUnavailableError)
-    with early:
+    with early, speaking(LLM_FOUNDRY):
         decide(T4, requested=FA2, strict=True)
     strict = decide(make_cap(), requested=FA2, strict=True)
     assert strict.binding and not decide(make_cap(), requested=AUTO, strict=True).binding
-    with pytest.raises(AttentionUnavailableError) as late:
+    with pytest.raises(AttentionUnavailableError) as late, speaking(LLM_FOUNDRY):
         strict.with_rejection(FA2, "fp32 weights", check="dtype", fix="train with precision: amp_bf16")
     shape = r"attn_strict: flash_attention_2 cannot run on .+ \(sm\d+\) on node-1: check '[^']+' failed: .+\. Fix: .+"
     for message in (str(early.excinfo.value), str(late.value)):

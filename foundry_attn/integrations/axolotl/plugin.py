@@ -23,12 +23,13 @@ from typing import Any
 from transformers import TrainerCallback
 
 from foundry_attn.integrations.axolotl.batches import document_targets, read_packed, shaped_back
-from foundry_attn.integrations.axolotl.refusals import refusal
+from foundry_attn.integrations.axolotl.refusals import refusal, runs_here
 from foundry_attn.integrations.hf_trainer import install
 from foundry_attn.path.attach import attach
 from foundry_attn.path.execution import EAGER_STEP
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, FLAT
+from foundry_attn.selection.surfaces import AXOLOTL, speaking
 
 
 def _axolotl_base() -> type:
@@ -324,7 +325,9 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
             model: the model axolotl loaded (a ``PeftModel`` with an adapter).
 
         Raises:
-            foundry_attn.selection.policy.AttentionUnavailableError: a backend named that cannot run here.
+            foundry_attn.selection.policy.AttentionUnavailableError: ``foundry_attn_strict`` and a backend named that
+                cannot run here (its install, the device, the dtype: :func:`.refusals.runs_here`), or one that cannot
+                run this model exactly.
             foundry_attn.path.state.FlatPathError: ``foundry_attn_strict`` and a flat path that is not proven.
 
         Example::
@@ -335,15 +338,18 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
         backend = cfg.get("foundry_attn_backend") or cfg.get("attn_implementation")
         strict = bool(cfg.get("foundry_attn_strict"))
         interval = cfg.get("foundry_attn_proof_interval")
-        self.state = attach(
-            model,
-            backend,
-            path=FLAT if strict else AUTO_PATH,
-            strict=strict,
-            interval=PROOF_INTERVAL if interval is None else int(interval),
-            capacity=int(cfg.get("foundry_attn_capacity") or 0),
-            execution=str(cfg.get("foundry_attn_execution") or EAGER_STEP),
-        )
+        attached, chain = runs_here(model, backend, strict)  # install, device, dtype: before any proof
+        with speaking(AXOLOTL):  # every "Fix:" names axolotl's keys, the path's state keeps them for later proofs
+            self.state = attach(
+                model,
+                attached,
+                path=FLAT if strict else AUTO_PATH,
+                fallback=chain,
+                strict=strict,
+                interval=PROOF_INTERVAL if interval is None else int(interval),
+                capacity=int(cfg.get("foundry_attn_capacity") or 0),
+                execution=str(cfg.get("foundry_attn_execution") or EAGER_STEP),
+            )
         self.attach_proofs = len(self.state.proofs)
         self.varlen = sdpa_varlen_on()
         decision = self.state.decision

@@ -1,15 +1,22 @@
 """The axolotl settings foundry_attn cannot honour, each with its reason and a fix in axolotl's own YAML keys.
 
     why = refusal(cfg)      # None, or "tensor_parallel_size: 2 shards ... Fix: set tensor_parallel_size: 1 ..."
+    backend, chain = runs_here(model, "flash_attention_2", strict=True)   # flash-attn missing: refused, in our keys
 
-Read from axolotl's whole config, raw (``FoundryAttnArgs``' model validator, before axolotl validates or sets
-anything up) or validated (``pre_model_load``). No axolotl import: the config is read as a mapping.
+:func:`refusal` reads axolotl's whole config, raw (``FoundryAttnArgs``' model validator, before axolotl validates or
+sets anything up) or validated (``pre_model_load``). :func:`runs_here` checks a named backend's install, device and
+dtype on the loaded model before any proof (``post_model_load``). No axolotl import: the config is read as a mapping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.selection.decision import decide, weights_compute_dtype
+from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, candidate_order
+from foundry_attn.selection.surfaces import AXOLOTL, speaking
 
 #: axolotl's ``attn_implementation`` values whose attention foundry_attn attaches (the others are axolotl's own patches)
 ATTACHABLE = ("sdpa", "eager", "flash_attention_2", "flex_attention")
@@ -118,3 +125,38 @@ def refusal(cfg: Mapping[str, Any]) -> str | None:
             f"them, so no batch says where a document ends. {FIX}pretrain_multipack_attn: true (or leave it out)"
         )
     return None
+
+
+def runs_here(model: Any, backend: str | None, strict: bool) -> tuple[str | None, tuple[str, ...]]:
+    """A backend named in ``foundry_attn_backend`` (or ``attn_implementation``) checked for this model, device, dtype
+    and install before any proof runs: where it cannot run here, the cause is named as such (flash-attn is not
+    installed, no CUDA device, fp32), refused under ``foundry_attn_strict: true``, else the chain from it picks the
+    next that runs (the attach log says why).
+
+    Args:
+        model: the model axolotl loaded (a wrapper of one, PEFT included).
+        backend: the backend named, ``auto`` or None (the model's own: nothing to check).
+        strict: ``foundry_attn_strict``.
+
+    Returns:
+        The backend to attach and the chain ``auto`` walks (``auto`` and the chain from ``backend`` on where it cannot
+        run here).
+
+    Raises:
+        AttentionUnavailableError: strict, and ``backend`` cannot run here: the check, its cause and the fix in
+            axolotl's keys.
+
+    Example::
+
+        >>> runs_here(model, "flash_attention_2", strict=False)     # a CPU without flash-attn
+        ('auto', ('flash_attention_2', 'torch_varlen', 'sdpa', 'eager'))
+    """
+    if backend is None or backend == AUTO:
+        return backend, DEFAULT_FALLBACK
+    hf = unwrapped(model)
+    dtype = weights_compute_dtype(next(hf.parameters()).dtype, "auto")
+    with speaking(AXOLOTL):
+        decision = decide(None, backend, DEFAULT_FALLBACK, strict, dtype, config=hf.config, model_class=type(hf))
+    if decision.chosen == backend:
+        return backend, DEFAULT_FALLBACK
+    return AUTO, candidate_order(backend, DEFAULT_FALLBACK)
