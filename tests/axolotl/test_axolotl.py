@@ -195,7 +195,7 @@ def test_a_misspelled_backend_lists_the_valid_ones() -> None:
         FoundryAttnArgs(foundry_attn_backend="sdpaa")
     with pytest.raises(ValueError, match=r"foundry_attn_log_interval must be an integer >= 1"):
         FoundryAttnArgs(foundry_attn_log_interval=0)
-    with pytest.raises(ValueError, match=r"foundry_attn_execution: unknown value 'graph'; valid values: eager, "):
+    with pytest.raises(ValueError, match=r"foundry_attn_execution: unknown value 'graph'; valid values: auto, eager, "):
         FoundryAttnArgs(foundry_attn_execution="graph")
     with pytest.raises(ValueError, match=r"foundry_attn_capacity must be an integer >= 0"):
         FoundryAttnArgs(foundry_attn_capacity=-1)
