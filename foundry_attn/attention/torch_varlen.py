@@ -1,5 +1,6 @@
 """PyTorch's own varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10, CUDA), called in
-whichever signature this torch has: 2.10-2.11 ``is_causal``; 2.12+ ``window_size`` and ``enable_gqa``.
+whichever signature this torch has: 2.10-2.11 ``is_causal``; 2.12+ ``window_size`` and ``enable_gqa``; on CUDA its
+flash kernel directly where that is checked here (:mod:`foundry_attn.attention.aten_flash`).
 
 Core module: torch only.
 """
@@ -13,6 +14,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from foundry_attn.attention.aten_flash import flash_varlen, runs_directly
 
 
 @functools.cache
@@ -78,6 +81,7 @@ def call_varlen(
     scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
     causal: bool = True,
+    direct: bool = True,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D] through torch's ``varlen_attn`` in whichever signature it has:
     a window ``(left, right)`` as flash-attn counts it, grouped KV heads (repeated where there is no
@@ -95,6 +99,8 @@ def call_varlen(
         scale: the softmax scale (None: ``1/sqrt(D)``).
         window: ``(left, right)`` keys a query sees beside its diagonal, as flash-attn counts (-1: unbounded).
         causal: causal within each sequence.
+        direct: on CUDA, the flash kernel without ``varlen_attn``'s wrapper where it is checked here
+            (:func:`~foundry_attn.attention.aten_flash.runs_directly`).
 
     Returns:
         The output ``[T, Hq, D]``.
@@ -108,8 +114,10 @@ def call_varlen(
         >>> call_varlen(torch_varlen_kernel(), q, k, v, cu, cu, 23, 23, scale=0.125).shape  # q [40, 8, 64]
         torch.Size([40, 8, 64])
     """
-    params = varlen_parameters(kernel)
     left, right = window
+    if direct and q.is_cuda and runs_directly(q, kernel, call_varlen):
+        return flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, (left, 0 if causal else right))
+    params = varlen_parameters(kernel)
     extra: dict[str, Any] = {}
     if "window_size" in params:
         extra["window_size"] = (left, 0 if causal else right)
