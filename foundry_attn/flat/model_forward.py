@@ -5,8 +5,7 @@ proven path), and the model's own, which proofs and verdicts run.
     forwards.restore()                                   # a refused attach: the model's forwards as they were
     logits = own_forward(hf_model, input_ids=ids).logits # what stock computes, without what replaced forward
 
-    with forwards_replaced(blocks, lambda block: compiled_forward): # a step's compiled blocks (path/regions.py)
-        out = hf_model(**inputs)
+    restore = replace_block_forwards(blocks, compiled_forward_of)  # the compiled blocks (path/regions.py)
 
 Nothing else in the package sets or takes off an instance's ``forward``. The routes are
 :mod:`foundry_attn.path.forward`'s (what a packed call does), handed in by attach: this module knows only how a call
@@ -15,10 +14,9 @@ reaches them. Core module: torch and transformers only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -163,33 +161,33 @@ def own_forward(hf: Any, **inputs: Any) -> Any:
             vars(hf)["forward"] = instance
 
 
-@contextlib.contextmanager
-def forwards_replaced(
+def replace_block_forwards(
     modules: Sequence[torch.nn.Module], forward_of: Callable[[torch.nn.Module], Callable[..., Any]]
-) -> Iterator[None]:
-    """Each module's ``forward`` replaced by ``forward_of(module)`` inside; its own again after, even when the body
-    raises (an instance ``forward`` it had is put back).
+) -> Callable[[], None]:
+    """Each module's ``forward`` replaced by ``forward_of(module)``; the function returned puts back what each had
+    (an instance ``forward`` too).
 
     Args:
         modules: the modules (a model's decoder layers).
-        forward_of: the forward each module runs inside.
+        forward_of: the forward each module runs from now on.
 
     Returns:
-        The context.
+        The restore.
 
     Example::
 
-        >>> with forwards_replaced(model.model.layers, lambda layer: functools.partial(compiled, layer)):
-        ...     out = model(**inputs)
+        >>> restore = replace_block_forwards(model.model.layers, lambda layer: functools.partial(compiled, layer))
+        >>> restore()
     """
     kept = [(module, vars(module).get("forward")) for module in modules]
     for module in modules:
         module.forward = forward_of(module)
-    try:
-        yield
-    finally:
+
+    def restore() -> None:
         for module, own in kept:
             if own is None:
-                del module.forward
+                vars(module).pop("forward", None)
             else:
                 module.forward = own
+
+    return restore

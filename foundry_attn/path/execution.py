@@ -113,20 +113,22 @@ class Execution:
         """
         return dataclasses.replace(self, eager={}, compile_s=None, compiled=None)
 
-    def settle(self, device: torch.device, capacity: int, tokens: int) -> int:
-        """The first flat batch: its device decides ``auto``, and CUDA graphs need CUDA. Said in the log.
+    def settle(self, device: torch.device, capacity: int, tokens: int, hf: torch.nn.Module | None = None) -> int:
+        """The first flat batch: its device decides ``auto``, and CUDA graphs need CUDA. Said in the log. A compiled
+        step's decoder layers are set up here, before the batch's proof watches the model's code.
 
         Args:
             device: the batch's device.
             capacity: the capacity applied (0: none).
             tokens: the first flat batch's rows x width (``auto``'s capacity where none is given).
+            hf: the transformers model (its decoder layers are compiled where the step is).
 
         Returns:
             The capacity the flat rows pad to from now on.
 
         Example::
 
-            >>> state.execution.settle(torch.device("cpu"), 0, 12288), state.execution.runs
+            >>> state.execution.settle(torch.device("cpu"), 0, 12288, hf_model), state.execution.runs
             (0, 'eager')
         """
         self.settled = True
@@ -141,6 +143,8 @@ class Execution:
             self.runs = COMPILED
             self.reason = _not_graphed(f"CUDA graphs need a CUDA device (the batch is on {device})")
             log.warning("foundry_attn: attn_execution %s", self.reason)
+        if hf is not None and self.runs != EAGER_STEP and self.compiled is None:
+            self.compiled = Regions.of(hf, BACKEND, "reduce-overhead" if self.runs == GRAPHED else None)
         return capacity
 
     def run(self, forward: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], hf: torch.nn.Module) -> Any:
@@ -167,10 +171,11 @@ class Execution:
             return forward(inputs)
         if self.runs == GRAPHED:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs may be reused
-        if self.compiled is not None:
+        if self.compiled is None:
+            self.compiled = Regions.of(hf, BACKEND, "reduce-overhead" if self.runs == GRAPHED else None)
+        if self.compile_s is not None:
             with self.compiled.active():
                 return forward(inputs)
-        self.compiled = Regions.of(hf, BACKEND, "reduce-overhead" if self.runs == GRAPHED else None)
         start = time.perf_counter()
         try:
             with self.compiled.active():
@@ -178,6 +183,7 @@ class Execution:
         except Exception as exc:  # auto never runs worse than eager: a compile that fails leaves the step eager
             if self.asked != AUTO_STEP:
                 raise
+            self.compiled.remove()
             self.runs, self.compiled = EAGER_STEP, None
             self.reason = f"auto: eager: the compiled step failed here ({type(exc).__name__}: {exc})"[:500]
             log.warning("foundry_attn: attn_execution %s", self.reason)

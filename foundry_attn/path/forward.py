@@ -271,7 +271,7 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
         groups = plan.groups
         if plan.path == FLAT:
             if not state.execution.settled:  # the first flat batch: its device, and auto's capacity (rows x width)
-                state.capacity = state.execution.settle(ids.device, state.capacity, ids.numel())
+                state.capacity = state.execution.settle(ids.device, state.capacity, ids.numel(), hf)
             # documents of one length as even rows where the function would regroup them in every layer (uncompiled:
             # a compiled step takes every layout as one flat row, one graph)
             regroups = state.stock_mask or BACKENDS[state.backend].regroups

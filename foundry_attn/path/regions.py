@@ -3,15 +3,16 @@ share one graph, and a second model of the same shapes in one process reuses it 
 class ``forward``'s code; parameters are inputs of the graph, not constants).
 
     regions = Regions.of(hf_model, backend="inductor", mode=None)   # one compiled forward per layer class
-    with regions.active():                                           # the blocks' forward compiled for this call
+    with regions.active():                                           # the blocks run compiled in this forward
         out = hf_model(**inputs)
+    out.loss.backward()                                              # a checkpoint's recompute runs as its forward did
     regions.kinds                                                    # {'LlamaDecoderLayer': 30}
 
 Only the blocks are compiled (as torchtitan compiles one transformer block at a time); the embedding, the final norm,
-the head and the loss run eagerly around them. Outside :meth:`Regions.active` the blocks are the model's own: a proof's
-forwards and the observers' run eagerly. Each block's input row is marked dynamic along the tokens, so one graph
-serves every layout. A block that checkpoints itself (``checkpoint_wrapper``) is compiled with its checkpoint.
-Core module: torch only.
+the head and the loss run eagerly around them. Outside :meth:`Regions.active` the blocks run the model's own code: a
+proof's forwards and the observers' run eagerly. A block recomputed in the backward (activation checkpointing, HF's or
+``checkpoint_wrapper``'s) runs as its last forward ran, compiled or not, so the recompute saves what the forward saved.
+Each block's input row is marked dynamic along the tokens, so one graph serves every layout. Core module: torch only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from foundry_attn.flat.model_forward import forwards_replaced
+from foundry_attn.flat.model_forward import replace_block_forwards
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -45,18 +46,40 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _mark_tokens(tokens: int, values: Any) -> None:
-    """Mark every dimension of ``tokens`` entries dynamic in the tensors of ``values`` (the row's length varies)."""
+    """Mark the token dimension dynamic in the tensors of ``values`` (the row's length varies): the first one of
+    ``tokens`` entries after the batch's (a vector's only one), never a second that happens to be as long."""
     for value in values:
         if isinstance(value, (tuple, list)):
             _mark_tokens(tokens, value)
-        elif isinstance(value, torch.Tensor):
-            for dim, size in enumerate(value.shape):
-                if size == tokens:
-                    torch._dynamo.maybe_mark_dynamic(value, dim)
+        elif isinstance(value, torch.Tensor) and value.dim():
+            dims = range(1, value.dim()) if value.dim() > 1 else range(1)
+            dim = next((d for d in dims if value.shape[d] == tokens), None)
+            if dim is not None:
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+
+
+class _BlockForward:
+    """A block's ``forward`` while its regions are installed: compiled inside :meth:`Regions.active`, the class's own
+    outside; in the backward (a checkpoint's recompute), as the block's last forward ran."""
+
+    def __init__(self, regions: Regions, block: torch.nn.Module, compiled: Callable[..., Any]) -> None:
+        self.regions, self.block, self.compiled = regions, block, compiled
+        self.compiled_last = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:  # a forward, not a recompute inside the backward
+            self.compiled_last = self.regions.on
+        if not self.compiled_last:
+            return type(self.block).forward(self.block, *args, **kwargs)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+            _mark_tokens(hidden.shape[-2], (*args, *kwargs.values()))
+        return self.compiled(self.block, *args, **kwargs)
 
 
 class Regions:
-    """The model's blocks with one compiled ``forward`` per block class (:func:`repeated_blocks`).
+    """The model's blocks with one compiled ``forward`` per block class (:func:`repeated_blocks`), installed at once
+    (each block's own code runs until :meth:`active`) and kept until :meth:`remove`.
 
     Args:
         blocks: the blocks to compile.
@@ -65,7 +88,11 @@ class Regions:
 
     def __init__(self, blocks: list[torch.nn.Module], compile_forward: Callable[[Callable[..., Any]], Any]) -> None:
         self.blocks = blocks
+        self.on = False
         self._compiled = {kind: compile_forward(kind.forward) for kind in {type(b) for b in blocks}}
+        self._restore: Callable[[], None] | None = replace_block_forwards(
+            blocks, lambda block: _BlockForward(self, block, self._compiled[type(block)])
+        )
 
     @classmethod
     def of(cls, model: torch.nn.Module, backend: Any, mode: str | None) -> Regions:
@@ -105,7 +132,7 @@ class Regions:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """The blocks run their compiled ``forward`` inside; their own again after, even when the forward raises.
+        """The blocks run compiled in the forward inside (their own code again after, even when it raises).
 
         Returns:
             The context.
@@ -115,24 +142,26 @@ class Regions:
             >>> with regions.active():
             ...     out = model(**inputs)
         """
-        # a layer's own ints (its layer_idx) as inputs, not constants: one graph for layers that differ only there
-        with (
-            forwards_replaced(
-                self.blocks, lambda block: functools.partial(_marked, self._compiled[type(block)], block)
-            ),
-            torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True),
-        ):
-            yield
+        self.on = True
+        try:
+            # a layer's own ints (its layer_idx) as inputs, not constants: one graph for layers that differ only there
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+                yield
+        finally:
+            self.on = False
+
+    def remove(self) -> None:
+        """The blocks' own ``forward`` back (a compile that failed).
+
+        Example::
+
+            >>> regions.remove()
+        """
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
 
 def _compiled_forward(forward: Callable[..., Any], backend: Any, mode: str | None) -> Any:
     """``torch.compile`` of a class ``forward`` (cached on its code: every block of the class, every model)."""
     return torch.compile(forward, backend=backend, mode=mode)
-
-
-def _marked(compiled: Callable[..., Any], block: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``compiled(block, ...)``, the row's tokens marked dynamic in every tensor argument."""
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
-        _mark_tokens(hidden.shape[-2], (*args, *kwargs.values()))
-    return compiled(block, *args, **kwargs)
