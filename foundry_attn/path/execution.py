@@ -33,6 +33,7 @@ import torch
 
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
+from foundry_attn.path.ranks import sharded
 from foundry_attn.path.regions import Regions
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ BACKEND: str | Callable[..., Any] = "inductor"
 PROOF_DUE = "a batch with a proof due (the proof takes its forward)"
 ROWS_BATCH = "rows (one document per row, a 2-D mask: a shape per batch)"
 PAST_CAPACITY_BATCH = "a batch past the capacity (a CUDA graph per shape)"
+#: why ``auto`` does not graph a sharded model
+SHARDED = "the parameters are sharded (FSDP): their gathered storage moves from step to step, CUDA graphs would not"
 
 
 def check_execution(execution: str) -> str:
@@ -133,6 +136,8 @@ class Execution:
         """
         self.settled = True
         if self.by_device:
+            if not self.graphable and hf is not None and sharded(hf):
+                self.graphable = SHARDED
             runs, reason = _auto_on(device, self.graphable, capacity or tokens)
             if runs == GRAPHED and not capacity:
                 capacity, reason = tokens, f"{reason} (the first flat batch's rows x width)"

@@ -187,7 +187,9 @@ def test_auto_is_the_default_eager_on_a_cpu_and_says_why() -> None:
     assert state.decision_now().as_dict()["execution_reason"].startswith(want)
 
 
-def test_auto_on_cuda_graphs_a_backend_with_bounds_on_the_device_at_the_first_batchs_rows_x_width() -> None:
+def test_auto_on_cuda_graphs_a_backend_with_bounds_on_the_device_at_the_first_batchs_rows_x_width(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cuda = torch.device("cuda")
     varlen = execution_for(AUTO_STEP, False, "torch_varlen", 0, False, False, cuda)
     assert varlen.runs == GRAPHED and varlen.by_device
@@ -200,6 +202,10 @@ def test_auto_on_cuda_graphs_a_backend_with_bounds_on_the_device_at_the_first_ba
     assert sdpa.runs == COMPILED and sdpa.reason.endswith(f"graphed not applied: {why}")
     moved = execution_for(AUTO_STEP, False, "torch_varlen", 0, False, False, cuda)  # built on CUDA, trained on a CPU
     assert moved.settle(torch.device("cpu"), 0, 12288) == 0 and moved.runs == EAGER_STEP
+    fsdp = execution_for(AUTO_STEP, False, "torch_varlen", 0, False, False, cuda)
+    monkeypatch.setattr(execution, "sharded", lambda hf: True)
+    assert fsdp.settle(cuda, 0, 12288, conformance.build("llama", "sdpa")) == 0 and fsdp.runs == COMPILED
+    assert fsdp.reason.endswith(f"graphed not applied: {execution.SHARDED}")
     caller = execution_for(AUTO_STEP, True, "torch_varlen", 0, False, False, cuda)
     assert caller.runs == EAGER_STEP and not caller.by_device and "compiled already" in caller.reason
 
