@@ -70,8 +70,10 @@ def write_assets(folder: Path, documents: int = 96, seed: int = 0) -> Path:
     return folder
 
 
-def config(assets: Path, out: Path, impl: str, plugin: bool, backend: str | None) -> dict[str, Any]:
-    """An axolotl config: completion documents, sample packing, 2 rows of 128 per step, fp32, no clipping.
+def config(
+    assets: Path, out: Path, impl: str, plugin: bool, backend: str | None, steps: int = 2, width: int = 128
+) -> dict[str, Any]:
+    """An axolotl config: completion documents, sample packing, 2 rows of ``width`` per step, fp32, no clipping.
 
     Args:
         assets: :func:`write_assets`' folder.
@@ -79,6 +81,8 @@ def config(assets: Path, out: Path, impl: str, plugin: bool, backend: str | None
         impl: ``attn_implementation``.
         plugin: foundry_attn's plugin in ``plugins``.
         backend: ``foundry_attn_backend`` (None: left out).
+        steps: ``max_steps``.
+        width: ``sequence_len``.
 
     Returns:
         The config as a YAML would give it.
@@ -89,11 +93,11 @@ def config(assets: Path, out: Path, impl: str, plugin: bool, backend: str | None
         "datasets": [{"path": str(assets / "train.jsonl"), "ds_type": "json", "type": "completion"}],
         "dataset_prepared_path": str(assets / "prepared"),
         "output_dir": str(out),
-        "sequence_len": 128,
+        "sequence_len": width,
         "sample_packing": True,
         "micro_batch_size": 2,
         "gradient_accumulation_steps": 1,
-        "max_steps": 2,
+        "max_steps": steps,
         "num_epochs": 1,
         "learning_rate": 1e-3,
         "optimizer": "adamw_torch",
@@ -195,16 +199,47 @@ def distances(record: dict[str, Any], loss: torch.Tensor, grads: dict[str, torch
     }
 
 
-def run(name: str, assets: Path, out: Path) -> dict[str, Any]:
-    """One variant through axolotl's own pipeline; its first step against the truth.
+def speed(record: dict[str, Any]) -> dict[str, Any]:
+    """Real tokens/s (wall and CPU time) over every step after the first (the first proves and warms up), and the peak
+    RSS.
+
+    Args:
+        record: the probe's record (its ``steps``: seconds, real tokens, positions, CPU seconds).
+
+    Returns:
+        ``steps``, ``real_tokens``, ``positions``, ``timed_seconds``, ``real_tokens_per_s``, ``cpu_seconds``,
+        ``real_tokens_per_cpu_s``, ``peak_rss_mib``, ``train_rss_mib`` (the peak over the RSS at train begin).
+    """
+    every = record.get("steps", [])
+    later = every[1:]
+    seconds, real, positions, cpu = (sum(step[k] for step in later) for k in range(4))
+    peak, base = record.get("peak_rss_mib"), record.get("rss_at_train_begin_mib")
+    return {
+        "steps": len(every),
+        "real_tokens": real,
+        "positions": positions,
+        "timed_seconds": round(seconds, 3),
+        "real_tokens_per_s": round(real / seconds, 1) if seconds else None,
+        "cpu_seconds": round(cpu, 3),
+        "real_tokens_per_cpu_s": round(real / cpu, 1) if cpu else None,
+        "peak_rss_mib": None if peak is None else round(peak, 1),
+        "train_rss_mib": None if peak is None or base is None else round(peak - base, 1),
+    }
+
+
+def run(name: str, assets: Path, out: Path, steps: int = 2, width: int = 128) -> dict[str, Any]:
+    """One variant through axolotl's own pipeline; its first step against the truth, its later steps timed.
 
     Args:
         name: a key of :data:`VARIANTS`.
         assets: :func:`write_assets`' folder.
         out: where the run writes.
+        steps: optimizer steps (``max_steps``).
+        width: ``sequence_len``.
 
     Returns:
-        The distances, the batch's shape and documents, the plugin's summary, the ``attn/*`` keys logged.
+        The distances, the batch's shape and documents, the plugin's summary, the ``attn/*`` keys logged, real
+        tokens/s over the steps after the first, the peak RSS during training.
     """
     from axolotl.cli.config import load_cfg
     from axolotl.common.datasets import load_datasets
@@ -223,7 +258,7 @@ def run(name: str, assets: Path, out: Path) -> dict[str, Any]:
     PluginManager.get_instance().plugins.clear()  # a singleton: the last run's plugins would run again
     began = time.perf_counter()
     try:
-        cfg = load_cfg(DictDefault(config(assets, out / name, impl, plugin, backend)))
+        cfg = load_cfg(DictDefault(config(assets, out / name, impl, plugin, backend, steps, width)))
         meta = load_datasets(cfg=cfg)
         _, _, trainer = train(cfg=cfg, dataset_meta=meta)
         registered = sdpa_varlen._PATCH_APPLIED
@@ -258,6 +293,7 @@ def run(name: str, assets: Path, out: Path) -> dict[str, Any]:
         if ours is None
         else [list(p.compared) for _, p in ours.state.proofs[ours.attach_proofs :]],
         "summary": summary,
+        **speed(record),
         "logged": sorted({k for logs in trainer.state.log_history for k in logs if k.startswith("attn/")}),
         "first_logs": {k: v for k, v in trainer.state.log_history[0].items() if isinstance(v, (int, float))},
     }
