@@ -73,6 +73,7 @@ def test_auto_trains_what_stock_trains(tmp_path: Path, model_type: str, override
 @pytest.mark.slow
 def test_flat_insisted_on_names_the_layer_that_dropped_the_documents(tmp_path: Path) -> None:
     match = r"check 'proof' failed: .*did not reach Qwen3MoeAttention.*the caller is Qwen3MoeDecoderLayer"
+    match = r"^the flat path \(attn_path: flat\) cannot run .*" + match + r".*Fix: set attn_path: auto"  # YAML keys
     with pytest.raises(FlatPathError, match=match):
         _build(_model_dir(tmp_path, "qwen3_moe"), tmp_path, attn_path="flat", attn_strict=True)
 
