@@ -376,13 +376,13 @@ def padding_spans(batch: Mapping) -> list[tuple[int, int, int]]:
         >>> padding_spans({"input_ids": ids, "position_ids": pos, "labels": torch.tensor([[5, 6, 7, -100, -100]])})
         [(0, 3, 5)]
     """
-    ids, pos, labels = (batch.get(k) for k in ("input_ids", "position_ids", "labels"))
+    ids, pos, labels = batch.get("input_ids"), batch.get("position_ids"), batch.get("labels")
     mask = batch.get("attention_mask")
     if batch.get("doc_lens") is not None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         return []
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (ids, pos, labels)):
+    if not (isinstance(ids, torch.Tensor) and isinstance(pos, torch.Tensor) and isinstance(labels, torch.Tensor)):
         return []
-    if not ids.shape == pos.shape == labels.shape or not ids.numel():
+    if ids.dim() != 2 or not ids.shape == pos.shape == labels.shape or not ids.numel():
         return []
     width = ids.shape[1]
     starts = torch.ones_like(pos, dtype=torch.bool)
