@@ -26,7 +26,7 @@ from foundry_attn.integrations.axolotl.batches import document_targets, read_pac
 from foundry_attn.integrations.axolotl.refusals import refusal, runs_here
 from foundry_attn.integrations.hf_trainer import install
 from foundry_attn.path.attach import attach
-from foundry_attn.path.execution import EAGER_STEP
+from foundry_attn.path.execution import AUTO_STEP
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, FLAT
 from foundry_attn.selection.surfaces import AXOLOTL, speaking
@@ -348,7 +348,7 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
                 strict=strict,
                 interval=PROOF_INTERVAL if interval is None else int(interval),
                 capacity=int(cfg.get("foundry_attn_capacity") or 0),
-                execution=str(cfg.get("foundry_attn_execution") or EAGER_STEP),
+                execution=str(cfg.get("foundry_attn_execution") or AUTO_STEP),
             )
         self.attach_proofs = len(self.state.proofs)
         self.varlen = sdpa_varlen_on()
