@@ -34,7 +34,7 @@ class _FlashVarlen(torch.autograd.Function):
     """Forward and backward of aten's varlen flash kernel (no dropout)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -58,7 +58,7 @@ class _FlashVarlen(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
         max_q, max_k, causal, scale, left, right = ctx.args
         _, backward = _ops()
@@ -145,11 +145,11 @@ def _agrees(
     results = []
     try:
         for direct in (True, False):
-            inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            qi, ki, vi = inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             if direct:
-                out = flash_varlen(*inputs, cu, cu, 23, 23, 0.125, (-1, 0))
+                out = flash_varlen(qi, ki, vi, cu, cu, 23, 23, 0.125, (-1, 0))
             else:
-                out = call(kernel, *inputs, cu, cu, 23, 23, scale=0.125, direct=False)
+                out = call(kernel, qi, ki, vi, cu, cu, 23, 23, scale=0.125, direct=False)
             grads = torch.autograd.grad((out.float() * weight.float()).sum(), inputs)
             results.append([out, *grads])
     except Exception as exc:  # a kernel this torch does not call this way: varlen_attn runs

@@ -98,7 +98,7 @@ def _grouped_natively(device: torch.device, dtype: torch.dtype, dim: int, value_
 
     q = torch.zeros(1, 2, 4, dim, dtype=dtype, device=device)
     k, v = q[:, :1], torch.zeros(1, 1, 4, value_dim, dtype=dtype, device=device)
-    return torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True) != int(SDPBackend.MATH)
+    return torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True) != SDPBackend.MATH.value
 
 
 def additive_mask(n: int, window: int | None, like: torch.Tensor, fill: float | None = None) -> torch.Tensor:

@@ -114,9 +114,9 @@ def targets(batches: Mapping[str, Any], gpu: bool, shape: str = "smollm2-135m") 
             entry["values"] = {t: theirs / batch["tiers"][t]["compile_warmup_s"] for t in ours if theirs}
             value = entry["values"].get(top) if top else None
         else:
-            other = best(batch, PADDED, checked=False) if against == "padded" else against
-            base = batch["tiers"].get(other or "", {}).get("tokens_per_s")
-            entry["against"] = other
+            vs = best(batch, PADDED, checked=False) if against == "padded" else against
+            base = batch["tiers"].get(vs or "", {}).get("tokens_per_s")
+            entry["against"] = vs
             entry["values"] = {t: v / base for t, v in ours.items()} if base else {}
             value = entry["values"].get(top) if top else None
             padded = batch["tiers"].get(best(batch, PADDED, checked=False) or "", {}).get("tokens_per_s")

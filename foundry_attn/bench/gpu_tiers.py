@@ -108,8 +108,10 @@ class Tier:
     def setup(self, model: Any) -> None:
         if self.backend is not None:
             with self.context():  # the proof runs the tier's kernel (a CPU stand-in where there is no GPU)
-                options = {} if self.default else {"capacity": self.capacity, "execution": self.execution}
-                state = attach(model, self.backend, **options)
+                if self.default:
+                    state = attach(model, self.backend)
+                else:
+                    state = attach(model, self.backend, capacity=self.capacity, execution=self.execution)
             if state.path != "flat":
                 raise RuntimeError(f"{self.name}: the flat path is not proven for this model: {state.reason}")
         else:

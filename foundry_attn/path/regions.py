@@ -41,8 +41,11 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         >>> [type(b).__name__ for b in repeated_blocks(llama)][:2]
         ['LlamaDecoderLayer', 'LlamaDecoderLayer']
     """
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    return list(max(lists, key=len)) if lists else []
+    longest: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(longest):
+            longest = list(module)
+    return longest
 
 
 def _mark_tokens(tokens: int, values: Any) -> None:
