@@ -93,7 +93,7 @@ def test_torch_varlen_documents_are_exact(kernel: Any, family: str) -> None:
     model = conformance.build(family, "sdpa")
     windowed = ModelNeeds.of(family, model.config).window
     if windowed and kernel is varlen_210:  # refused before anything is pointed, as the policy refuses it there
-        with pytest.raises(AttentionUnavailableError, match=r"sliding window \(4\) with this torch.*one of \["):
+        with pytest.raises(AttentionUnavailableError, match=r"sliding window \(4\) with this torch.*one of \""):
             attach(model, TORCH_VARLEN)
         assert model.config._attn_implementation == "sdpa"
         return
@@ -120,7 +120,7 @@ def test_torch_varlen_refuses_softcap_and_dropout(kernel: Any) -> None:
     """Neither path applies Gemma2's softcap (rows would be stock sdpa, which raises on it): refused at attach, with
     the policy's words and the backends that do run it."""
     model = conformance.build("gemma2", "eager")
-    with pytest.raises(AttentionUnavailableError, match=r"softcap \(50.0\).*one of \['flash_attention_2', 'eager'\]"):
+    with pytest.raises(AttentionUnavailableError, match=r'softcap \(50.0\).*one of "flash_attention_2", "eager"'):
         attach(model, TORCH_VARLEN)
     assert model.config._attn_implementation == "eager"  # nothing pointed
 

@@ -31,7 +31,9 @@ def test_every_cell_runs_its_candidates_and_says_what_the_run_chose(capsys: pyte
 
 def test_layers_tiers_and_memory_are_options_of_bench_gpu_only() -> None:
     for which, option in (("layouts", ["--layers", "2"]), ("step", ["--tiers", "padded_dense"])):
-        with pytest.raises(SystemExit, match="--layers, --tiers and --memory-gb are options of bench gpu"):
+        with pytest.raises(
+            SystemExit, match="--layers, --tiers, --memory-gb, --shape and --jsonl are options of bench gpu"
+        ):
             main(["bench", which, *option])
 
 

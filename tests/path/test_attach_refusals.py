@@ -30,7 +30,7 @@ def test_a_backend_the_class_does_not_declare_is_refused_with_those_that_run_it(
     torch.manual_seed(0)
     model = model_class(config)
     with pytest.raises(
-        AttentionUnavailableError, match=r"check 'model class' failed: \w+ has no sdpa support.*'eager'"
+        AttentionUnavailableError, match=r"check 'model class' failed: \w+ has no sdpa support.*\"eager\""
     ):
         attach(model, "sdpa")
     assert model.config._attn_implementation == "eager" and not hasattr(model, "foundry_path")  # nothing pointed
@@ -41,7 +41,7 @@ def test_a_softcap_under_sdpa_is_refused_by_attach_as_by_the_policy() -> None:
     with pytest.raises(AttentionUnavailableError) as caught:
         attach(model, "sdpa")
     assert "softcap" in str(caught.value) or "has no sdpa support" in str(caught.value)
-    assert "'eager'" in str(caught.value)
+    assert '"eager"' in str(caught.value)
 
 
 def _falcon_alibi():
