@@ -143,9 +143,25 @@ def attach(
             state.reason,
         )
     else:
+        if backend == FA2 and prove_now and not fa2_reference and next(hf.parameters()).device.type != "meta":
+            _fa2_runs_here(hf)
         state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
     state = with_capacity(state, hf, capacity)
     return with_execution(state, hf, execution, caller_compiles)
+
+
+def _fa2_runs_here(hf: Any) -> None:
+    """flash_attention_2 named where it cannot run (flash-attn not installed, no CUDA device, the dtype): the cause, as
+    ``auto``'s chain says it, before a proof fails on it."""
+    dtype = weights_compute_dtype(next(hf.parameters()).dtype, "auto")
+    try:
+        decide(None, FA2, (FA2,), compute_dtype=dtype, config=hf.config, model_class=type(hf))
+    except AttentionUnavailableError as exc:
+        cause = str(exc).split(" can run ", 1)[-1].split(" Fix one of these")[0]
+        raise AttentionUnavailableError(
+            f'attach: {FA2} cannot run {cause} Fix: call attach(model, "auto") (the fastest backend that runs here), '
+            "or name another backend"
+        ) from exc
 
 
 def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:

@@ -40,12 +40,12 @@ def test_auto_picks_a_backend_that_runs_here_says_why_not_fa2_and_trains_exactly
 
 
 def test_a_backend_that_cannot_run_here_is_refused_at_attach_and_the_model_is_left_as_it_was() -> None:
-    """flash_attention_2 without flash-attn (this CPU): the cause at attach, not a state and a crash at the first
-    forward; the model's implementation, forward and state as before."""
+    """flash_attention_2 without flash-attn (this CPU): the cause at attach (the install, the device), before any
+    proof, not a state and a crash at the first forward; the model's implementation, forward and state as before."""
     model = make_llama("sdpa").train()
-    with pytest.raises(AttentionUnavailableError, match="neither path trains LlamaForCausalLM") as raised:
+    with pytest.raises(AttentionUnavailableError, match="attach: flash_attention_2 cannot run on cpu") as raised:
         attach(model, "flash_attention_2")
-    assert "cannot run one document alone here" in str(raised.value) and 'attach(model, "auto")' in str(raised.value)
+    assert "check '" in str(raised.value) and 'Fix: call attach(model, "auto")' in str(raised.value)
     assert model.config._attn_implementation == "sdpa"
     assert not hasattr(model, "foundry_path") and "forward" not in vars(model) and "forward" not in vars(model.model)
 
