@@ -90,7 +90,8 @@ def test_a_backend_that_cannot_run_the_model_names_the_backend_key(surface: Surf
     traits = ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config())
     with speaking(surface):
         message = model_refusal(traits, "sdpa")
-    assert message is not None and "check 'exactness' failed" in message, message
+    # 4.51: Gemma2's softcap under sdpa; 5.x: Gemma2 declares no sdpa support at all
+    assert message is not None and re.search("check '(exactness|model class)' failed", message), message
     key = {ATTACH: "attach", LLM_FOUNDRY: "attn_implementation", AXOLOTL: "foundry_attn_backend"}[surface]
     assert message.startswith(f"{key}: sdpa cannot run Gemma2ForCausalLM exactly"), message
     fix = message.split("Fix: ", 1)[1]
