@@ -148,9 +148,15 @@ class Execution:
             self.runs = COMPILED
             self.reason = _not_graphed(f"CUDA graphs need a CUDA device (the batch is on {device})")
             log.warning("foundry_attn: attn_execution %s", self.reason)
-        if hf is not None and self.runs != EAGER_STEP and self.compiled is None:
-            self.compiled = Regions.of(hf, BACKEND, "reduce-overhead" if self.runs == GRAPHED else None)
+        if hf is not None and self.runs != EAGER_STEP:
+            self._regions(hf)
         return capacity
+
+    def _regions(self, hf: torch.nn.Module) -> Regions:
+        """The model's decoder layers compiled for this execution (graphed: ``mode="reduce-overhead"``), made once."""
+        if self.compiled is None:
+            self.compiled = Regions.of(hf, BACKEND, "reduce-overhead" if self.runs == GRAPHED else None)
+        return self.compiled
 
     def run(self, forward: Callable[[dict[str, Any]], Any], inputs: dict[str, Any], hf: torch.nn.Module) -> Any:
         """``forward(inputs)`` on a flat row, its decoder layers compiled (and graphed) where the execution says and
@@ -176,19 +182,18 @@ class Execution:
             return forward(inputs)
         if self.runs == GRAPHED:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs may be reused
-        if self.compiled is None:
-            self.compiled = Regions.of(hf, BACKEND, "reduce-overhead" if self.runs == GRAPHED else None)
+        regions = self._regions(hf)
         if self.compile_s is not None:
-            with self.compiled.active():
+            with regions.active():
                 return forward(inputs)
         start = time.perf_counter()
         try:
-            with self.compiled.active():
+            with regions.active():
                 out = forward(inputs)
         except Exception as exc:  # auto never runs worse than eager: a compile that fails leaves the step eager
             if self.asked != AUTO_STEP:
                 raise
-            self.compiled.remove()
+            regions.remove()
             self.runs, self.compiled = EAGER_STEP, None
             self.reason = f"auto: eager: the compiled step failed here ({type(exc).__name__}: {exc})"[:500]
             log.warning("foundry_attn: attn_execution %s", self.reason)
@@ -197,7 +202,7 @@ class Execution:
         log.info(
             "foundry_attn: attn_execution %s: %s compiled in %.1f s (forward; said once)",
             self.runs,
-            ", ".join(f"{n} x {k}" for k, n in self.compiled.kinds.items()),
+            ", ".join(f"{n} x {k}" for k, n in regions.kinds.items()),
             self.compile_s,
         )
         return out
