@@ -116,7 +116,7 @@ from foundry_attn.bench.gpu_report import OURS as OURS
 from foundry_attn.bench.gpu_report import PADDED as PADDED
 from foundry_attn.bench.gpu_report import TARGETS as TARGETS
 from foundry_attn.bench.gpu_report import summary as summary
-from foundry_attn.bench.gpu_tiers import REFERENCE_LABEL, Tier, Warm, flash_attn_version, make_tiers, warm
+from foundry_attn.bench.gpu_tiers import REFERENCE_LABEL, Tier, Warm, flash_attn_version, make_tiers, megabytes, warm
 from foundry_attn.bench.gpu_tiers import reference_torch_varlen as reference_torch_varlen
 from foundry_attn.bench.gpu_workloads import CPU_WIDTH as CPU_WIDTH
 from foundry_attn.bench.gpu_workloads import MIX_MIN as MIX_MIN
@@ -228,7 +228,7 @@ def bench_workload(
                 execution=tier.runs,
                 compile_warmup_s=w.warmup_s,
                 warmup_steps=w.steps,
-                peak_mem_mb=w.peak / 2**20,
+                peak_mem_mb=megabytes(w.peak),
                 loss=w.loss,
             )
         except Exception as exc:  # one failing tier (a kernel, an OOM) must not cost the others their numbers
@@ -289,7 +289,7 @@ def bench_workload(
             "tokens_per_s": real / step,
             "step_ms": step * 1e3,
             "min_step_ms": min(wall) * 1e3,
-            "peak_mem_mb": w.peak / 2**20,
+            "peak_mem_mb": megabytes(w.peak),
             "ratio_vs_padded_dense": (median(base) / step) if base else None,
             "paired_ratio_vs_padded_dense": paired_ratio_median(base, wall) if base else None,
             "execution": tier.runs,
@@ -452,7 +452,7 @@ def run(
             "seed": SEED,
             "peak_mem": "cuda max_memory_allocated delta"
             if gpu
-            else "peak live bytes of newly allocated tensor storages (TorchDispatchMode)",
+            else "peak live bytes of newly allocated tensor storages (TorchDispatchMode); none for a compiled step",
             "time_budget_s": limit,
         },
         "tiers": {t.name: t.describe(models) for t in all_tiers},

@@ -123,6 +123,8 @@ class Search:
             self.probes.append({"k": k, "oom": str(exc).splitlines()[0][:200], "fits": False})
             return False
         self.model.zero_grad(set_to_none=True)
+        if peak is None:  # equal_memory searches only tiers whose peak is measured here
+            raise RuntimeError(f"{self.tier.name}: its peak memory is not measured on {device.type}")
         self.peaks[k] = peak
         self.probes.append({"k": k, "peak_mem_mb": peak / 2**20, "fits": peak <= self.budget})
         return peak <= self.budget
@@ -152,8 +154,9 @@ def equal_memory(
     searches: dict[str, Search] = {}
     for tier in (t for t in tiers if t.name in TIERS):
         ran = main.get(tier.name, {})
-        if tier.skipped is not None or "peak_mem_mb" not in ran:
-            out[tier.name] = {"skipped": tier.skipped or ran.get("skipped", "did not run")}
+        if tier.skipped is not None or ran.get("peak_mem_mb") is None:
+            why = "its peak memory is not measured here (a compiled step off CUDA)" if "peak_mem_mb" in ran else None
+            out[tier.name] = {"skipped": tier.skipped or ran.get("skipped", why or "did not run")}
             continue
         search = searches[tier.name] = Search(
             tier, models[tier.name], workload, round(ran["peak_mem_mb"] * 2**20), budget

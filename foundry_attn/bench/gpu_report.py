@@ -140,6 +140,10 @@ def _share(value: float | None) -> str:
     return f"{value:>6.0%}" if value is not None else f"{'n/a':>6}"
 
 
+def _mb(value: float | None) -> str:
+    return f"{'n/a':>9}" if value is None else f"{value:>9.0f}"
+
+
 def _batch_lines(batch: Mapping[str, Any]) -> list[str]:
     lines = [
         "",
@@ -155,7 +159,7 @@ def _batch_lines(batch: Mapping[str, Any]) -> list[str]:
         ratio = r["ratio_vs_padded_dense"]
         launches = r.get("launches_per_step")
         lines.append(
-            f"  {name:<28} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} {r['peak_mem_mb']:>9.0f} "
+            f"  {name:<28} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} {_mb(r['peak_mem_mb'])} "
             + (f"{ratio:>8.2f}x" if ratio is not None else f"{'n/a':>9}")
             + f" {_share(r.get('gpu_busy_share'))} {launches if launches is not None else 'n/a':>8} "
             f"{r.get('compile_warmup_s', 0.0):>9.1f} {r['loss']:>9.4f}{'' if r['document_exact'] else ' (cross-doc)'}"
@@ -184,7 +188,7 @@ def _equal_memory_lines(section: Mapping[str, Any]) -> list[str]:
             continue
         ratio = r.get("ratio_vs_padded_dense")
         lines.append(
-            f"  {name:<28} {r['k']:>3} {r['peak_mem_mb']:>9.0f} {r['tokens_per_s']:>10.0f} "
+            f"  {name:<28} {r['k']:>3} {_mb(r['peak_mem_mb'])} {r['tokens_per_s']:>10.0f} "
             + (f"{ratio:>8.2f}x" if ratio is not None else f"{'n/a':>9}")
             + (f" (stopped: {r['stopped']})" if r.get("stopped") else "")
         )

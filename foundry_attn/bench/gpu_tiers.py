@@ -29,6 +29,7 @@ from foundry_attn.bench.reference_kernels import (
 )
 from foundry_attn.bench.timing import PeakMemory
 from foundry_attn.path.attach import attach
+from foundry_attn.path.execution import AUTO_STEP
 from foundry_attn.path.forward import forward_documents
 from foundry_attn.path.state import path_of
 
@@ -170,9 +171,14 @@ class Warm:
     """A tier warmed on a batch: the measured step's loss and peak bytes, the warm-up's wall seconds."""
 
     loss: float
-    peak: int
+    peak: int | None  # None: not measured (a compiled step off CUDA)
     warmup_s: float
     steps: int
+
+
+def megabytes(peak: int | None) -> float | None:
+    """A :class:`Warm` peak in MB (None: not measured)."""
+    return None if peak is None else peak / 2**20
 
 
 def warm(tier: Tier, model: torch.nn.Module, batch: Mapping[str, Any], least: int, device: torch.device) -> Warm:
@@ -192,16 +198,27 @@ def warm(tier: Tier, model: torch.nn.Module, batch: Mapping[str, Any], least: in
 
     if tier.graphed:
         skips = _cudagraph_skips()
-        with PeakMemory(device) as memory:
+        with _peak_memory(tier, device) as memory:
             seconds = warm_up()
             loss = tier.step(model, batch)
         tier.cudagraph_skips += _cudagraph_skips() - skips
     else:
         seconds = warm_up()
-        with PeakMemory(device) as memory:
+        tier.settle(model)  # ours settles on its first flat batch (auto: eager on a CPU)
+        with _peak_memory(tier, device) as memory:
             loss = tier.step(model, batch)
     tier.settle(model)
-    return Warm(float(loss), memory.peak, seconds, steps)
+    return Warm(float(loss), memory.peak if memory else None, seconds, steps)
+
+
+def _peak_memory(tier: Tier, device: torch.device) -> contextlib.AbstractContextManager[PeakMemory | None]:
+    """The step's :class:`PeakMemory`; none for a compiled step off CUDA: there it is a dispatch mode, under which
+    Dynamo skips the frames it meets, and torch 2.7 keeps skipping those code objects for the rest of the process
+    (even after ``torch._dynamo.reset()``), so every later compile of them would run eagerly."""
+    compiled = tier.execution != EAGER or tier.runs not in (EAGER, AUTO_STEP)
+    if compiled and device.type != "cuda":
+        return contextlib.nullcontext()
+    return PeakMemory(device)
 
 
 def _cudagraph_skips() -> int:
