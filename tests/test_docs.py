@@ -100,12 +100,64 @@ def _has_path(obj: object, attrs: list[str]) -> bool:
     return True
 
 
-def test_the_readme_tree_lists_files_that_exist() -> None:
-    """The module tree in README.md names files of the package."""
+def test_the_readme_tree_names_every_module_under_its_folder() -> None:
+    """The module tree in README.md names each module of the package (``__init__.py`` aside) under its own folder,
+    and nothing else."""
     tree = (REPO / "README.md").read_text().split("foundry_attn/                the package", 1)[1].split("```", 1)[0]
-    files = {p.name for p in (REPO / "foundry_attn").rglob("*.py")}
-    named = set(re.findall(r"\b(\w+\.py)\b", tree))
-    assert named and named <= files, sorted(named - files)
+    named: set[str] = set()
+    folders: list[tuple[int, str]] = [(0, "")]  # (indent, folder) of the lines above
+    for line in tree.splitlines():
+        indent = len(line) - len(line.lstrip())
+        first = line.strip().split(" ", 1)[0]
+        if not first:
+            continue
+        while folders[-1][0] >= indent and len(folders) > 1:
+            folders.pop()
+        if first.endswith("/") and not first.endswith(".py/"):
+            folders.append((indent, folders[-1][1] + first))
+            first = line.strip().split(" ", 1)[1] if " " in line.strip() else ""
+        words = re.findall(r"\b(\w+\.py)\b", line.split("`", 1)[0] if "`" in line else line)
+        named |= {folders[-1][1] + w for w in words}
+    files = {p.relative_to(REPO / "foundry_attn").as_posix() for p in (REPO / "foundry_attn").rglob("*.py")}
+    modules = {f for f in files if not f.endswith("__init__.py")}
+    assert named <= files, sorted(named - files)
+    assert modules <= named, sorted(modules - named)
+
+
+def _doc_names(text: str) -> tuple[set[str], set[str]]:
+    """The dotted names (`foundry_attn.x.y`, `flat.layout.Layout`) and the file paths (`path/forward.py`) a doc
+    gives of the package and its tests."""
+    folders = "|".join(p.name for p in (REPO / "foundry_attn").iterdir() if p.is_dir() and not p.name.startswith("_"))
+    dotted = set(re.findall(rf"`((?:foundry_attn\.)?(?:{folders})\.[A-Za-z_][\w.]*)", text))
+    files = set(re.findall(rf"\b((?:tests/)?(?:{folders})/[\w/]+\.py)\b", text))
+    return {d.rstrip(".") for d in dotted}, files
+
+
+def test_the_maps_name_what_exists() -> None:
+    """Every module, function or class the README and docs/ name by its dotted path exists, and every file they
+    name by its path (``path/forward.py``, ``tests/flat/test_capacity.py``) is there."""
+    import importlib
+
+    missing: list[str] = []
+    for doc in _docs():
+        dotted, files = _doc_names(doc.read_text())
+        for name in sorted(dotted):
+            parts = name.removeprefix("foundry_attn.").split(".")
+            for cut in range(len(parts), 0, -1):  # the longest importable module, then its attributes
+                try:
+                    obj: object = importlib.import_module("foundry_attn." + ".".join(parts[:cut]))
+                except ImportError:
+                    continue
+                if not _has_path(obj, parts[cut:]):
+                    missing.append(f"{doc.name}: {name}")
+                break
+            else:
+                missing.append(f"{doc.name}: {name}")
+        for file in sorted(files):
+            here = [REPO / file, REPO / "foundry_attn" / file, REPO / "tests" / file]
+            if not any(p.is_file() for p in here):
+                missing.append(f"{doc.name}: {file}")
+    assert not missing, "\n".join(missing)
 
 
 def test_commands_the_docs_name_exist() -> None:
