@@ -168,6 +168,9 @@ def test_cpu_plumbing_runs_every_cpu_tier_and_losses_agree(capsys: pytest.Captur
     ]
     for name in CPU_EQUAL_MEMORY:
         fit = memory["tiers"][name]
+        if name.endswith("_compiled"):  # no peak measured for a compiled step off CUDA
+            assert "not measured" in fit["skipped"], (name, fit)
+            continue
         assert 1 <= fit["k"] <= 8 and fit["rows"] == 6 * fit["k"] and fit["tokens_per_s"] > 0, (name, fit)
         assert fit["peak_mem_mb"] <= 24 and fit["ratio_vs_padded_dense"] > 0
         for probe in fit["probes"]:  # monotone: what fits is at most k, what does not is past it
