@@ -35,11 +35,11 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
 from foundry_attn.path.ranks import sharded
 from foundry_attn.path.regions import Regions
+from foundry_attn.selection.options import AUTO_STEP, COMPILED, EAGER_STEP, GRAPHED, OPTIONS
 
 log = logging.getLogger(__name__)
 
-AUTO_STEP, EAGER_STEP, COMPILED, GRAPHED = "auto", "eager", "compiled", "graphed"
-EXECUTIONS = (AUTO_STEP, EAGER_STEP, COMPILED, GRAPHED)
+EXECUTIONS: tuple[str, ...] = OPTIONS["execution"].choices or ()
 #: what ``torch.compile`` compiles the step with (tests use a cheaper backend for the same traced graph)
 BACKEND: str | Callable[..., Any] = "inductor"
 

@@ -24,8 +24,7 @@ import torch
 from foundry_attn.attention.documents import Documents
 from foundry_attn.attention.torch_varlen import torch_varlen_kernel
 from foundry_attn.path.ranks import agreed_lengths
-
-PROOF_INTERVAL = 100
+from foundry_attn.selection.options import PROOF_INTERVAL as PROOF_INTERVAL
 
 
 def ceil2(n: int) -> int:

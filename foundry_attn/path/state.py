@@ -33,6 +33,8 @@ from foundry_attn.path.layout_choice import LayoutChoice
 from foundry_attn.path.schedule import Schedule
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.step_proof import step_blocker
+from foundry_attn.selection.options import AUTO_PATH as AUTO_PATH
+from foundry_attn.selection.options import OPTIONS
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
 from foundry_attn.selection.surfaces import Surface, spoken
 from foundry_attn.selection.traits import ModelTraits
@@ -40,8 +42,7 @@ from foundry_attn.selection.traits import ModelTraits
 log = logging.getLogger(__name__)
 
 PATH_ATTR = "foundry_path"  # the PathState :func:`foundry_attn.path.attach.attach` keeps on the HF model
-AUTO_PATH = "auto"  # flat where proven, else rows (attn_path: auto); the backend's "auto" is policy.AUTO
-PATHS = (AUTO_PATH, FLAT, ROWS)
+PATHS: tuple[str, ...] = OPTIONS["path"].choices or ()
 
 
 class NoExactPath(AttentionUnavailableError):

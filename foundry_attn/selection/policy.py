@@ -18,20 +18,15 @@ from collections.abc import Sequence
 import torch
 
 from foundry_attn.attention.backends import (
-    EAGER,
-    FA2,
     NAMES,
-    SDPA,
-    TORCH_VARLEN,
 )
 from foundry_attn.checks import check_choice
 from foundry_attn.selection.backend_checks import Candidate, SmokeTest, check, fa2_smoke_test
 from foundry_attn.selection.capability import Capability
+from foundry_attn.selection.options import AUTO as AUTO
+from foundry_attn.selection.options import DEFAULT_FALLBACK as DEFAULT_FALLBACK
 from foundry_attn.selection.surfaces import Surface, spoken
 from foundry_attn.selection.traits import ModelTraits
-
-AUTO = "auto"
-DEFAULT_FALLBACK: tuple[str, ...] = (FA2, TORCH_VARLEN, SDPA, EAGER)
 
 
 class AttentionUnavailableError(RuntimeError):

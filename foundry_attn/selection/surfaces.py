@@ -6,9 +6,9 @@
     LLM_FOUNDRY.fix("path", "auto")         # 'set attn_path: auto'
     ATTACH.fix("backend", "auto")           # 'call attach(model, "auto")'
 
-Three surfaces: ``attach``'s keywords in Python (the default), LLM-Foundry's YAML keys and axolotl's. A message
-builder reads :func:`spoken` (or the surface its :class:`~foundry_attn.path.state.PathState` kept at attach). No
-imports beyond the standard library.
+Three surfaces: ``attach``'s keywords in Python (the default), LLM-Foundry's YAML keys and axolotl's, each option's
+key read from its one declaration (:mod:`foundry_attn.selection.options`). A message builder reads :func:`spoken` (or
+the surface its :class:`~foundry_attn.path.state.PathState` kept at attach).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-#: the options a "Fix:" names: ``backend``, ``strict``, ``path``, ``fallback``, ``half`` (train in bf16)
-OPTIONS = ("backend", "strict", "path", "fallback", "half")
+from foundry_attn.selection.options import keys_of
 
 
 def _python(value: Any) -> str:
@@ -56,7 +55,7 @@ class Surface:
         """The key ``option`` has here.
 
         Args:
-            option: one of :data:`OPTIONS`.
+            option: one of :data:`~foundry_attn.selection.options.OPTIONS` (or ``half``).
 
         Returns:
             The key, or None where this surface has none.
@@ -72,7 +71,7 @@ class Surface:
         """``option`` set to ``value`` as the user writes it here.
 
         Args:
-            option: one of :data:`OPTIONS`.
+            option: one of :data:`~foundry_attn.selection.options.OPTIONS` (or ``half``).
             value: its value.
 
         Returns:
@@ -93,7 +92,7 @@ class Surface:
         """What to do: set ``option`` to ``value`` here, in words.
 
         Args:
-            option: one of :data:`OPTIONS`.
+            option: one of :data:`~foundry_attn.selection.options.OPTIONS` (or ``half``).
             value: its value (unused for an option in ``fixed``).
 
         Returns:
@@ -115,7 +114,7 @@ class Surface:
         """What to do: set ``option`` to one of ``values`` here, in words.
 
         Args:
-            option: one of :data:`OPTIONS`.
+            option: one of :data:`~foundry_attn.selection.options.OPTIONS` (or ``half``).
             values: the values that work.
 
         Returns:
@@ -135,18 +134,18 @@ class Surface:
 
 ATTACH = Surface(
     "attach",
-    {"backend": "attach", "strict": "strict", "path": "path", "fallback": "fallback"},
+    {**keys_of("attach"), "backend": "attach"},  # attach's second argument: its messages open "attach: sdpa ..."
     python=True,
     fixed={"half": "load the model in bf16 (or train under bf16 autocast)"},
 )
 LLM_FOUNDRY = Surface(
     "LLM-Foundry YAML",
-    {"backend": "attn_implementation", "strict": "attn_strict", "path": "attn_path", "fallback": "attn_fallback"},
+    keys_of("llm_foundry"),
     fixed={"half": "set precision: amp_bf16"},
 )
 AXOLOTL = Surface(
     "axolotl YAML",
-    {"backend": "foundry_attn_backend", "strict": "foundry_attn_strict", "path": None, "fallback": None},
+    keys_of("axolotl"),
     aliases={("path", "flat"): ("strict", True), ("path", "auto"): ("strict", False)},
     fixed={"half": "set bf16: true"},
 )

@@ -26,8 +26,6 @@ from foundry_attn.integrations.axolotl.batches import document_targets, read_pac
 from foundry_attn.integrations.axolotl.refusals import refusal, runs_here
 from foundry_attn.integrations.hf_trainer import install
 from foundry_attn.path.attach import attach
-from foundry_attn.path.execution import AUTO_STEP
-from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, FLAT
 from foundry_attn.selection.surfaces import AXOLOTL, speaking
 
@@ -44,6 +42,15 @@ def _axolotl_base() -> type:
 #: under axolotl's namespace: axolotl's log filter shows ``axolotl.*`` at INFO and other loggers from WARNING only
 LOG = logging.getLogger("axolotl.integrations.foundry_attn")
 ENTRY = "foundry_attn.integrations.axolotl.FoundryAttnPlugin"
+
+
+def _given(cfg: Any, key: str) -> Any:
+    """``cfg``'s value of one of our keys, or its default (:class:`~.args.FoundryAttnArgs`: the options' one
+    declaration) where the config does not carry it."""
+    from foundry_attn.integrations.axolotl.args import FoundryAttnArgs
+
+    value = cfg.get(key)
+    return FoundryAttnArgs.model_fields[key].default if value is None else value
 
 
 def sdpa_varlen_on() -> bool:
@@ -337,7 +344,6 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
         self.cfg = cfg
         backend = cfg.get("foundry_attn_backend") or cfg.get("attn_implementation")
         strict = bool(cfg.get("foundry_attn_strict"))
-        interval = cfg.get("foundry_attn_proof_interval")
         attached, chain = runs_here(model, backend, strict)  # install, device, dtype: before any proof
         with speaking(AXOLOTL):  # every "Fix:" names axolotl's keys, the path's state keeps them for later proofs
             self.state = attach(
@@ -346,9 +352,9 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
                 path=FLAT if strict else AUTO_PATH,
                 fallback=chain,
                 strict=strict,
-                interval=PROOF_INTERVAL if interval is None else int(interval),
-                capacity=int(cfg.get("foundry_attn_capacity") or 0),
-                execution=str(cfg.get("foundry_attn_execution") or AUTO_STEP),
+                interval=int(_given(cfg, "foundry_attn_proof_interval")),
+                capacity=int(_given(cfg, "foundry_attn_capacity")),
+                execution=str(_given(cfg, "foundry_attn_execution")),
             )
         self.attach_proofs = len(self.state.proofs)
         self.varlen = sdpa_varlen_on()
