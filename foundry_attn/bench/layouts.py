@@ -161,7 +161,7 @@ def _cell(
     attach(chosen, impl)
     flat = copy.deepcopy(base)
     state = attach(flat, impl)
-    state.rows_proven = False  # the flat row alone (stock's packed mask where ours cannot run)
+    state.learned(rows_proven=False)  # the flat row alone (stock's packed mask where ours cannot run)
     rows = copy.deepcopy(base)
     attach(rows, impl, path="rows")
     shape = ModelShape.of(base)

@@ -181,7 +181,7 @@ def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
         >>> with_capacity(attach(model, "flash_attention_2"), model, 4096).capacity
         4096
     """
-    state.capacity = 0
+    state.run_with(capacity=0)
     if not capacity:
         return state
     why = capacity_refusal(state)
@@ -190,7 +190,7 @@ def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
         state.notes.append(note)
         log.warning("foundry_attn: %s %s", type(hf).__name__, note)
     else:
-        state.capacity = capacity
+        state.run_with(capacity=capacity)
     return state
 
 
@@ -238,8 +238,10 @@ def with_execution(state: PathState, hf: Any, execution: str, caller_compiles: b
     """
     rows = state.path == ROWS
     device, why = next(hf.parameters()).device, capacity_refusal(state)
-    state.execution = execution_for(
-        execution, caller_compiles, state.backend, state.capacity, state.stock_mask, rows, device, why
+    state.run_with(
+        execution=execution_for(
+            execution, caller_compiles, state.backend, state.capacity, state.stock_mask, rows, device, why
+        )
     )
     if execution != AUTO_STEP and state.execution.runs != execution:
         log.warning("foundry_attn: %s: attn_execution %s: %s", type(hf).__name__, execution, state.execution.reason)
@@ -308,8 +310,9 @@ def _chain(
         else:
             if state.path != ROWS or backend_of(state.rows_name) == chosen:
                 # the path, its reason and the last proof are the state's (PathState.decision_now); "off": none asked
-                state.decision = dataclasses.replace(decision, proof="first batch" if prove_now else "off")
-                return state.decision, state
+                decided = dataclasses.replace(decision, proof="first batch" if prove_now else "off")
+                state.run_with(decision=decided)
+                return decided, state
             why, check, fix = state.reason, "flat path", "see the error above"  # its rows run another backend
         decision = decision.with_rejection(chosen, why, check=check, fix=fix)
 
@@ -356,7 +359,7 @@ def _attach_backend(
         state.notes.append(bypassed)
         log.warning("foundry_attn: %s", bypassed)
     if path == ROWS:
-        state.path, state.reason = ROWS, "attn_path: rows"
+        state.to_rows("attn_path: rows", at_attach=True)
         use(hf, rows)
     if prove_now:
         try:
@@ -370,5 +373,5 @@ def _attach_backend(
             forwards.restore()
             raise
     elif path != ROWS:
-        state.reason = "flat, proven on the first training batch"
+        state.keep("flat, proven on the first training batch")
     return state

@@ -46,7 +46,7 @@ from foundry_attn.flat.layout import Layout, Truth, padding_side
 from foundry_attn.flat.unwrap import compiled, unwrapped
 from foundry_attn.path.execution import EAGER_STEP, PROOF_DUE, ROWS_BATCH, Execution
 from foundry_attn.path.proven import prove_batch, step_proof
-from foundry_attn.path.state import FLAT, ROWS, PathChange, PathState, Plan, path_of
+from foundry_attn.path.state import FLAT, ROWS, PathState, Plan, path_of
 from foundry_attn.proof.step_proof import StepProof
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
         groups = plan.groups
         if plan.path == FLAT:
             if not state.execution.settled:  # the first flat batch: its device, and auto's capacity (rows x width)
-                state.capacity = state.execution.settle(ids.device, state.capacity, ids.numel(), hf)
+                state.run_with(capacity=state.execution.settle(ids.device, state.capacity, ids.numel(), hf))
             # documents of one length as even rows where the function would regroup them in every layer (uncompiled:
             # a compiled step takes every layout as one flat row, one graph)
             regroups = state.stock_mask or BACKENDS[state.backend].regroups
@@ -394,10 +394,9 @@ def plain_call(model: Any, kwargs: Mapping[str, Any]) -> None:
     side = padding_side(mask)
     if side is None:
         return
-    state.padding_read = True
+    state.learned(padding_read=True)
     if side == "left":
-        state.reason = f"{state.reason}; {LEFT_PADDED}"
-        state.changes.append(PathChange(state.schedule.batches, state.path, LEFT_PADDED))
+        state.keep(f"{state.reason}; {LEFT_PADDED}", change=LEFT_PADDED)
 
 
 @functools.cache

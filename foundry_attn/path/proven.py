@@ -26,7 +26,7 @@ from foundry_attn.flat.inputs import flat_inputs, stock_splits_packed_rows
 from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.layout_cost import FLAT, ROWS
 from foundry_attn.flat.model_forward import own_forward
-from foundry_attn.path.state import FlatPathError, NoExactPath, PathChange, PathState, Plan
+from foundry_attn.path.state import FlatPathError, NoExactPath, PathState, Plan
 from foundry_attn.proof.prove import prove_flat, prove_packed
 from foundry_attn.proof.prove import prove_rows as rows_proof
 from foundry_attn.proof.proving import hidden
@@ -83,7 +83,7 @@ def prove_at_attach(state: PathState, hf: Any) -> Proof:
     subject = subject_of(hf)
     docs, missed = proof_documents(hf.config, next(hf.parameters()).device)
     docs = _exercised(subject, state, docs, missed)
-    state.first_targets = not loss_shifts(subject, docs[0], state.rows_name)
+    state.learned(first_targets=not loss_shifts(subject, docs[0], state.rows_name))
     layout = Layout((tuple(int(d.numel()) for d in docs),), sum(int(d.numel()) for d in docs))
     inputs, _ = flat_inputs(hf, torch.cat(docs)[None], None, layout)
     if state.path == ROWS:
@@ -188,7 +188,7 @@ def keep_proof(
     state.schedule.cover(inputs[DOCS_KEY])
     if state.path == FLAT:
         mask = f"stock's packed mask ({state.rows_name}) " if state.stock_mask else ""
-        state.reason = f"{mask}proven at {at}: {proof.describe()}"
+        state.keep(f"{mask}proven at {at}: {proof.describe()}")
     return proof
 
 
@@ -217,10 +217,9 @@ def refuse(state: PathState, hf: Any, reason: str, check: str = "proof") -> None
             f"check '{check}' failed: {reason}. Fix: {keys.fix('path', 'auto')} (one document per row where flat is "
             "not exact)"
         )
-    state.path, state.reason = ROWS, reason
+    state.to_rows(reason)
     use(hf, state.rows_name)
     log.warning("foundry_attn: %s runs one document per row (%s): %s", type(hf).__name__, state.rows_name, reason)
-    state.changes.append(PathChange(state.schedule.batches, ROWS, reason))
 
 
 def _stock_mask_holds(
@@ -249,11 +248,12 @@ def _stock_mask_holds(
     state.proofs.append((f"stock's packed mask at {at}", proof))
     if not proof.ok:
         return None
-    state.stock_mask, state.flat_name = True, state.rows_name
+    state.to_stock_mask(
+        f"stock's packed mask ({state.rows_name}) proven at {at}: {proof.describe()} (ours: {failed.reason})"
+    )
     use(hf, state.rows_name)
     state.schedule.cover(inputs[DOCS_KEY])
     state.schedule.watch(hf, state.names)
-    state.reason = f"stock's packed mask ({state.rows_name}) proven at {at}: {proof.describe()} (ours: {failed.reason})"
     log.info("foundry_attn: %s runs its flat rows on %s", type(hf).__name__, state.reason)
     _rows_candidate(state, hf, inputs, at, grads, truth)
     return proof
@@ -274,7 +274,7 @@ def _rows_candidate(
         proof = prove_rows(state, hf, inputs, at, grads=grads, truth=truth, groups=groups)
     except NoExactPath as exc:
         proof = Proof(False, reason=str(exc), rows=True)
-    state.rows_proven = proof.ok
+    state.learned(rows_proven=proof.ok)
     if not proof.ok:
         _note(state, hf, f"rows at {at} not a candidate beside the flat row: {proof.describe()}")
     return proof.ok
@@ -328,14 +328,14 @@ def prove_rows(
         left = proof_of(left=True, groups=groups)
         state.proofs.append((f"rows left-padded at {at}", left))
         if left.ok:
-            state.rows_left = True
+            state.learned(rows_left=True)
             right = f"rows at {at}: right-padded rows {proof.describe()}"
             _note(state, hf, f"{right}; left-padded rows are exact: rows pad left")
             proof = left
     docs: Documents = inputs[DOCS_KEY]
     if proof.ok:
         state.schedule.cover(docs, rows=state.path == FLAT)
-        state.reason = state.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}"
+        state.keep(state.reason.split("; rows proven at ")[0] + f"; rows proven at {at}: {proof.describe()}")
         return proof
     if not proof.ran and not rows_train_error(
         subject_of(hf), inputs, state.rows_name, state.reference, state.rows_left

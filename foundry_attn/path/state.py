@@ -192,6 +192,104 @@ class PathState:
             execution_reason=self.execution.reason,
         )
 
+    # The transitions: the only code that assigns the state's fields (tests/path/test_state.py reads the source).
+
+    def to_rows(self, reason: str, at_attach: bool = False) -> None:
+        """Move the run to one document per row, with why: a change the glues log (none asked at attach).
+
+        Args:
+            reason: why.
+            at_attach: the user asked for rows (``path="rows"``): no change to log.
+
+        Example::
+
+            >>> state.to_rows("proof at batch 3 failed: ...")
+        """
+        self.path, self.reason = ROWS, reason
+        if not at_attach:
+            self.changes.append(PathChange(self.schedule.batches, ROWS, reason))
+
+    def to_stock_mask(self, reason: str) -> None:
+        """Keep the flat row, on stock's own packed mask (``rows_name``), where it is proven and ours is not.
+
+        Args:
+            reason: why, with the proof.
+
+        Example::
+
+            >>> state.to_stock_mask("stock's packed mask (sdpa) proven at attach: ...")
+        """
+        self.stock_mask, self.flat_name, self.reason = True, self.rows_name, reason
+
+    def keep(self, reason: str, change: str | None = None) -> None:
+        """Keep the path, with its reason now (a proof passed, a fact said); ``change``: a change the glues log.
+
+        Args:
+            reason: the path's reason now.
+            change: what changed, logged as a :class:`PathChange` on the current path (None: nothing to log).
+
+        Example::
+
+            >>> state.keep("proven at attach: passed ...")
+        """
+        self.reason = reason
+        if change is not None:
+            self.changes.append(PathChange(self.schedule.batches, self.path, change))
+
+    def learned(
+        self,
+        *,
+        first_targets: bool | None = None,
+        rows_left: bool | None = None,
+        rows_proven: bool | None = None,
+        padding_read: bool | None = None,
+    ) -> None:
+        """What a proof or a batch found out about the model (None: unchanged).
+
+        Args:
+            first_targets: its loss does not shift its labels (each document's first token is a target).
+            rows_left: its rows pad on the left.
+            rows_proven: one document per row is proven too (a candidate beside the flat row).
+            padding_read: a plain padded call's side was read.
+
+        Example::
+
+            >>> state.learned(rows_left=True)
+        """
+        if first_targets is not None:
+            self.first_targets = first_targets
+        if rows_left is not None:
+            self.rows_left = rows_left
+        if rows_proven is not None:
+            self.rows_proven = rows_proven
+        if padding_read is not None:
+            self.padding_read = padding_read
+
+    def run_with(
+        self,
+        capacity: int | None = None,
+        execution: Execution | None = None,
+        decision: Decision | None = None,
+    ) -> None:
+        """How the flat step runs: its capacity, its execution, and the decision that chose the backend (None:
+        unchanged).
+
+        Args:
+            capacity: each flat row padded up to this many tokens (0: off).
+            execution: eager, compiled or graphed, and why.
+            decision: what attach decided.
+
+        Example::
+
+            >>> state.run_with(capacity=4096)
+        """
+        if capacity is not None:
+            self.capacity = capacity
+        if execution is not None:
+            self.execution = execution
+        if decision is not None:
+            self.decision = decision
+
     def plan(
         self,
         hf: Any,
