@@ -8,7 +8,7 @@ probe is the line through it (the gradients' bytes, constant, plus ``k`` x the r
 then bisection. A probe predicted past :data:`MARGIN` x the budget (or the device's free memory) is not run and does
 not fit; an out-of-memory error is caught, the memory freed, and does not fit either; past the run's time budget the
 search stops at the largest fit so far (``stopped``). A capacity tier's capacity follows ``k``
-(``with_capacity``: ``k`` x the batch's positions). Then every tier is timed at its ``k``, round-robin, a few rounds:
+(``set_capacity``: ``k`` x the batch's positions). Then every tier is timed at its ``k``, round-robin, a few rounds:
 ``tokens_per_s``, and its ratio to ``padded_dense`` at its own ``k``. Core module: torch and transformers only.
 """
 
@@ -27,7 +27,6 @@ from foundry_attn.bench.gpu_report import BASELINE
 from foundry_attn.bench.gpu_tiers import Tier, warm
 from foundry_attn.bench.gpu_workloads import Workload
 from foundry_attn.bench.timing import median, round_robin
-from foundry_attn.path.attach import with_capacity
 from foundry_attn.path.state import path_of
 
 TIERS = (
@@ -75,7 +74,7 @@ def set_capacity(model: torch.nn.Module, capacity: int) -> None:
     state = path_of(model)
     if state is None:
         raise ValueError("set_capacity: the model is not attached")
-    with_capacity(state, model, capacity)
+    state.run_with(capacity=capacity)  # a tier of a backend that reads its bounds on the device
 
 
 class Search:

@@ -146,8 +146,7 @@ def attach(
         if backend == FA2 and prove_now and not fa2_reference and next(hf.parameters()).device.type != "meta":
             _fa2_runs_here(hf)
         state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
-    state = with_capacity(state, hf, capacity)
-    return with_execution(state, hf, execution, caller_compiles)
+    return with_step(state, hf, capacity, execution, caller_compiles)
 
 
 def _fa2_runs_here(hf: Any) -> None:
@@ -162,36 +161,6 @@ def _fa2_runs_here(hf: Any) -> None:
             f'attach: {FA2} cannot run {cause} Fix: call attach(model, "auto") (the fastest backend that runs here), '
             "or name another backend"
         ) from exc
-
-
-def with_capacity(state: PathState, hf: Any, capacity: int) -> PathState:
-    """Pad the flat row to ``capacity`` where the backend reads the documents' bounds on the device; else the run
-    says why not, once, and each flat row runs at its own length.
-
-    Args:
-        state: the attached path's state.
-        hf: the transformers model.
-        capacity: the most tokens of a padded row (0: off).
-
-    Returns:
-        ``state``, its ``capacity`` set (0 where it cannot apply).
-
-    Example::
-
-        >>> with_capacity(attach(model, "flash_attention_2"), model, 4096).capacity
-        4096
-    """
-    state.run_with(capacity=0)
-    if not capacity:
-        return state
-    why = capacity_refusal(state)
-    if why:
-        note = f"capacity {capacity} not applied: {why}; each flat row runs at its own length"
-        state.notes.append(note)
-        log.warning("foundry_attn: %s %s", type(hf).__name__, note)
-    else:
-        state.run_with(capacity=capacity)
-    return state
 
 
 def capacity_refusal(state: PathState) -> str:
@@ -218,35 +187,40 @@ def capacity_refusal(state: PathState) -> str:
     return ""
 
 
-def with_execution(state: PathState, hf: Any, execution: str, caller_compiles: bool = False) -> PathState:
-    """Run the flat step ``auto``, ``eager``, ``compiled`` or ``graphed`` where it applies to this state (its capacity
-    and backend; the device on the first batch), else the next one, the reason said (the path event, the inspector).
+def with_step(state: PathState, hf: Any, capacity: int, execution: str, caller_compiles: bool = False) -> PathState:
+    """How the flat step runs: each flat row padded to ``capacity`` where the backend reads the documents' bounds on
+    the device (else the run says why not, once, and each row runs at its own length), and ``auto``, ``eager``,
+    ``compiled`` or ``graphed`` where that applies (its capacity and backend; the device on the first batch), else
+    the next one, the reason said (the path event, the inspector).
 
     Args:
-        state: the attached path's state, its capacity applied (:func:`with_capacity`).
+        state: the attached path's state.
         hf: the transformers model.
+        capacity: the most tokens of a padded row (0: off).
         execution: ``auto``, ``eager``, ``compiled`` or ``graphed``.
         caller_compiles: attach was given a compiled model (``torch.compile(model)``): the caller's compile runs it.
 
     Returns:
-        ``state``, its ``execution`` set.
+        ``state``, its ``capacity`` (0 where it cannot apply) and ``execution`` set.
 
     Example::
 
-        >>> with_execution(attach(model, "sdpa"), model, "graphed").execution.runs   # no capacity under sdpa
+        >>> with_step(attach(model, "sdpa"), model, 0, "graphed").execution.runs   # no capacity under sdpa
         'compiled'
     """
-    rows = state.path == ROWS
-    device, why = next(hf.parameters()).device, capacity_refusal(state)
-    state.run_with(
-        execution=execution_for(
-            execution, caller_compiles, state.backend, state.capacity, state.stock_mask, rows, device, why
-        )
-    )
-    if execution != AUTO_STEP and state.execution.runs != execution:
-        log.warning("foundry_attn: %s: attn_execution %s: %s", type(hf).__name__, execution, state.execution.reason)
+    why = capacity_refusal(state)
+    if capacity and why:
+        note = f"capacity {capacity} not applied: {why}; each flat row runs at its own length"
+        state.notes.append(note)
+        log.warning("foundry_attn: %s %s", type(hf).__name__, note)
+    applied = 0 if why else capacity
+    rows, device = state.path == ROWS, next(hf.parameters()).device
+    ran = execution_for(execution, caller_compiles, state.backend, applied, state.stock_mask, rows, device, why)
+    state.run_with(capacity=applied, execution=ran)
+    if execution != AUTO_STEP and ran.runs != execution:
+        log.warning("foundry_attn: %s: attn_execution %s: %s", type(hf).__name__, execution, ran.reason)
     elif execution == AUTO_STEP:
-        log.info("foundry_attn: %s: attn_execution %s", type(hf).__name__, state.execution.reason)
+        log.info("foundry_attn: %s: attn_execution %s", type(hf).__name__, ran.reason)
     return state
 
 
@@ -301,17 +275,16 @@ def _chain(
         now = (
             prove_now and device.type != "meta" and not (chosen == FA2 and not fa2_reference and device.type != "cuda")
         )
+        # the path, its reason and the last proof are the state's (PathState.decision_now); "off": none asked
+        decided = dataclasses.replace(decision, proof="first batch" if prove_now else "off")
         try:
-            state = _attach_backend(hf, chosen, path, fa2_reference, strict, interval, now)
+            state = _attach_backend(hf, chosen, path, fa2_reference, strict, interval, now, decided)
         except FlatPathError:
             raise
         except AttentionUnavailableError as exc:
             why, check, fix = str(exc), "attach", "see the reason"
         else:
             if state.path != ROWS or backend_of(state.rows_name) == chosen:
-                # the path, its reason and the last proof are the state's (PathState.decision_now); "off": none asked
-                decided = dataclasses.replace(decision, proof="first batch" if prove_now else "off")
-                state.run_with(decision=decided)
                 return decided, state
             why, check, fix = state.reason, "flat path", "see the error above"  # its rows run another backend
         decision = decision.with_rejection(chosen, why, check=check, fix=fix)
@@ -325,8 +298,10 @@ def _attach_backend(
     strict: bool,
     interval: int,
     prove_now: bool,
+    decided: Decision | None = None,
 ) -> PathState:
-    """:func:`attach` for one named backend, on the HF model; a refusal leaves the model as it was."""
+    """:func:`attach` for one named backend, on the HF model (``decided``: the chain's decision that chose it); a
+    refusal leaves the model as it was."""
     before = getattr(hf, PATH_ATTR, None)
     built = before.rows_name if before is not None else current(hf)
     backend = backend or backend_of(built) or EAGER  # attach and decide checked the name given
@@ -340,8 +315,8 @@ def _attach_backend(
     forwards = replace_forwards(hf, packed_model, packed_backbone, plain_call)
     binding = strict and path == FLAT
     dtype = str(next(hf.parameters()).dtype).removeprefix("torch.")
-    named = f"attach(model, {backend!r})"  # attach_decision puts the chain's decision in its place
-    decision = Decision.given(backend, named, strict=binding, compute_dtype=dtype, proof="first batch")
+    named = f"attach(model, {backend!r})"
+    decision = decided or Decision.given(backend, named, strict=binding, compute_dtype=dtype, proof="first batch")
     state = PathState(
         backend,
         FLAT,

@@ -265,19 +265,12 @@ class PathState:
         if padding_read is not None:
             self.padding_read = padding_read
 
-    def run_with(
-        self,
-        capacity: int | None = None,
-        execution: Execution | None = None,
-        decision: Decision | None = None,
-    ) -> None:
-        """How the flat step runs: its capacity, its execution, and the decision that chose the backend (None:
-        unchanged).
+    def run_with(self, capacity: int | None = None, execution: Execution | None = None) -> None:
+        """How the flat step runs: its capacity and its execution (None: unchanged).
 
         Args:
             capacity: each flat row padded up to this many tokens (0: off).
             execution: eager, compiled or graphed, and why.
-            decision: what attach decided.
 
         Example::
 
@@ -287,8 +280,6 @@ class PathState:
             self.capacity = capacity
         if execution is not None:
             self.execution = execution
-        if decision is not None:
-            self.decision = decision
 
     def plan(
         self,

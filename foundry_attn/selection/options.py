@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from foundry_attn.attention.backends import EAGER, FA2, NAMES, SDPA, TORCH_VARLEN
-from foundry_attn.flat.layout_cost import FLAT, ROWS
 
 AUTO = "auto"  # the backend's auto: the fastest of the fallback chain whose checks pass here
 AUTO_PATH = "auto"  # flat where proven, else rows
+#: the paths (flat/layout_cost.py's FLAT and ROWS, which a test checks: selection/ stays below flat/)
+PATHS: tuple[str, ...] = (AUTO_PATH, "flat", "rows")
 AUTO_STEP, EAGER_STEP, COMPILED, GRAPHED = "auto", "eager", "compiled", "graphed"
 DEFAULT_FALLBACK: tuple[str, ...] = (FA2, TORCH_VARLEN, SDPA, EAGER)
 PROOF_INTERVAL = 100  # training batches between proofs of the flat path
@@ -90,7 +91,7 @@ OPTIONS: Mapping[str, Option] = {
             AUTO_PATH,
             "flat where proven (auto), flat or fail (flat), or rows",
             _keys("path", "attn_path", None),
-            (AUTO_PATH, FLAT, ROWS),
+            PATHS,
             {"axolotl": _AXOLOTL_STRICT},
         ),
         Option(

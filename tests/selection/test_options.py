@@ -80,10 +80,11 @@ def test_each_surface_takes_the_declared_values_and_refuses_others(surface: str)
 
 
 def test_the_owners_checks_take_the_declared_values() -> None:
+    from foundry_attn.flat.layout_cost import FLAT, ROWS
     from foundry_attn.path.execution import EXECUTIONS
-    from foundry_attn.path.state import PATHS
+    from foundry_attn.path.state import AUTO_PATH, PATHS
 
-    assert EXECUTIONS == OPTIONS["execution"].choices and PATHS == OPTIONS["path"].choices
+    assert EXECUTIONS == OPTIONS["execution"].choices and PATHS == OPTIONS["path"].choices == (AUTO_PATH, FLAT, ROWS)
     assert tuple(COMPUTE_DTYPES) == OPTIONS["compute_dtype"].choices
 
 

@@ -13,6 +13,7 @@ from composer.loggers import Logger
 from foundry_attn.flat.unwrap import find_hf_model
 from foundry_attn.integrations.composer.common import foundry_model
 from foundry_attn.observe.discovery import attn_implementation, mpt_attn_impl
+from foundry_attn.observe.path_watch import PathWatch
 
 __all__ = ["AttnDecision", "decision_hparams", "stock_hparams"]
 
@@ -175,9 +176,7 @@ class AttnDecision(Callback):
 
     def __init__(self) -> None:
         self._ours: Any = None
-        self._changes = 0
-        self._layout = ""
-        self._execution = ""
+        self._watch: PathWatch | None = None
 
     def init(self, state: State, logger: Logger) -> None:
         """At ``INIT``: log the model's decision (:func:`decision_hparams`), else :func:`stock_hparams`.
@@ -198,9 +197,7 @@ class AttnDecision(Callback):
             return
         logger.log_hyperparameters(hparams)
         self._ours = foundry_model(state.model)
-        self._changes = len(self._ours.attn_state.changes)
-        self._layout = self._ours.attn_state.choice.layout
-        self._execution = self._ours.attn_state.execution.runs
+        self._watch = PathWatch(self._ours.attn_state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         """A proof on a training batch that moved the run to rows (the state's event), another layout than the last
@@ -214,14 +211,8 @@ class AttnDecision(Callback):
 
             >>> callback.batch_end(state, logger)      # Composer calls it at BATCH_END
         """
-        if self._ours is None:
+        changed = () if self._watch is None else self._watch.changed()
+        if not changed:
             return
-        state_ = self._ours.attn_state
-        moved, layout = len(state_.changes) != self._changes, state_.choice.layout != self._layout
-        execution = state_.execution.runs != self._execution
-        if not (moved or layout or execution):
-            return
-        self._changes, self._layout, self._execution = len(state_.changes), state_.choice.layout, state_.execution.runs
-        hparams = decision_hparams(self._ours)
-        keys = ("attn/path",) * moved + ("attn/layout",) * layout + ("attn/execution",) * execution
-        logger.log_hyperparameters({k: v for k, v in hparams.items() if k.startswith(keys)})
+        keys = tuple(f"attn/{what}" for what in changed)
+        logger.log_hyperparameters({k: v for k, v in decision_hparams(self._ours).items() if k.startswith(keys)})

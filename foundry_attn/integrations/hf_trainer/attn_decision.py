@@ -10,6 +10,7 @@ from typing import Any
 
 from foundry_attn.integrations.hf_trainer.common import SampledCallback, Session
 from foundry_attn.observe.discovery import decision_of
+from foundry_attn.observe.path_watch import PathWatch
 from foundry_attn.observe.ranks import announce
 from foundry_attn.path.state import FLAT, PathState, path_of
 
@@ -52,8 +53,7 @@ class AttnDecision(SampledCallback):
         super().__init__(session, log_interval)
         self._hf: Any = None
         self._state: PathState | None = None
-        self._changes = 0
-        self._execution = ""
+        self._watch: PathWatch | None = None
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         """Say this rank's decision and gather every rank's (a collective: every rank's train begin runs it).
@@ -71,7 +71,7 @@ class AttnDecision(SampledCallback):
         announce(decision_of(hf), self.events, args.process_index, log)
         self._hf, self._state = hf, path_of(hf)
         if self._state is not None:
-            self._changes, self._execution = len(self._state.changes), self._state.execution.runs
+            self._watch = PathWatch(self._state)
             self.session.log({"attn/path_flat": float(self._state.path == FLAT)})
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -88,15 +88,9 @@ class AttnDecision(SampledCallback):
 
             >>> callback.on_step_end(args, state, control)   # the Trainer calls it after each optimizer step
         """
-        if self._state is None:
-            return
-        if self._state.execution.runs != self._execution:
-            self._execution = self._state.execution.runs
+        changed = () if self._watch is None else self._watch.changed()
+        for what in (w for w in changed if w != "layout"):
             if self.events is not None:
-                self.events.append("attn_impl", **decision_of(self._hf), at="execution")
-        if len(self._state.changes) == self._changes:
-            return
-        self._changes = len(self._state.changes)
-        if self.events is not None:
-            self.events.append("attn_impl", **decision_of(self._hf), at="path")
-        self.session.log({"attn/path_flat": float(self._state.path == FLAT)})
+                self.events.append("attn_impl", **decision_of(self._hf), at=what)
+        if "path" in changed and self._state is not None:
+            self.session.log({"attn/path_flat": float(self._state.path == FLAT)})

@@ -47,8 +47,9 @@ from foundry_attn.attention.backends import FA2, backend_of, load_name
 from foundry_attn.flat.unwrap import compiled
 from foundry_attn.integrations.llm_foundry.keys import KEYS, AttnKeys
 from foundry_attn.observe.events import ENV_EVENTS_DIR, EventLog, default_events_dir, run_from_env
+from foundry_attn.observe.path_watch import PathWatch
 from foundry_attn.observe.ranks import announce, launch_id
-from foundry_attn.path.attach import attach_decision, with_capacity, with_execution
+from foundry_attn.path.attach import attach_decision, with_step
 from foundry_attn.path.forward import Prepared, finish_documents, has_layout, prepare_documents, run_prepared
 from foundry_attn.selection.capability import probe
 from foundry_attn.selection.decision import decide, model_class_for
@@ -142,9 +143,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
                 interval=keys.proof_interval,
                 prove_now=at_build,
             )
-        with_execution(with_capacity(self.attn_state, self.model, keys.capacity), self.model, keys.execution)
-        self._changes_read = len(self.attn_state.changes)
-        self._execution_read = self.attn_state.execution.runs
+        with_step(self.attn_state, self.model, keys.capacity, keys.execution)
+        self._watch = PathWatch(self.attn_state)
 
     @property
     def attn_decision(self) -> Decision:
@@ -165,12 +165,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
     def _path_changed(self) -> None:
         """After a batch: a proof that moved the run to rows (the state's :class:`~foundry_attn.path.state.PathChange`),
         or the first batch's device that changed the execution (graphed without CUDA), is an ``attn_impl`` event."""
-        if len(self.attn_state.changes) > self._changes_read:
-            self._changes_read = len(self.attn_state.changes)
-            self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="path")
-        if self.attn_state.execution.runs != self._execution_read:
-            self._execution_read = self.attn_state.execution.runs
-            self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="execution")
+        for what in (w for w in self._watch.changed() if w != "layout"):
+            self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at=what)
 
     # ---- forward ------------------------------------------------------------------------------------
     @property
