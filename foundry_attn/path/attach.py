@@ -156,10 +156,13 @@ def _fa2_runs_here(hf: Any) -> None:
     try:
         decide(None, FA2, (FA2,), compute_dtype=dtype, config=hf.config, model_class=type(hf))
     except AttentionUnavailableError as exc:
-        cause = str(exc).split(" can run ", 1)[-1].split(" Fix one of these")[0]
+        if not exc.candidates:
+            raise
+        failed = exc.candidates[0]
+        install = "" if failed.fix in failed.reason else f" ({failed.fix})"
         raise AttentionUnavailableError(
-            f'attach: {FA2} cannot run {cause} Fix: call attach(model, "auto") (the fastest backend that runs here), '
-            "or name another backend"
+            f"attach: {FA2} cannot run on {exc.where}: check '{failed.check}' failed: {failed.reason}{install}. "
+            'Fix: call attach(model, "auto") (the fastest backend that runs here), or name another backend'
         ) from exc
 
 

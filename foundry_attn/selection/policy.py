@@ -30,7 +30,11 @@ from foundry_attn.selection.traits import ModelTraits
 
 
 class AttentionUnavailableError(RuntimeError):
-    """Strict mode: the requested implementation cannot run here. The message says why and how to fix it."""
+    """Strict mode: the requested implementation cannot run here. The message says why and how to fix it; where no
+    backend of a chain runs, ``candidates`` holds each one's failed check and ``where`` the machine."""
+
+    candidates: tuple[Candidate, ...] = ()
+    where: str = ""
 
 
 def strict_error(
@@ -347,7 +351,9 @@ def nothing_runs(
     """
     failures = "; ".join(f"{c.name}: check '{c.check}' failed: {c.reason} (fix: {c.fix})" for c in candidates)
     chain = (surface or spoken()).key("fallback")
-    return AttentionUnavailableError(
+    error = AttentionUnavailableError(
         f"attention: no implementation in {[c.name for c in candidates]} can run on {where}: {failures}. "
         f"Fix one of these{f', or add sdpa/eager to {chain}' if chain else ''}."
     )
+    error.candidates, error.where = tuple(candidates), where
+    return error
