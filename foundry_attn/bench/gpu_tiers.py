@@ -29,13 +29,12 @@ from foundry_attn.bench.reference_kernels import (
 )
 from foundry_attn.bench.timing import PeakMemory
 from foundry_attn.path.attach import attach
-from foundry_attn.path.execution import AUTO_STEP
+from foundry_attn.path.execution import AUTO_STEP, COMPILED, EAGER_STEP, GRAPHED
 from foundry_attn.path.forward import forward_documents
 from foundry_attn.path.state import path_of
 
-EAGER, COMPILED, GRAPHED = "eager", "compiled", "graphed"
 #: warm-up steps before a tier's measured step, at the least: compiling takes the first, CUDA graphs record later
-LEAST_WARMUP = {EAGER: 0, COMPILED: 2, GRAPHED: 3}
+LEAST_WARMUP = {EAGER_STEP: 0, COMPILED: 2, GRAPHED: 3}
 REFERENCE_LABEL = "reference kernel (not a GPU number)"
 #: the CPU plumbing run compiles with Dynamo's capture alone (inductor's compile of even the tiny model: 20-30 s)
 CPU_COMPILE_BACKEND = "eager"
@@ -91,10 +90,10 @@ class Tier:
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     stock_row_layout: bool = False  # attends across documents in a row (stock masks): exact with one per row
     capacity: int = 0  # ours: each flat row padded to a few fixed shapes up to this many tokens (0: its own length)
-    execution: str = EAGER  # asked: stock compiles the model here, ours asks attach(..., execution=)
+    execution: str = EAGER_STEP  # asked: stock compiles the model here, ours asks attach(..., execution=)
     default: bool = False  # ours as a user gets it: attach(model, backend) with no capacity or execution given
     compile_backend: str = "inductor"  # stock compiled and graphed tiers
-    runs: str = EAGER  # the execution that runs (ours: attach's choice, settled on the first flat batch)
+    runs: str = EAGER_STEP  # the execution that runs (ours: attach's choice, settled on the first flat batch)
     execution_reason: str = "eager"
     cudagraph_skips: int = 0  # inductor's "skipping cudagraphs" during this tier's warm-ups (graphed only)
 
@@ -117,7 +116,7 @@ class Tier:
                 raise RuntimeError(f"{self.name}: the flat path is not proven for this model: {state.reason}")
         else:
             model.config._attn_implementation = self.stock_impl
-            if self.execution != EAGER:
+            if self.execution != EAGER_STEP:
                 model.compile(backend=self.compile_backend, mode="reduce-overhead" if self.graphed else None)
         self.settle(model)
 
@@ -129,7 +128,7 @@ class Tier:
             self.runs, self.execution_reason = state.execution.runs, state.execution.reason
             if self.default:
                 self.kernel = f"{state.backend} (attach's choice; capacity {state.capacity or 'none'})"
-        elif self.execution != EAGER:
+        elif self.execution != EAGER_STEP:
             self.runs = self.execution
             mode = ', mode="reduce-overhead" (CUDA graphs)' if self.graphed else ""
             self.execution_reason = f"torch.compile(model) here, backend {self.compile_backend!r}{mode}"
@@ -215,7 +214,7 @@ def _peak_memory(tier: Tier, device: torch.device) -> contextlib.AbstractContext
     """The step's :class:`PeakMemory`; none for a compiled step off CUDA: there it is a dispatch mode, under which
     Dynamo skips the frames it meets, and torch 2.7 keeps skipping those code objects for the rest of the process
     (even after ``torch._dynamo.reset()``), so every later compile of them would run eagerly."""
-    compiled = tier.execution != EAGER or tier.runs not in (EAGER, AUTO_STEP)
+    compiled = tier.execution != EAGER_STEP or tier.runs not in (EAGER_STEP, AUTO_STEP)
     if compiled and device.type != "cuda":
         return contextlib.nullcontext()
     return PeakMemory(device)
