@@ -154,8 +154,9 @@ def equal_memory(
     for tier in (t for t in tiers if t.name in TIERS):
         ran = main.get(tier.name, {})
         if tier.skipped is not None or ran.get("peak_mem_mb") is None:
-            why = "its peak memory is not measured here (a compiled step off CUDA)" if "peak_mem_mb" in ran else None
-            out[tier.name] = {"skipped": tier.skipped or ran.get("skipped", why or "did not run")}
+            unmeasured = "its peak memory is not measured here (a compiled step off CUDA)"
+            why = tier.skipped or ran.get("skipped") or (unmeasured if "peak_mem_mb" in ran else "did not run")
+            out[tier.name] = {"skipped": why}
             continue
         search = searches[tier.name] = Search(
             tier, models[tier.name], workload, round(ran["peak_mem_mb"] * 2**20), budget

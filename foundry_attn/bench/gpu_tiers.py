@@ -201,12 +201,12 @@ def warm(tier: Tier, model: torch.nn.Module, batch: Mapping[str, Any], least: in
             seconds = warm_up()
             loss = tier.step(model, batch)
         tier.cudagraph_skips += _cudagraph_skips() - skips
+        tier.settle(model)
     else:
         seconds = warm_up()
-        tier.settle(model)  # ours settles on its first flat batch (auto: eager on a CPU)
+        tier.settle(model)  # ours settles on its first flat batch (auto: eager on a CPU), before its peak is read
         with _peak_memory(tier, device) as memory:
             loss = tier.step(model, batch)
-    tier.settle(model)
     return Warm(float(loss), memory.peak if memory else None, seconds, steps)
 
 

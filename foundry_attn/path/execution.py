@@ -35,11 +35,10 @@ from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
 from foundry_attn.path.ranks import sharded
 from foundry_attn.path.regions import Regions
-from foundry_attn.selection.options import AUTO_STEP, COMPILED, EAGER_STEP, GRAPHED, OPTIONS
+from foundry_attn.selection.options import AUTO_STEP, COMPILED, EAGER_STEP, EXECUTIONS, GRAPHED
 
 log = logging.getLogger(__name__)
 
-EXECUTIONS: tuple[str, ...] = OPTIONS["execution"].choices or ()
 #: what ``torch.compile`` compiles the step with (tests use a cheaper backend for the same traced graph)
 BACKEND: str | Callable[..., Any] = "inductor"
 

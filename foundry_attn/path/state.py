@@ -34,7 +34,7 @@ from foundry_attn.path.schedule import Schedule
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.step_proof import step_blocker
 from foundry_attn.selection.options import AUTO_PATH as AUTO_PATH
-from foundry_attn.selection.options import OPTIONS
+from foundry_attn.selection.options import PATHS as PATHS
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
 from foundry_attn.selection.surfaces import Surface, spoken
 from foundry_attn.selection.traits import ModelTraits
@@ -42,7 +42,6 @@ from foundry_attn.selection.traits import ModelTraits
 log = logging.getLogger(__name__)
 
 PATH_ATTR = "foundry_path"  # the PathState :func:`foundry_attn.path.attach.attach` keeps on the HF model
-PATHS: tuple[str, ...] = OPTIONS["path"].choices or ()
 
 
 class NoExactPath(AttentionUnavailableError):

@@ -24,6 +24,7 @@ AUTO_PATH = "auto"  # flat where proven, else rows
 #: the paths (flat/layout_cost.py's FLAT and ROWS, which a test checks: selection/ stays below flat/)
 PATHS: tuple[str, ...] = (AUTO_PATH, "flat", "rows")
 AUTO_STEP, EAGER_STEP, COMPILED, GRAPHED = "auto", "eager", "compiled", "graphed"
+EXECUTIONS: tuple[str, ...] = (AUTO_STEP, EAGER_STEP, COMPILED, GRAPHED)
 DEFAULT_FALLBACK: tuple[str, ...] = (FA2, TORCH_VARLEN, SDPA, EAGER)
 PROOF_INTERVAL = 100  # training batches between proofs of the flat path
 SURFACES = ("attach", "llm_foundry", "axolotl")
@@ -141,7 +142,7 @@ OPTIONS: Mapping[str, Option] = {
             AUTO_STEP,
             "how the flat step runs: auto, eager, compiled or graphed",
             _keys("execution", "attn_execution", "foundry_attn_execution"),
-            (AUTO_STEP, EAGER_STEP, COMPILED, GRAPHED),
+            EXECUTIONS,
         ),
     )
 }

@@ -29,10 +29,9 @@ from foundry_attn.checks import check_choice, check_interval
 from foundry_attn.path.execution import AUTO_STEP, check_execution
 from foundry_attn.path.schedule import PROOF_INTERVAL
 from foundry_attn.path.state import AUTO_PATH, check_path
-from foundry_attn.selection.options import OPTIONS
+from foundry_attn.selection.decision import COMPUTE_DTYPES
 from foundry_attn.selection.policy import AUTO, DEFAULT_FALLBACK, validate_names
 
-DTYPES: tuple[str, ...] = OPTIONS["compute_dtype"].choices or ()
 RANK_OVERRIDABLE = ("attn_implementation", "attn_fallback", "attn_strict", "attn_compute_dtype")
 OWNER = "foundry_attn_causal_lm"
 
@@ -137,7 +136,9 @@ class AttnKeys:
             requested,
             tuple(fallback),
             bool(override.get("attn_strict", attn_strict)),
-            check_choice("attn_compute_dtype", str(override.get("attn_compute_dtype", attn_compute_dtype)), DTYPES),
+            check_choice(
+                "attn_compute_dtype", str(override.get("attn_compute_dtype", attn_compute_dtype)), COMPUTE_DTYPES
+            ),
             check_path(attn_path),
             check_interval(OWNER, "attn_proof_interval", attn_proof_interval, minimum=0),
             bool(attn_prove_at_build),
