@@ -9,6 +9,9 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE := disabled
+# the tests on every core (pytest-xdist, a few at most: each worker holds a model stack in memory); a worker takes its
+# share of the cores for torch's threads (tests/conftest.py)
+PARALLEL := -n auto --maxprocesses 4 --dist worksteal
 
 .PHONY: help demo demo-fa2-reference blog-case test test-fast test-latest test-axolotl bench-axolotl chromium lint doctor \
 	bench clean
@@ -73,7 +76,7 @@ blog-case: $(STAMP)
 
 ## the tests on the pinned stack (LLM-Foundry 0.22, Composer 0.32, torch 2.7, transformers 4.51) in .venv
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 ## the developer loop: every test but the slow and gpu ones, in about 30 s
 ## (slow: subprocesses, torchrun, Trainer runs, benches)
@@ -83,7 +86,7 @@ test-fast: $(STAMP)
 ## the core's tests on today's stack (transformers 5.x, torch 2.13 CPU, TRL, no Composer) in .venv-latest
 ## (tests marked `foundry` skip there and say why)
 test-latest: $(LATEST)/.installed
-	$(LATEST)/bin/python -m pytest -q
+	$(LATEST)/bin/python -m pytest -q $(PARALLEL)
 
 ## the axolotl plugin on real axolotl 0.19 (torch 2.13 CPU, transformers 5.16, TRL 1.9) in .venv-axolotl (about 2 minutes);
 ## its sample-packed batches, sdpa and eager, sdpa_varlen on and off, against each document alone and beside stock

@@ -19,6 +19,20 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _share_the_cores() -> None:
+    """Under ``pytest -n N`` (``make test``), each worker takes its share of the cores for torch's threads and its
+    subprocesses' (a worker with every core's threads would make N times as many as there are cores)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[name] = str(share)
+        torch.set_num_threads(share)
+
+
+_share_the_cores()
 #: the first package of the ``[foundry]`` extra that is missing (``make test-latest`` runs without them), or None
 FOUNDRY_MISSING = next(
     (m for m in ("composer", "llmfoundry", "streaming") if importlib.util.find_spec(m) is None), None

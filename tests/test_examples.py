@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import io
 import os
 import pkgutil
 import re
+import tokenize
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-import foundry_attn
 
 #: the runtime folders: torch and transformers only (integrations/ and bench/ need Composer or a GPU box)
 RUNTIME = ("attention", "flat", "observe", "path", "proof", "selection", "verify")
@@ -56,6 +56,15 @@ def _runs(test: doctest.DocTest) -> bool:
     return not any(e.options.get(doctest.SKIP) for e in test.examples)
 
 
+def _names_read(source: str) -> set[str]:
+    """The names in an example's code (not in its comments or strings)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return set(re.findall(r"[A-Za-z_]\w*", source))
+    return {t.string for t in tokens if t.type == tokenize.NAME}
+
+
 def _names(folder: str, test: doctest.DocTest, tmp: Path) -> dict[str, Any]:
     """The names of ``common`` and the folder's module that the block's source mentions, each factory run once."""
     from tests.examples import common
@@ -66,7 +75,7 @@ def _names(folder: str, test: doctest.DocTest, tmp: Path) -> dict[str, Any]:
     except ModuleNotFoundError as exc:
         if exc.name != f"tests.examples.{folder}":
             raise
-    used = set(re.findall(r"[A-Za-z_]\w*", "\n".join(e.source for e in test.examples)))
+    used = {name for example in test.examples for name in _names_read(example.source)}
     made: dict[Any, Any] = {}
     for name, factory in factories.items():
         if name in used and factory not in made:
@@ -78,7 +87,8 @@ def _names(folder: str, test: doctest.DocTest, tmp: Path) -> dict[str, Any]:
 def test_the_example_runs(test: doctest.DocTest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not _runs(test):
         assert NOT_RUN in (test.docstring or ""), f"{test.name} skips an example without saying why ({NOT_RUN!r})"
-        pytest.skip(f"{test.name}: {(test.docstring or '').split(NOT_RUN, 1)[1].split('.')[0].strip()}")
+        why = re.split(r"\.(?:\s|$)", (test.docstring or "").split(NOT_RUN, 1)[1], maxsplit=1)[0]
+        pytest.skip(f"{test.name}: {' '.join(why.split())}")
     monkeypatch.chdir(tmp_path)
     folder = test.name.split(".")[1]
     test.globs = {**test.globs, **_names(folder, test, tmp_path)}

@@ -97,9 +97,14 @@ def flash_varlen(
     Returns:
         The output ``[T, Hq, D]``.
 
+    This example is not run here: needs a CUDA GPU (aten's flash kernel has no CPU version).
+
     Example::
 
-        >>> flash_varlen(q, k, v, cu, cu, 23, 23, 0.125, (-1, 0)).shape   # q [40, 8, 64], k/v [40, 2, 64]
+        >>> q = torch.randn(40, 8, 64, device="cuda", dtype=torch.bfloat16)  # documents of 17, 23  # doctest: +SKIP
+        >>> k = v = torch.randn(40, 2, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> cu = torch.tensor([0, 17, 40], dtype=torch.int32, device="cuda")  # doctest: +SKIP
+        >>> flash_varlen(q, k, v, cu, cu, 23, 23, 0.125, (-1, 0)).shape  # doctest: +SKIP
         torch.Size([40, 8, 64])
     """
     return _FlashVarlen.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, *window)
@@ -123,8 +128,9 @@ def runs_directly(q: torch.Tensor, kernel: Callable[..., torch.Tensor], call: Ca
 
     Example::
 
-        >>> runs_directly(q, torch_varlen_kernel(), call_varlen)   # q on an H200 in bf16
-        True
+        >>> from foundry_attn.attention.torch_varlen import call_varlen, torch_varlen_kernel
+        >>> runs_directly(torch.zeros(40, 8, 64), torch_varlen_kernel(), call_varlen)   # the CPU: varlen_attn runs
+        False
     """
     key = (q.device, q.dtype)
     if key not in _CHECKED:

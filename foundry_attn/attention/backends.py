@@ -130,6 +130,7 @@ def load_name(chosen: str, fa2_reference: bool = False, model_class: type | None
 
     Example::
 
+        >>> from transformers import GPTJForCausalLM   # a class without sdpa (_supports_sdpa unset)
         >>> load_name("torch_varlen"), load_name("flash_attention_2", fa2_reference=True, model_class=GPTJForCausalLM)
         ('sdpa', 'eager')
     """
@@ -153,6 +154,7 @@ def config_refusals(config: Any, names: Iterable[str]) -> tuple[tuple[str, str],
 
     Example::
 
+        >>> from transformers import LlamaConfig
         >>> config_refusals(LlamaConfig(), ["flash_attention_2", "sdpa"])
         ()
     """
@@ -188,6 +190,7 @@ class ModelNeeds:
 
         Example::
 
+            >>> from transformers import Gemma2Config
             >>> ModelNeeds.of("Gemma2ForCausalLM", Gemma2Config())
             ModelNeeds(class_name='Gemma2ForCausalLM', softcap=50.0, dropout=0.0, window=4096, alibi=False)
         """
@@ -211,8 +214,11 @@ def refusal(backend: str, needs: ModelNeeds, fa2_version: str | None = None) -> 
 
     Example::
 
+        >>> from transformers import Gemma2Config
         >>> refusal("sdpa", ModelNeeds.of("Gemma2ForCausalLM", Gemma2Config()))
         "sdpa cannot apply Gemma2ForCausalLM's attention logit softcap (50.0) per document"
+        >>> refusal("eager", ModelNeeds.of("Gemma2ForCausalLM", Gemma2Config())) is None
+        True
     """
     caps = BACKENDS[backend]
     if needs.alibi and backend in (FA2, TORCH_VARLEN):  # varlen kernels take no bias; stock's FA2 class raises

@@ -152,7 +152,8 @@ def eager_math(
 
     Example::
 
-        >>> out = eager_math(q, k, v, 0.125, None, additive_mask(17, None, q))  # q, k, v: [1, 8, 17, 64]
+        >>> q = k = v = torch.randn(1, 8, 17, 64)   # one 17-token document, heads expanded
+        >>> out = eager_math(q, k, v, 0.125, None, additive_mask(17, None, q))
         >>> out.shape
         torch.Size([1, 8, 17, 64])
     """
@@ -196,7 +197,8 @@ def eager_document(
 
     Example::
 
-        >>> eager_document(q, k, v, window=4096, scale=0.125, softcap=50.0).shape  # Gemma-2 style; q: [1, 8, 17, 64]
+        >>> q = k = v = torch.randn(1, 8, 17, 64)   # one 17-token document, heads expanded
+        >>> eager_document(q, k, v, window=4096, scale=0.125, softcap=50.0).shape  # Gemma-2 style
         torch.Size([1, 8, 17, 64])
     """
     mask = additive_mask(q.shape[2], window, q) if mask is None else mask
@@ -217,8 +219,8 @@ def per_call(q: torch.Tensor) -> int:
 
     Example::
 
-        >>> per_call(torch.zeros(256, 4, 8, 64)), per_call(torch.zeros(4, 4, 512, 64))   # on the CPU
-        (256, 1)
+        >>> per_call(torch.zeros(256, 4, 8, 64)), per_call(torch.zeros(4, 4, 512, 64))   # on the CPU: all 256, then 1
+        (4096, 1)
     """
     if not q.is_cpu:
         return q.shape[0]
@@ -289,9 +291,11 @@ def document_attention(
 
     Example::
 
-        >>> bounds = Documents.of([0, 17, 40]).bounds_on("cpu")  # q, k, v: [1, 8, 40, 64] on the CPU
+        >>> q = k = v = torch.randn(1, 8, 40, 64)                      # a flat row of 40 tokens on the CPU
+        >>> bounds = torch.tensor([0, 17, 40], dtype=torch.int32)     # two documents (Documents.bounds_on("cpu"))
         >>> out, lse = document_attention(q, k, v, bounds, "sdpa", 0, 0.125, 0.0)
-        >>> out.shape, lse.shape  # (torch.Size([1, 8, 40, 64]), torch.Size([1, 8, 40]))
+        >>> out.shape, lse.shape
+        (torch.Size([1, 8, 40, 64]), torch.Size([1, 8, 40]))
     """
     groups = _groups(host_bounds, query.device)
     padded = zip(*(_padded(groups, t) for t in (query, key, value)), strict=True)
@@ -375,9 +379,13 @@ def document_attention_backward(
 
     Example::
 
+        >>> q = k = v = torch.randn(1, 8, 40, 64)
+        >>> bounds = torch.tensor([0, 17, 40], dtype=torch.int32)
         >>> out, lse = document_attention(q, k, v, bounds, "eager", 0, 0.125, 0.0)
+        >>> g = torch.ones_like(out)                                  # the gradient of out.sum()
         >>> dq, dk, dv = document_attention_backward(g, q, k, v, out, lse, bounds, "eager", 0, 0.125, 0.0)
-        >>> dq.shape == q.shape  # True; autograd calls it for you: out.sum().backward()
+        >>> dq.shape == q.shape   # autograd calls it for you: out.sum().backward()
+        True
     """
     groups = _groups(host_bounds, query.device)
     grads = _padded(groups, grad, zero_pads=True)  # a pad row's output is no output: its gradient is zero

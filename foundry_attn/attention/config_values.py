@@ -26,7 +26,8 @@ def config_values(config: Any, name: str) -> list[Any]:
 
     Example::
 
-        >>> config_values(Gemma2Config(), "sliding_window"), config_values(Qwen2Config(), "sliding_window")
+        >>> from transformers import Gemma2Config, LlamaConfig
+        >>> config_values(Gemma2Config(), "sliding_window"), config_values(LlamaConfig(), "sliding_window")
         ([4096], [])
     """
     try:
@@ -53,6 +54,7 @@ def config_value(config: Any, name: str, default: Any = None, pick: Callable = m
 
     Example::
 
+        >>> from transformers import FalconConfig, Gemma2Config
         >>> config_value(Gemma2Config(), "sliding_window", None, min)   # the shortest window of any layer
         4096
         >>> config_value(FalconConfig(alibi=True), "alibi", False)

@@ -93,8 +93,9 @@ def by_length(
 
     Example::
 
-        >>> docs = Documents.of([0, 17, 40, 57])   # lengths 17, 23, 17: two calls, [2, H, 17, D] and [1, H, 23, D]
-        >>> by_length(docs, q, k, v, lambda q, k, v: sdpa_document(q, k, v, None, None)).shape   # q: [1, 4, 57, 16]
+        >>> q = k = v = torch.randn(1, 4, 57, 16)
+        >>> docs = Documents.of([0, 17, 40, 57])   # on a GPU two calls: [2, 4, 17, 16] and [1, 4, 23, 16]
+        >>> by_length(docs, q, k, v, lambda q, k, v: sdpa_document(q, k, v, None, None)).shape   # on the CPU three
         torch.Size([1, 57, 4, 16])
     """
     if query.shape[0] > 1:  # rows of one length, each a whole document (flat_inputs' even rows): no regrouping

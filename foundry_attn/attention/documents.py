@@ -74,9 +74,9 @@ class Documents:
 
         Example::
 
-            >>> docs = Documents.of(layout.bounds(), input_ids.device)  # as flat/inputs.py builds them
-            >>> Documents.of([0, 17, 40], "cuda").device_bounds
-            tensor([ 0, 17, 40], device='cuda:0', dtype=torch.int32)
+            >>> docs = Documents.of([0, 17, 40])   # two documents, 17 and 23 tokens (on a GPU: device "cuda")
+            >>> docs.device_bounds, docs.lengths
+            (tensor([ 0, 17, 40], dtype=torch.int32), [17, 23])
         """
         host = torch.tensor(bounds, dtype=torch.int32)
         return cls(tuple(bounds), host.to(device, non_blocking=True), host, real, pinned)
@@ -136,8 +136,11 @@ class Documents:
 
         Example::
 
-            >>> Documents.of([0, 17, 40, 57]).groups(torch.device("cpu"))        # lengths 17, 23, 17
+            >>> docs = Documents.of([0, 17, 40, 57])   # lengths 17, 23, 17
+            >>> docs.groups(torch.device("cuda"))      # the two 17s in one batch, the 23 alone
             LengthGroups(shapes=((2, 17), (1, 23)))
+            >>> docs.groups(torch.device("cpu"))       # the CPU: each alone (a group would not halve the calls)
+            LengthGroups(shapes=((1, 17), (1, 23), (1, 17)))
         """
         if device.type not in self._groups:
             self._groups[device.type] = groups_for(tuple(self.lengths), device)
@@ -202,9 +205,9 @@ class Documents:
 
         Example::
 
-            >>> docs = Documents.of([0, 17, 40], "cuda")
-            >>> docs.bounds_on("cpu") is docs.host_bounds
-            True
+            >>> docs = Documents.of([0, 17, 40], "meta")   # the model's device ("cuda" on a GPU)
+            >>> docs.bounds_on("cpu") is docs.host_bounds, docs.bounds_on("meta") is docs.device_bounds
+            (True, True)
         """
         device = torch.device(device)
         for made in (self.device_bounds, self.host_bounds):

@@ -135,8 +135,9 @@ def flash_attn_varlen_func(
 
     Example::
 
+        >>> q, k, v = torch.randn(7, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)  # 4 query heads, 2 KV heads
         >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)  # two sequences: 3 and 4 tokens
-        >>> flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True).shape  # q [7, 4, 8], k/v [7, 2, 8]
+        >>> flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True).shape
         torch.Size([7, 4, 8])
     """
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
@@ -180,7 +181,8 @@ def flash_attn_func(
 
     Example::
 
-        >>> flash_attn_func(q, k, v, causal=True).shape  # q [2, 5, 4, 8], k/v [2, 5, 2, 8]
+        >>> q, k, v = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8)
+        >>> flash_attn_func(q, k, v, causal=True).shape
         torch.Size([2, 5, 4, 8])
     """
     _check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
@@ -212,7 +214,9 @@ def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
     Example::
 
-        >>> index_first_axis(x.reshape(6, 4, 8), indices).shape  # indices of 5 real tokens
+        >>> x = torch.randn(2, 3, 4, 8)               # two rows of 3 tokens, the last one padding
+        >>> indices = torch.tensor([0, 1, 2, 3, 4])   # the 5 real tokens
+        >>> index_first_axis(x.reshape(6, 4, 8), indices).shape
         torch.Size([5, 4, 8])
     """
     return x[indices]
@@ -232,8 +236,10 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
 
     Example::
 
-        >>> pad_input(flat, indices, 2, 3).shape  # flat: [5, 4, 8]
-        torch.Size([2, 3, 4, 8])
+        >>> flat, indices, *_ = unpad_input(torch.randn(2, 3, 4, 8), torch.tensor([[1, 1, 1], [1, 1, 0]]))
+        >>> padded = pad_input(flat, indices, 2, 3)   # flat: [5, 4, 8]
+        >>> padded.shape, padded[1, 2].abs().sum().item()   # the padding: zeros
+        (torch.Size([2, 3, 4, 8]), 0.0)
     """
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
     out[indices] = hidden_states
@@ -253,8 +259,9 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
 
     Example::
 
+        >>> x = torch.randn(2, 3, 4, 8)   # two rows of 3 tokens, the last one padding
         >>> flat, indices, cu, longest, lengths = unpad_input(x, torch.tensor([[1, 1, 1], [1, 1, 0]]))
-        >>> flat.shape, cu, longest  # x: [2, 3, 4, 8]
+        >>> flat.shape, cu, longest
         (torch.Size([5, 4, 8]), tensor([0, 3, 5], dtype=torch.int32), 3)
     """
     seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)

@@ -65,7 +65,8 @@ def unhonoured(kwargs: dict) -> list[str]:
 
     Example::
 
-        >>> unhonoured({"position_ids": pos, "s_aux": sinks, "dropout": 0.0})   # gpt-oss's attention sinks
+        >>> sinks = torch.zeros(4)   # gpt-oss's attention sinks, one per head
+        >>> unhonoured({"position_ids": torch.arange(8)[None], "s_aux": sinks, "dropout": 0.0})
         ['s_aux']
     """
     return sorted(
@@ -137,7 +138,7 @@ def open_call(
     Example::
 
         >>> docs = Documents.of([0, 17, 40])
-        >>> kwargs = {"foundry_documents": docs, "position_ids": pos}   # position_ids: moot on the flat row
+        >>> kwargs = {"foundry_documents": docs, "position_ids": torch.arange(40)[None]}   # moot on the flat row
         >>> open_call("sdpa", layer, q, None, 0.0, None, kwargs) is docs, list(kwargs)   # the documents, popped
         (True, ['position_ids'])
     """

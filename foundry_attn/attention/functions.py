@@ -77,6 +77,7 @@ def register() -> None:
 
     Example::
 
+        >>> from transformers import AttentionInterface
         >>> register()
         >>> "foundry_sdpa" in AttentionInterface._global_mapping     # flat/implementation.point sets it on a model
         True
@@ -105,9 +106,15 @@ def bypassed_by(backend: str) -> str | None:
 
     Example::
 
+        >>> from transformers import AttentionInterface
+        >>> stock = AttentionInterface._global_mapping["sdpa"]
+        >>> def my_sdpa(module, query, key, value, attention_mask, **kwargs): ...
         >>> AttentionInterface.register("sdpa", my_sdpa)
         >>> bypassed_by("sdpa")
-        "mine.my_sdpa is registered as 'sdpa'; the flat path runs foundry_sdpa instead and bypasses it (...)"
+        "...my_sdpa is registered as 'sdpa'; the flat path runs foundry_sdpa instead and bypasses it (...)"
+        >>> AttentionInterface.register("sdpa", stock)   # the stock function back: nothing bypassed
+        >>> bypassed_by("sdpa") is None
+        True
     """
     from transformers.modeling_utils import AttentionInterface
 

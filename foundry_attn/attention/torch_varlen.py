@@ -36,7 +36,7 @@ def torch_varlen_kernel() -> Callable | None:
 
     Example::
 
-        >>> torch_varlen_kernel() is None  # torch 2.7
+        >>> (torch_varlen_kernel() is not None) == (torch.__version__ >= "2.10")   # None on torch 2.7-2.9
         True
     """
     module = _varlen_module()
@@ -58,8 +58,10 @@ def varlen_parameters(kernel: Callable | None) -> frozenset[str]:
 
     Example::
 
-        >>> "window_size" in varlen_parameters(torch_varlen_kernel())  # torch 2.10-2.11 (True from 2.12)
-        False
+        >>> varlen_parameters(None)   # no kernel (torch < 2.10): no parameters
+        frozenset()
+        >>> "window_size" in varlen_parameters(torch_varlen_kernel()) or torch.__version__ < "2.12"   # from 2.12
+        True
     """
     if kernel is None:
         return frozenset()
@@ -108,10 +110,14 @@ def call_varlen(
     Raises:
         ValueError: a window was asked of a kernel without ``window_size`` (torch < 2.12).
 
+    This example is not run here: needs a CUDA GPU (torch's varlen kernel has no CPU version; torch >= 2.10).
+
     Example::
 
-        >>> cu = torch.tensor([0, 17, 40], dtype=torch.int32, device="cuda")
-        >>> call_varlen(torch_varlen_kernel(), q, k, v, cu, cu, 23, 23, scale=0.125).shape  # q [40, 8, 64]
+        >>> q = torch.randn(40, 8, 64, device="cuda", dtype=torch.bfloat16)  # documents of 17, 23  # doctest: +SKIP
+        >>> k = v = torch.randn(40, 2, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> cu = torch.tensor([0, 17, 40], dtype=torch.int32, device="cuda")  # doctest: +SKIP
+        >>> call_varlen(torch_varlen_kernel(), q, k, v, cu, cu, 23, 23, scale=0.125).shape  # doctest: +SKIP
         torch.Size([40, 8, 64])
     """
     left, right = window

@@ -48,7 +48,9 @@ def padding_of(mask: Any) -> torch.Tensor | None:
 
     Example::
 
-        >>> padding_of(mask)      # row 1's first key is padding: no query sees it
+        >>> mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()   # causal, two rows of 4 tokens
+        >>> mask[1, :, :, 0] = False                                   # row 1's first key is padding: no query sees it
+        >>> padding_of(mask)
         tensor([[1, 1, 1, 1],
                 [0, 1, 1, 1]], dtype=torch.int32)
     """
@@ -160,11 +162,15 @@ def fa2_documents(
         FlatUnsupported: the call passes an argument or mask content the flat path would drop.
         ValueError: a softcap or dropout this backend cannot apply (:data:`BACKENDS`).
 
+    This example is not run here: needs flash-attn and a CUDA GPU (on a CPU :func:`fa2_reference_documents` runs
+    the same code path).
+
     Example::
 
-        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
-        >>> out, _ = fa2_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16], bf16 on a GPU
-        >>> out.shape                                         # registered as "foundry_flash_attention_2"
+        >>> docs = Documents.of([0, 17, 40], "cuda")   # two documents in one 40-token row  # doctest: +SKIP
+        >>> q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))   # q: [1, 4, 40, 16]  # doctest: +SKIP
+        >>> out, _ = fa2_documents(layer, q, k, v, None, foundry_documents=docs)  # doctest: +SKIP
+        >>> out.shape                                  # registered as "foundry_flash_attention_2"  # doctest: +SKIP
         torch.Size([1, 40, 4, 16])
     """
     return _fa2(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
@@ -248,11 +254,14 @@ def torch_varlen_documents(
         FlatUnsupported: the call passes an argument or mask content the flat path would drop.
         ValueError: a softcap or dropout this backend cannot apply, or torch < 2.10 (no varlen kernel).
 
+    This example is not run here: needs a CUDA GPU (torch's varlen kernel has no CPU version; torch >= 2.10).
+
     Example::
 
-        >>> docs = Documents.of([0, 17, 40])                  # two documents in one 40-token row
-        >>> out, _ = torch_varlen_documents(layer, q, k, v, None, foundry_documents=docs)   # q: [1, 4, 40, 16]
-        >>> out.shape                                         # registered as "foundry_torch_varlen"
+        >>> docs = Documents.of([0, 17, 40], "cuda")   # two documents in one 40-token row  # doctest: +SKIP
+        >>> q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))   # q: [1, 4, 40, 16]  # doctest: +SKIP
+        >>> out, _ = torch_varlen_documents(layer, q, k, v, None, foundry_documents=docs)  # doctest: +SKIP
+        >>> out.shape                                  # registered as "foundry_torch_varlen"  # doctest: +SKIP
         torch.Size([1, 40, 4, 16])
     """
     docs = open_call(TORCH_VARLEN, module, query, attention_mask, dropout, softcap, kwargs)

@@ -76,6 +76,8 @@ def running(hf: Any, name: str) -> Iterator[None]:
 
         >>> with running(hf_model, "sdpa"):
         ...     alone = hf_model(input_ids=doc[None]).logits
+        >>> alone.shape, current(hf_model)
+        (torch.Size([1, 23, 64]), 'foundry_sdpa')
     """
     before = current(hf)
     use(hf, name)

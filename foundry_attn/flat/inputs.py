@@ -56,8 +56,9 @@ def packed_call(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
 
     Example::
 
-        >>> batch, rest = packed_call(dict(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]])))
-        >>> batch["doc_lens"], rest  # ids: [1, 7]
+        >>> row = torch.arange(7)[None]                               # one packed row: [1, 7]
+        >>> batch, rest = packed_call(dict(input_ids=row, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]])))
+        >>> batch["doc_lens"], rest
         ([[3, 4]], {})
     """
     lengths = flattened_lengths(kwargs)
@@ -82,7 +83,8 @@ def real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
 
     Example::
 
-        >>> real_tokens(router_logits, placed.src).shape  # one_per_row's 3 x 5 rows: [15, 8] logits, 12 real tokens
+        >>> _, placed = one_per_row(hf, ids, None, None, layout)    # doc_lens [[3, 4], [5]]: 3 x 5 rows
+        >>> real_tokens(torch.zeros(15, 8), placed.src).shape       # [15, 8] router logits, 12 real tokens
         torch.Size([12, 8])
     """
     if not isinstance(router_logits, torch.Tensor):
@@ -219,8 +221,9 @@ def stock_splits_packed_rows() -> bool:
 
     Example::
 
-        >>> stock_splits_packed_rows()  # transformers 4.51
-        False
+        >>> import transformers
+        >>> stock_splits_packed_rows() == transformers.__version__.startswith("5.")  # False on 4.51, True on 5.x
+        True
     """
     import importlib.util
 
@@ -383,7 +386,8 @@ def row_forwards(
 
     Example::
 
-        >>> forwards, placed = row_forwards(hf, ids, None, labels, layout, ((0,), (1, 2)))   # doc_lens [[40, 3, 4]]
+        >>> layout = Layout(((40, 3, 4),), 47)                       # one row of documents of 40, 3 and 4 tokens
+        >>> forwards, placed = row_forwards(hf, torch.arange(47)[None], None, None, layout, ((0,), (1, 2)))
         >>> [f.inputs["input_ids"].shape for f in forwards]
         [torch.Size([1, 40]), torch.Size([2, 4])]
     """
@@ -413,8 +417,8 @@ def pad_id(hf: Any) -> int:
 
     Example::
 
-        >>> pad_id(LlamaForCausalLM(LlamaConfig()))  # no pad token
-        0
+        >>> hf.config.pad_token_id, pad_id(hf)  # a Llama without a pad token
+        (None, 0)
     """
     pad = getattr(hf.config, "pad_token_id", None)
     return pad if isinstance(pad, int) and pad >= 0 else 0
@@ -433,8 +437,10 @@ def placed_back(values: torch.Tensor, placed: Placed) -> torch.Tensor:
 
     Example::
 
-        >>> placed_back(out.logits, placed).shape  # out.logits: [1, 12, 64]; the batch: [2, 8]
-        torch.Size([2, 8, 64])
+        >>> inputs, placed = flat_inputs(hf, ids, None, layout)  # doc_lens [[3, 4], [5]]
+        >>> out = hf(**inputs)
+        >>> out.logits.shape, placed_back(out.logits, placed).shape  # the batch: [2, 8]
+        (torch.Size([1, 12, 64]), torch.Size([2, 8, 64]))
     """
     src, dst, rows, width = placed  # both ascending: where the real tokens are in the model's layout, the batch's
     flat = values.reshape(-1, values.shape[-1])

@@ -95,8 +95,11 @@ class Layout:
 
         Example::
 
-            >>> Layout.from_batch({"input_ids": ids, "doc_lens": [[3, 4]], "position_ids": pos}).own_positions is None
-            True
+            >>> pos = torch.arange(8).expand(2, 8)                   # ids: [2, 8]
+            >>> packed = Layout.from_batch({"input_ids": ids, "doc_lens": [[3, 4], [5]], "position_ids": pos})
+            >>> full = Layout.from_batch({"input_ids": ids, "position_ids": pos})   # full rows, the user's positions
+            >>> packed.own_positions is None, full.own_positions is pos
+            (True, True)
         """
         return None if self.marked else self.positions
 
@@ -251,8 +254,9 @@ class Truth:
 
         Example::
 
-            >>> mask = torch.tensor([[0, 0, 1, 1, 1]])      # left-padded
-            >>> Truth.of(Layout.from_batch({"input_ids": ids, "attention_mask": mask}), labels).labels
+            >>> row, mask = torch.tensor([[0, 0, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1]])  # left-padded
+            >>> labels = torch.tensor([[-100, -100, 7, 8, 9]])
+            >>> Truth.of(Layout.from_batch({"input_ids": row, "attention_mask": mask}), labels).labels
             tensor([[7, 8, 9]])
         """
         flat = layout.real_indices(labels.device if labels is not None else "cpu")
@@ -327,7 +331,7 @@ def packed_rows(batch: Mapping) -> list[DocumentRow]:
 
     Example::
 
-        >>> packed_rows({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])})
+        >>> packed_rows({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])})   # one row, positions restarting
         [DocumentRow(row=0, start=0, lengths=(3, 4))]
     """
     if batch.get("doc_lens") is not None:
@@ -418,7 +422,8 @@ def flattened_lengths(batch: Mapping) -> list[int] | None:
 
     Example::
 
-        >>> flattened_lengths({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])})  # ids: [1, 7]
+        >>> row = torch.arange(7)[None]                               # one packed row: [1, 7]
+        >>> flattened_lengths({"input_ids": row, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])})
         [3, 4]
     """
     ids = batch.get("input_ids")

@@ -66,7 +66,7 @@ class ModelShape:
         Example::
 
             >>> ModelShape.of(hf_model)
-            ModelShape(layers=2, heads=4, head_dim=8, hidden=32, params=70144, element=4, forward_positions=950)
+            ModelShape(layers=2, heads=4, head_dim=8, hidden=32, params=22688, element=4, forward_positions=2938)
         """
         config = hf.config
         layers = int(config_value(config, "num_hidden_layers", 0) or config_value(config, "n_layer", 1) or 1)
@@ -104,8 +104,9 @@ def cost(shape: ModelShape, positions: int, pairs: int) -> Cost:
 
     Example::
 
-        >>> cost(shape, positions=4096, pairs=4096 * 4096).flops
-        1.1e+12
+        >>> step = cost(shape, positions=4096, pairs=4096 * 4096)   # the tiny Llama's shape: one 4096-token document
+        >>> f"{step.flops / 1e9:.3g} GFLOP, {step.memory / 2**20:.0f} MB"
+        '13.4 GFLOP, 528 MB'
     """
     forward = 2.0 * shape.params * positions + 4.0 * pairs * shape.heads * shape.head_dim * shape.layers
     kept = positions * shape.hidden * shape.layers * ACTIVATIONS_PER_POSITION + pairs * shape.heads * shape.layers
@@ -248,7 +249,7 @@ def cheapest(
     Example::
 
         >>> cheapest(shape, [256] * 16, ("flat", "rows"), stock_mask=True).reason
-        "one document per row: 1.3 GFLOP, 41 MB against the flat row (stock's packed mask): 2.2 GFLOP, ..."
+        "one document per row: 1.36 GFLOP, 48 MB against the flat row (stock's packed mask): 13.4 GFLOP, 528 MB ..."
     """
     costs = layout_costs(shape, lengths, layouts, stock_mask, forwards)
     fits = [name for name in layouts if costs[name].memory <= MEMORY_SHARE * free]

@@ -96,8 +96,11 @@ class Forwards:
 
         Example::
 
-            >>> forwards = replace_forwards(hf_model, packed_model, packed_backbone)
+            >>> from foundry_attn.path.forward import packed_backbone, packed_model
+            >>> forwards = replace_forwards(stock_model, packed_model, packed_backbone)
             >>> forwards.restore()
+            >>> "forward" in vars(stock_model)
+            False
         """
         for module, forward in self.kept:
             if forward is None:
@@ -120,9 +123,10 @@ def replace_forwards(hf: Any, route: Route, backbone_route: Route, plain: Plain 
 
     Example::
 
-        >>> replace_forwards(hf_model, packed_model, packed_backbone)
-        >>> type(vars(hf_model)["forward"]).__name__
-        'FlattenedForward'
+        >>> from foundry_attn.path.forward import packed_backbone, packed_model
+        >>> forwards = replace_forwards(stock_model, packed_model, packed_backbone)
+        >>> type(vars(stock_model)["forward"]).__name__, type(vars(stock_model.model)["forward"]).__name__
+        ('FlattenedForward', 'FlattenedBackbone')
     """
     base = getattr(hf, "base_model", hf)
     kept = Forwards([(m, vars(m).get("forward")) for m in (hf, base)])
@@ -151,7 +155,7 @@ def own_forward(hf: Any, **inputs: Any) -> Any:
     Example::
 
         >>> own_forward(hf_model, input_ids=doc[None], use_cache=False).logits.shape
-        torch.Size([1, 23, 32000])
+        torch.Size([1, 23, 64])
     """
     instance = vars(hf).pop("forward", None)
     try:
@@ -176,8 +180,10 @@ def replace_block_forwards(
 
     Example::
 
-        >>> restore = replace_block_forwards(model.model.layers, lambda layer: functools.partial(compiled, layer))
+        >>> restore = replace_block_forwards(model.model.layers, lambda layer: torch.compile(layer.forward))
         >>> restore()
+        >>> "forward" in vars(model.model.layers[0])
+        False
     """
     kept = [(module, vars(module).get("forward")) for module in modules]
     for module in modules:

@@ -29,8 +29,10 @@ def find_inside(model: Any, wanted: Callable[[Any], bool]) -> tuple[str, Any] | 
 
     Example::
 
-        >>> find_inside(DistributedDataParallel(composer_model), lambda m: hasattr(m, "attn_decision"))
-        ('module', FoundryAttnCausalLM(...))
+        >>> wrapper = torch.nn.ModuleDict({"module": hf_model})      # as DDP holds it: under .module
+        >>> name, found = find_inside(wrapper, lambda m: hasattr(m, "config"))
+        >>> name, found is hf_model
+        ('module', True)
     """
     if wanted(model):
         return "", model
@@ -82,8 +84,8 @@ def find_hf_model(model: Any) -> tuple[str, Any] | None:
 
     Example::
 
-        >>> name, hf = find_hf_model(DistributedDataParallel(hf_model))
-        >>> name, type(hf).__name__
+        >>> name, found = find_hf_model(torch.nn.ModuleDict({"module": hf_model}))  # as DDP holds it
+        >>> name, type(found).__name__
         ('', 'LlamaForCausalLM')
     """
     found = find_inside(model, _is_hf_model)
@@ -129,3 +131,24 @@ def compiled(model: Any) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
+
+
+def checkpointing(hf: Any) -> bool:
+    """Whether transformers' activation checkpointing is on in ``hf`` (``is_activation_checkpointing``; before
+    transformers 5, ``is_gradient_checkpointing``, which 5.x keeps as a deprecated alias until v6).
+
+    Args:
+        hf: a transformers model (or any module: False).
+
+    Returns:
+        True where the model's layers recompute their forward in backward.
+
+    Example::
+
+        >>> checkpointing(hf_model), hf_model.gradient_checkpointing_enable(), checkpointing(hf_model)
+        (False, None, True)
+    """
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(hf), name):
+            return bool(getattr(hf, name))
+    return False

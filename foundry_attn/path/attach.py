@@ -108,10 +108,12 @@ def attach(
 
         >>> from foundry_attn import attach
         >>> state = attach(model, "auto")     # one script for every GPU of a mixed pool
-        >>> state.backend, state.decision.reason
-        ('sdpa', 'flash_attention_2: flash-attn is not installed (pip install flash-attn --no-build-isolation)')
+        >>> state.backend
+        'sdpa'
+        >>> print(state.decision.reason)      # where flash-attn is not installed
+        flash_attention_2: flash-attn is not installed (pip install flash-attn --no-build-isolation)...
         >>> state.path, state.reason
-        ('flat', 'proven at attach: passed in 41 ms (documents [28, 13] of a 41-token row, ...)')
+        ('flat', 'proven at attach: passed in ... ms (documents [28, 13] of a 42-token row, ...)')
     """
     check_path(path)
     check_interval("attach", "interval", interval, minimum=0)
@@ -178,7 +180,7 @@ def capacity_refusal(state: PathState) -> str:
     Example::
 
         >>> capacity_refusal(attach(model, "sdpa"))
-        'sdpa reads the documents' lengths on the host (flash_attention_2 and torch_varlen read their bounds on ...'
+        "sdpa reads the documents' lengths on the host (flash_attention_2 and torch_varlen read their bounds on ...)"
     """
     if not BACKENDS[state.backend].static:
         return (
@@ -259,7 +261,8 @@ def attach_decision(
 
     Example::
 
-        >>> decision, state = attach_decision(hf_model, decision, "auto", interval=100)   # decision from decide()
+        >>> decision = decide(None, "auto", config=hf_model.config, model_class=type(hf_model))
+        >>> decision, state = attach_decision(hf_model, decision, "auto", interval=100)
         >>> decision.chosen, state.path
         ('sdpa', 'flat')
     """

@@ -62,6 +62,8 @@ def check_execution(execution: str) -> str:
     Example::
 
         >>> check_execution("graph")
+        Traceback (most recent call last):
+            ...
         ValueError: attn_execution: unknown value 'graph'; valid values: auto, eager, compiled, graphed
     """
     return check_choice("attn_execution", execution, EXECUTIONS)
@@ -110,6 +112,7 @@ class Execution:
 
         Example::
 
+            >>> import copy
             >>> copy.deepcopy(model).foundry_path.execution.compiled is None
             True
         """
@@ -171,7 +174,11 @@ class Execution:
 
         Example::
 
-            >>> out = state.execution.run(lambda inputs: model(**inputs, use_cache=False), prepared.inputs, hf)
+            >>> from foundry_attn.path.forward import prepare_documents
+            >>> prepared = prepare_documents(model, batch)       # one flat row of 90 tokens: doc_lens [[20, 30], [40]]
+            >>> out = state.execution.run(lambda inputs: model(**inputs, use_cache=False), prepared.inputs, model)
+            >>> out.logits.shape
+            torch.Size([1, 90, 64])
         """
         if self.runs == EAGER_STEP or torch.compiler.is_compiling():
             return forward(inputs)
@@ -214,6 +221,8 @@ class Execution:
 
         Example::
 
+            >>> from foundry_attn import attach
+            >>> state = attach(model, "sdpa", execution="compiled")
             >>> state.execution.ran_eagerly(PROOF_DUE)
             >>> state.execution.eager
             {'a batch with a proof due (the proof takes its forward)': 1}
@@ -256,7 +265,7 @@ def execution_for(
     Example::
 
         >>> execution_for("graphed", False, "sdpa", 0, False, False).reason
-        'compiled: ...; graphed not applied: sdpa has no capacity (attach(..., capacity=N) on flash_attention_2 or ...'
+        'compiled: ...; graphed not applied: sdpa has no capacity (attach(..., capacity=N) / attn_capacity on ...)'
         >>> execution_for("auto", False, "sdpa", 0, False, False).runs
         'eager'
     """

@@ -84,6 +84,8 @@ def forward_documents(model: Any, batch: Mapping) -> Any:
 
     Example::
 
+        >>> from foundry_attn.flat.packing import PaddingCollator
+        >>> examples = [torch.tensor([5, 6, 2, 7, 8, 9, 2]), torch.tensor([4, 4, 2])]   # documents of 3, 4 and 3
         >>> batch = PaddingCollator(pad_id=0, eos_id=2, max_seq_len=64, mode="pack")(examples)
         >>> out = forward_documents(model, batch)
         >>> out.loss.backward()
@@ -113,7 +115,10 @@ def run_prepared(
 
     Example::
 
+        >>> prepared = prepare_documents(model, batch, in_step=True)   # doc_lens [[20, 30], [40]]
         >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
+        >>> out.logits.shape                                            # the flat row: 90 real tokens
+        torch.Size([1, 90, 64])
     """
     execution = prepared.execution
     if prepared.proof is not None:  # a flat row whose proof takes its forward, uncompiled
@@ -145,9 +150,12 @@ def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = F
 
     Example::
 
-        >>> out = joined([model(**f.inputs) for f in prepared.forwards], prepared.forwards)
-        >>> out.logits.shape                     # 47 real tokens, a vocabulary of 64
-        torch.Size([1, 47, 64])
+        >>> layout = Layout.from_batch(batch)                            # doc_lens [[20, 30], [40]]
+        >>> groups = ((2,), (0, 1))                                      # 40 alone, then 20 and 30
+        >>> forwards, placed = row_forwards(model, batch["input_ids"], None, batch["labels"], layout, groups)
+        >>> out = joined([model(**f.inputs) for f in forwards], forwards)
+        >>> out.logits.shape                     # 90 real tokens, a vocabulary of 64
+        torch.Size([1, 90, 64])
     """
     total = sum(f.targets for f in forwards)
     out = next((o for o, f in zip(outs, forwards, strict=True) if f.targets), outs[0])
@@ -195,6 +203,8 @@ def finish_documents(out: Any, placed: Placed, no_targets: bool, shaped: bool = 
 
     Example::
 
+        >>> prepared = prepare_documents(model, batch)                  # doc_lens [[20, 30], [40]]
+        >>> out = model(**prepared.inputs, use_cache=False)
         >>> out = finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
         >>> out.logits.shape                 # two rows of 64, a vocabulary of 64
         torch.Size([2, 64, 64])
@@ -317,7 +327,11 @@ def packed_model(model: Any, forward: Callable[..., Any], batch: dict[str, Any],
 
     Example::
 
+        >>> row = torch.randint(3, 64, (1, 41))
+        >>> restarting = torch.cat([torch.arange(28), torch.arange(13)])[None]   # two documents, 28 and 13 tokens
         >>> out = model(input_ids=row, position_ids=restarting, labels=row)   # an attached model routes it here
+        >>> out.logits.shape
+        torch.Size([1, 41, 64])
     """
     in_step = not torch.compiler.is_compiling()
     per_row = any(extra.get(k) for k in ("output_hidden_states", "output_attentions", "output_router_logits"))
@@ -345,7 +359,11 @@ def packed_backbone(model: Any, forward: Callable[..., Any], batch: dict[str, An
 
     Example::
 
+        >>> row = torch.randint(3, 64, (1, 41))
+        >>> restarting = torch.cat([torch.arange(28), torch.arange(13)])[None]   # two documents, 28 and 13 tokens
         >>> hidden = model.base_model(input_ids=row, position_ids=restarting).last_hidden_state
+        >>> hidden.shape
+        torch.Size([1, 41, 32])
     """
     base = model.base_model
     prepared = prepare_documents(model, batch)  # a proof due runs its own forward of the causal LM
@@ -381,7 +399,9 @@ def plain_call(model: Any, kwargs: Mapping[str, Any]) -> None:
 
     Example::
 
-        >>> model(input_ids=ids, attention_mask=left_padded_mask, labels=labels)   # an attached model reads it here
+        >>> _ = model.train()
+        >>> left_padded_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+        >>> out = model(input_ids=ids, attention_mask=left_padded_mask, labels=ids)   # an attached model reads it here
         >>> LEFT_PADDED in path_of(model).reason
         True
     """

@@ -85,7 +85,7 @@ class LayoutChoice:
 
         Example::
 
-            >>> state.choice.forwards(gptj, [2048] + [32] * 64)
+            >>> state.choice.forwards(hf_model, [2048] + [32] * 64)
             ((0,), (1, 2, ..., 64))
         """
         return self._groups(hf, lengths) if self.splits(hf) else ()
@@ -129,8 +129,10 @@ class LayoutChoice:
 
         Example::
 
-            >>> state.choice.choose(gptj, [256] * 16, "flat", candidates=True, grouped=False)
+            >>> state.choice.choose(hf_model, [256] * 16, "flat", candidates=True, grouped=False)
             ('rows', ())
+            >>> state.choice.reason
+            "one document per row: 1.36 GFLOP, 48 MB against the flat row (stock's packed mask): 13.4 GFLOP, ..."
         """
         layout = self._cheapest(hf, lengths, path, candidates, grouped)
         groups = self._groups(hf, lengths) if grouped and layout == ROWS else ()

@@ -138,8 +138,8 @@ def prove(
 
     Example::
 
-        >>> prove(state, hf_model, inputs, "attach").describe()
-        'passed in 41 ms (documents [28, 13] of a 41-token row, worst |diff| 0.0e+00, gradients 1.8e-07)'
+        >>> prove(state, hf_model, inputs, "attach").describe()     # inputs: a flat row of 90 tokens
+        'passed in ... ms (documents [20, 40] of a 90-token row, worst |diff| ..., gradients ...)'
     """
     use(hf, state.flat_name)
     side = prove_packed if state.stock_mask else prove_flat
@@ -173,7 +173,11 @@ def keep_proof(
 
     Example::
 
-        >>> keep_proof(state, hf_model, inputs, "batch 1 (the first training batch)", proof, True, None)
+        >>> proof = prove_flat(subject_of(hf_model), inputs, "sdpa")     # inputs: a flat row of 90 tokens
+        >>> keep_proof(state, hf_model, inputs, "batch 1 (the first training batch)", proof, True, None).ok
+        True
+        >>> state.reason
+        'proven at batch 1 (the first training batch): passed in ... ms (documents [20, 40] of a 90-token row, ...)'
     """
     state.proofs.append((at, proof))
     state.schedule.watch(hf, state.names)
@@ -206,7 +210,7 @@ def refuse(state: PathState, hf: Any, reason: str, check: str = "proof") -> None
 
     Example::
 
-        >>> refuse(state, hf_model, "proof at attach failed (documents [28, 13] of a 41-token row): ...")
+        >>> refuse(state, hf_model, "proof at attach failed (documents [28, 13] of a 42-token row): ...")
         >>> state.path
         'rows'
     """
@@ -392,6 +396,7 @@ def prove_batch(state: PathState, hf: Any, inputs: Mapping[str, Any], plan: Plan
 
     Example::
 
+        >>> plan = Plan("flat", at="batch 1 (the first training batch)")
         >>> prove_batch(state, hf_model, inputs, plan, truth=None)
         'flat'
     """
@@ -425,7 +430,12 @@ def step_proof(state: PathState, hf: Any, inputs: Mapping[str, Any], plan: Plan,
 
     Example::
 
+        >>> plan = Plan("flat", at="batch 1 (the first training batch)", in_step=True)
         >>> proof = step_proof(state, hf_model, inputs, plan, truth=None)
+        >>> with proof.capturing():                                 # the batch's own forward
+        ...     out = hf_model(**inputs, use_cache=False)
+        >>> proof.settle(out)
+        True
     """
     assert plan.at is not None
     keep = functools.partial(keep_proof, state)

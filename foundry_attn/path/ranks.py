@@ -95,9 +95,11 @@ def fewest(count: int, hf: Any) -> int:
     Returns:
         The smallest count of any rank.
 
+    This example is not run here: it needs a multi-process run (an initialized process group, another rank).
+
     Example::
 
-        >>> fewest(3, hf_model)     # another rank would run 1
+        >>> fewest(3, hf_model)     # another rank would run 1  # doctest: +SKIP
         1
     """
     import torch.distributed as dist

@@ -125,8 +125,8 @@ class Regions:
 
         Example::
 
-            >>> regions.kinds
-            {'LlamaDecoderLayer': 30}
+            >>> regions.kinds      # a Llama of 2 layers
+            {'LlamaDecoderLayer': 2}
         """
         counts: dict[str, int] = {}
         for block in self.blocks:
@@ -142,8 +142,11 @@ class Regions:
 
         Example::
 
-            >>> with regions.active():
-            ...     out = model(**inputs)
+            >>> with regions.active():      # the blocks run compiled in a forward here: out = model(**inputs)
+            ...     regions.on
+            True
+            >>> regions.on
+            False
         """
         self.on = True
         try:

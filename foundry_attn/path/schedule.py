@@ -176,9 +176,11 @@ class Schedule:
 
         Example::
 
-            >>> state.schedule.cover(inputs[DOCS_KEY])
-            >>> state.schedule.covered
+            >>> state.schedule.covered                      # attach's documents [28, 13, 1]
             (64, 32)
+            >>> state.schedule.cover(inputs[DOCS_KEY])      # a 90-token row, documents up to 40
+            >>> state.schedule.covered
+            (128, 64)
         """
         before = self.rows_covered if rows else self.covered
         after = max(before[0], ceil2(docs.bounds[docs.real])), max(before[1], ceil2(docs.max_length))  # real tokens

@@ -34,7 +34,7 @@ def summed(runs: Sequence[Run]) -> ParamGrads | None:
 
     Example::
 
-        >>> summed(runs)["model.norm.weight"].shape
+        >>> summed(alone_runs)["model.norm.weight"].shape
         torch.Size([32])
     """
     if not runs or any(r.params is None for r in runs):
@@ -63,8 +63,8 @@ def params_differ(packed: ParamGrads, truth: ParamGrads, limits: Limits) -> tupl
 
     Example::
 
-        >>> params_differ(packed.params, summed(runs), limits)
-        (3.1e-07, '')
+        >>> params_differ(packed_run.params, summed(alone_runs), limits)     # every parameter
+        (..., '')
     """
     largest = {n: (g.float().abs().max().item() if g is not None and g.numel() else 0.0) for n, g in truth.items()}
     floor = PARAM_FLOOR * max(largest.values(), default=0.0)
@@ -113,7 +113,7 @@ class Influence:
 
         Example::
 
-            >>> influence(packed.grad, [(13, 42)]).leaks
+            >>> influence(packed_run.grad, [(0, 28), (28, 41)]).leaks     # the 1-token document at 41 gets none
             False
         """
         return not self.reach == 0.0  # nan leaks too
@@ -152,8 +152,8 @@ def influence(grad: torch.Tensor, own: Sequence[tuple[int, int]], row: tuple[int
 
     Example::
 
-        >>> influence(packed.grad, [(13, 42)])
-        Influence(reach=0.0, own=5.26)
+        >>> influence(packed_run.grad, [(0, 28), (28, 41)])     # the loss of the first two of a 42-token row
+        Influence(reach=0.0, own=...)
     """
     start, end = row or (0, grad.shape[0])
     inside = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)

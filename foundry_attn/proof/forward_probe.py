@@ -67,7 +67,11 @@ class ForwardProbe:
 
         Example::
 
-            >>> probe.remove()     # after the judgement
+            >>> probe = ForwardProbe(hf_model)
+            >>> logits = hf_model(input_ids=ids).logits
+            >>> probe.remove()     # after the judgement: what it read stays
+            >>> probe.embeds.shape, probe.autocast
+            (torch.Size([2, 8, 32]), None)
         """
         for handle in self._handles:
             handle.remove()
@@ -80,8 +84,12 @@ class ForwardProbe:
 
         Example::
 
-            >>> with probe.context():     # torch.autocast("cuda", torch.bfloat16) after accelerate's bf16 forward
-            ...     alone = hf_model(input_ids=doc[None]).logits
+            >>> probe = ForwardProbe(hf_model)
+            >>> with torch.autocast("cpu", torch.bfloat16):     # the batch's forward, as accelerate's bf16 runs it
+            ...     logits = hf_model(input_ids=ids).logits
+            >>> with probe.context():     # a judgement's own forwards run under the same autocast
+            ...     torch.is_autocast_enabled("cpu"), probe.autocast
+            (True, ('cpu', torch.bfloat16))
         """
         return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
 
@@ -98,7 +106,7 @@ def looked_up(args: Any) -> bool:
 
     Example::
 
-        >>> looked_up((input_ids,)), looked_up((hidden_states,))
+        >>> looked_up((ids,)), looked_up((torch.zeros(2, 8, 32),))     # token ids; hidden states (MPT's unembed)
         (True, False)
     """
     return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point()

@@ -177,9 +177,9 @@ def prove_flat(
 
     Example::
 
-        >>> proof = prove_flat(subject, inputs, "sdpa")
-        >>> proof.ok, proof.worst, proof.compared
-        (True, 0.0, (0, 1))
+        >>> proof = prove_flat(subject, inputs, "sdpa")     # documents [28, 13, 1]
+        >>> proof.ok, proof.compared, proof.lengths
+        (True, (0, 1), (28, 13))
     """
     return _prove(subject, inputs, stock, compare, reference, grads, truth, None)
 
@@ -212,7 +212,8 @@ def prove_packed(
 
     Example::
 
-        >>> prove_packed(subject, inputs, "sdpa").ok     # transformers 5.x: stock splits the row at its positions
+        >>> from foundry_attn.flat.inputs import stock_splits_packed_rows
+        >>> prove_packed(subject, inputs, "sdpa").ok == stock_splits_packed_rows()     # 5.x splits it: True; 4.51 not
         True
     """
     return _prove(
@@ -266,8 +267,8 @@ def prove_rows(
 
     Example::
 
-        >>> prove_rows(subject, inputs, "sdpa", "sdpa").describe()
-        'passed in 167 ms (documents [28, 13] of a 41-token row, worst |diff| 4.5e-08, gradients 1.9e-07)'
+        >>> prove_rows(subject, inputs, "sdpa", "sdpa").describe()     # the longest and the shortest, one per row
+        'passed in ... ms (documents [28, 1] of a 42-token row, worst |diff| ..., gradients ...)'
     """
     side = rows_side(inputs, rows_name, reference, truth, left, groups)
     return _prove(subject, inputs, stock, compare, reference, grads, truth, rows_name, side)
@@ -310,6 +311,7 @@ def prove_step(
 
     Example::
 
+        >>> from foundry_attn.proof.runs import embeddings, head_calls
         >>> with embeddings(hf_model, True) as captured, head_calls(hf_model, True) as head:
         ...     out = hf_model(**inputs)
         >>> prove_step(subject_of(hf_model), inputs, out, captured, "sdpa", head=head).ok

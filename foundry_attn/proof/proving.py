@@ -24,7 +24,13 @@ def proving() -> bool:
 
     Example::
 
-        >>> model.register_forward_pre_hook(lambda m, a: None if proving() else record(a))
+        >>> calls = []
+        >>> _ = hf_model.register_forward_pre_hook(lambda m, a: None if proving() else calls.append(a))
+        >>> with hidden():     # a check's forward: left out
+        ...     logits = hf_model(input_ids=ids).logits
+        >>> logits = hf_model(input_ids=ids).logits
+        >>> len(calls)
+        1
     """
     return _PROVING.get()
 
@@ -39,7 +45,10 @@ def hidden() -> Iterator[None]:
     Example::
 
         >>> with hidden():
-        ...     alone = own_forward(hf_model, input_ids=doc[None]).logits
+        ...     proving()
+        True
+        >>> proving()
+        False
     """
     token = _PROVING.set(True)
     try:

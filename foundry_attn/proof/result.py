@@ -35,8 +35,9 @@ class Proof:
 
         Example::
 
-            >>> proof.describe()
-            'passed in 591 ms (documents [28, 13] of a 41-token row, worst |diff| 0.0e+00, gradients 1.3e-07)'
+            >>> at, proof = state.proofs[-1]     # the path's last proof: the one at attach
+            >>> at, proof.describe()
+            ('attach', 'passed in ... ms (documents [28, 13] of a 42-token row, worst |diff| ..., gradients ...)')
         """
         grads = "" if self.worst_grad is None else f", gradients {self.worst_grad:.1e}"
         docs = f"documents {list(self.lengths)} of a {self.tokens}-token row"

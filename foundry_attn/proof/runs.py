@@ -37,8 +37,12 @@ def evaluating(hf: Any, grad: bool = False) -> Iterator[None]:
 
     Example::
 
+        >>> _ = hf_model.train()
         >>> with evaluating(hf_model, grad=True):
-        ...     alone = run(subject, alone_inputs(doc[None]), [(0, len(doc))], grads=True)
+        ...     hf_model.training, torch.is_grad_enabled()
+        (False, True)
+        >>> hf_model.training     # restored
+        True
     """
     was_training = hf.training
     hf.eval()
@@ -65,7 +69,8 @@ def embeddings(hf: Any, grads: bool) -> Iterator[list[torch.Tensor]]:
 
         >>> with embeddings(hf_model, grads=True) as captured:
         ...     logits = hf_model(input_ids=ids).logits
-        >>> captured[0].shape      # torch.Size([1, 13, hidden])
+        >>> captured[0].shape, captured[0].requires_grad      # [rows, tokens, hidden]
+        (torch.Size([2, 8, 32]), True)
     """
     captured: list[torch.Tensor] = []
     module = hf.get_input_embeddings() if grads and hasattr(hf, "get_input_embeddings") else None
@@ -108,7 +113,8 @@ def head_calls(hf: Any, grads: bool) -> Iterator[list[HeadCall]]:
 
         >>> with embeddings(hf_model, True) as captured, head_calls(hf_model, True) as head:
         ...     logits = hf_model(input_ids=ids).logits
-        >>> len(head)      # 1 (0 where the output layer is no plain nn.Linear)
+        >>> len(head)      # 0 where the output layer is no plain nn.Linear
+        1
     """
     calls: list[HeadCall] = []
     module = hf.get_output_embeddings() if grads and hasattr(hf, "get_output_embeddings") else None
@@ -137,7 +143,9 @@ def state_kept(hf: Any) -> Iterator[None]:
     Example::
 
         >>> with state_kept(hf_model):
-        ...     hf_model(**alone)           # a proof's forward
+        ...     hf_model.model.cached = torch.ones(1)     # a tensor a proof's forward leaves on a module
+        >>> hasattr(hf_model.model, "cached")
+        False
     """
     kept = [(m, {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor) or v is None}) for m in hf.modules()]
     try:
@@ -163,8 +171,8 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
     Example::
 
-        >>> next_token_loss(alone.logits, doc)
-        tensor(50.0477)
+        >>> next_token_loss(torch.zeros(3, 64), torch.tensor([5, 6, 7]))     # uniform logits: 2 targets of log(64)
+        tensor(8.3178)
     """
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
 
@@ -184,7 +192,7 @@ def loss_shifts(subject: Subject, doc: torch.Tensor, stock: str) -> bool:
 
     Example::
 
-        >>> loss_shifts(subject_of(llama), doc, "sdpa"), loss_shifts(subject_of(cpmant), doc, "sdpa")
+        >>> loss_shifts(subject_of(hf_model), doc, "sdpa"), loss_shifts(subject_of(cpmant), doc, "eager")
         (True, False)
     """
     try:
@@ -303,9 +311,12 @@ def documents_grad(
 
     Example::
 
-        >>> grad, params = documents_grad(logits, ids[0], [(0, 6), (6, 13)], captured[0], head, params=trainable(hf))
+        >>> with embeddings(hf_model, True) as captured, head_calls(hf_model, True) as head:
+        ...     logits = hf_model(input_ids=ids[:1]).logits
+        >>> spans = [(0, 3), (3, 8)]     # two documents of the row
+        >>> grad, params = documents_grad(logits, ids[0], spans, captured[0], head, params=trainable(hf_model))
         >>> grad.shape, sorted(params)[0]
-        (torch.Size([13, 32]), 'model.layers.0.input_layernorm.weight')
+        (torch.Size([8, 32]), 'model.layers.0.input_layernorm.weight')
     """
     index = torch.cat([torch.arange(s, e, device=logits.device) for s, e in spans])
     rows = flat_tokens(logits)[index].detach().requires_grad_()
@@ -372,9 +383,11 @@ def loss_grads(
 
     Example::
 
-        >>> grad, params = loss_grads(loss, captured[0], trainable(hf_model), retain_graph=True)   # 2 padded rows
+        >>> with embeddings(hf_model, grads=True) as captured:
+        ...     loss = hf_model(input_ids=ids, labels=ids).loss
+        >>> grad, params = loss_grads(loss, captured[0], trainable(hf_model))
         >>> grad.shape, list(params)[-1]
-        (torch.Size([2, 28, 32]), 'model.norm.weight')
+        (torch.Size([2, 8, 32]), 'model.norm.weight')
     """
     wanted = [p for _, p in params] if embeds is None else [embeds, *(p for _, p in params)]
     if not wanted:
@@ -449,8 +462,10 @@ def token_embeddings(captured: Sequence[torch.Tensor], ids: torch.Tensor) -> tor
 
     Example::
 
-        >>> token_embeddings(captured, inputs["input_ids"]).shape     # a 41-token flat row
-        torch.Size([1, 41, 32])
+        >>> with embeddings(hf_model, grads=True) as captured:
+        ...     logits = hf_model(**inputs).logits
+        >>> token_embeddings(captured, inputs["input_ids"]).shape     # a 42-token flat row
+        torch.Size([1, 42, 32])
     """
     if not captured or not captured[0].requires_grad or captured[0].shape[:2] != ids.shape[:2]:
         return None

@@ -22,6 +22,7 @@ from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.inputs import one_per_row, stock_packed
 from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.packing import IGNORE_INDEX
+from foundry_attn.flat.unwrap import checkpointing
 from foundry_attn.proof.comparison import summed
 from foundry_attn.proof.proving import hidden
 from foundry_attn.proof.result import NO_CALLS
@@ -59,7 +60,7 @@ def dropped_in_training(subject: Subject, inputs: Mapping[str, Any]) -> str | No
         True
     """
     hf = subject.model
-    if not getattr(hf, "is_gradient_checkpointing", False):
+    if not checkpointing(hf):
         return None
     device = inputs["input_ids"].device
     was_training = hf.training
@@ -83,7 +84,10 @@ def passes_kwargs(model: Any) -> bool:
 
     Example::
 
-        >>> passes_kwargs(gpt2_model), passes_kwargs(llama_model)
+        >>> class Plain(torch.nn.Module):     # a forward without **kwargs: nothing reaches attention
+        ...     def forward(self, input_ids):
+        ...         return input_ids
+        >>> passes_kwargs(Plain()), passes_kwargs(llama_model)
         (False, True)
     """
     base = getattr(model, "base_model", model)
@@ -102,8 +106,8 @@ def row_labels(inputs: Mapping[str, Any]) -> torch.Tensor | None:
 
     Example::
 
-        >>> row_labels(flat_inputs(hf, ids, labels, layout)[0]).shape      # 47 + 17 real tokens
-        torch.Size([64])
+        >>> row_labels(inputs).shape      # 28 + 13 + 1 real tokens
+        torch.Size([42])
     """
     labels = inputs.get("labels")
     return None if labels is None else labels.reshape(-1)
@@ -124,13 +128,13 @@ def _flat_run(
         flat = run(subject, {**inputs, DOCS_KEY: fresh, "labels": None}, spans, grads, labels)
     except DocumentsDropped as exc:
         caller = next((type(m).__name__ for m in hf.modules() if any(c is exc.module for c in m.children())), "?")
-        checkpointing = (
+        hint = (
             "; HF gradient checkpointing calls the layers without **kwargs: use Composer's activation_checkpointing "
             "(checkpoint_wrapper) to keep the flat path"
-            if getattr(hf, "is_gradient_checkpointing", False) and hf.training
+            if checkpointing(hf) and hf.training
             else ""
         )
-        return None, f"{exc}; the caller is {caller}{checkpointing}"
+        return None, f"{exc}; the caller is {caller}{hint}"
     except FlatUnsupported as exc:
         return None, str(exc)
     except Exception as exc:
@@ -203,6 +207,8 @@ def stock_packed_run(
     Example::
 
         >>> run_, why = stock_packed_run(subject, inputs, [(0, 28)], True, "sdpa")
+        >>> run_.logits.shape, why
+        (torch.Size([42, 64]), '')
     """
     labels = row_labels(inputs)
     try:
@@ -224,6 +230,8 @@ def flat_side(inputs: Mapping[str, Any]) -> PackedSide:
     Example::
 
         >>> run_, why = flat_side(inputs)(subject, [(0, 28)], True)
+        >>> run_.logits.shape, run_.grad.shape, why      # the 42-token row
+        (torch.Size([42, 64]), torch.Size([42, 32]), '')
     """
     return lambda subject, spans, grads: _flat_run(subject, inputs, spans, grads)
 
@@ -252,6 +260,8 @@ def rows_side(
     Example::
 
         >>> run_, why = rows_side(inputs, "sdpa", False, None)(subject, [(0, 28)], True)
+        >>> run_.logits.shape, why      # placed back in the 42-token row
+        (torch.Size([42, 64]), '')
     """
     docs: Documents = inputs[DOCS_KEY]
     spans, lengths = docs.spans, docs.lengths

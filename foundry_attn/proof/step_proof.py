@@ -20,7 +20,7 @@ import torch
 from foundry_attn.attention.backends import BACKENDS
 from foundry_attn.attention.documents import DOCS_KEY
 from foundry_attn.flat.layout import Truth
-from foundry_attn.flat.unwrap import unwrapped
+from foundry_attn.flat.unwrap import checkpointing, unwrapped
 from foundry_attn.proof.prove import prove_step
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.runs import HeadCall, embeddings, head_calls
@@ -48,7 +48,7 @@ def step_blocker(model: Any) -> str | None:
         'HF gradient checkpointing'
     """
     hf = getattr(unwrapped(model), "_orig_mod", unwrapped(model))
-    if getattr(hf, "is_gradient_checkpointing", False):
+    if checkpointing(hf):
         return "HF gradient checkpointing"
     if not passes_kwargs(hf):  # the documents cannot reach attention: the proof says so without a training forward
         return "its base model's forward takes no **kwargs"
@@ -125,8 +125,10 @@ class StepProof:
 
         Example::
 
-            >>> with proof.capturing():     # forward_documents, around the batch's forward
-            ...     out = forward(prepared.inputs)
+            >>> with step.capturing():     # forward_documents, around the batch's forward
+            ...     out = hf_model(**inputs)
+            >>> len(step.captured), len(step.head)     # its input embeddings, its output layer's call
+            (1, 1)
         """
         hf = self.subject.model
         with embeddings(hf, self.grads) as captured, head_calls(hf, self.grads) as head:
@@ -147,7 +149,9 @@ class StepProof:
 
         Example::
 
-            >>> proof.settle(out)     # forward_documents, after the batch's forward; proof.settle(None, exc) on a raise
+            >>> with step.capturing():
+            ...     out = hf_model(**inputs)
+            >>> step.settle(out)     # forward_documents, after the batch's forward; step.settle(None, exc) on a raise
             True
         """
         state, hf = self.state, self.subject.model

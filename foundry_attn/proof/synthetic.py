@@ -61,6 +61,7 @@ def shortest_window(config: Any) -> int | None:
 
     Example::
 
+        >>> from transformers import LlamaConfig, MistralConfig
         >>> shortest_window(MistralConfig()), shortest_window(LlamaConfig())
         (4096, None)
     """
@@ -107,6 +108,7 @@ def proof_documents(config: Any, device: torch.device) -> tuple[list[torch.Tenso
 
     Example::
 
+        >>> from transformers import MistralConfig
         >>> docs, missed = proof_documents(MistralConfig(), torch.device("cpu"))
         >>> [len(d) for d in docs], missed
         ([23, 13, 1], 'a window of 4096 tokens (documents up to 23)')

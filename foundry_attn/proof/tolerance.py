@@ -121,8 +121,9 @@ def per_token(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torc
 
     Example::
 
+        >>> logits = torch.randn(13, 64)
         >>> per_token(logits * 1.01, logits)     # [13, vocab] -> [13]
-        tensor([0.0100, 0.0100, 0.0100, ..., 0.0100])
+        tensor([0.0100, 0.0100, ..., 0.0100])
     """
     got, want = got.float(), want.float()
     norms = want.norm(dim=-1)
@@ -146,8 +147,8 @@ def differs(got: torch.Tensor, want: torch.Tensor, fp32: bool, limit: float | No
 
     Example::
 
-        >>> differs(packed.logits[s:e], alone.logits, fp32=True)
-        (4.5e-08, False)
+        >>> differs(packed_run.logits[28:41], alone_runs[1].logits, fp32=True)     # the 13-token document
+        (..., False)
     """
     if got.shape != want.shape:
         return float("inf"), True
@@ -173,8 +174,8 @@ def grad_differs(got: torch.Tensor, want: torch.Tensor, limits: Limits) -> tuple
 
     Example::
 
-        >>> grad_differs(packed.grad[s:e], alone.grad, Limits())
-        (1.3e-07, False)
+        >>> grad_differs(packed_run.grad[28:41], alone_runs[1].grad, Limits())     # the 13-token document
+        (..., False)
     """
     if got.shape != want.shape:
         return float("inf"), True
@@ -200,6 +201,9 @@ def training_noise(hf: Any) -> str | None:
 
     Example::
 
+        >>> training_noise(hf_model) is None     # the tiny Llama: no dropout
+        True
+        >>> hf_model.model.layers[0].self_attn.attention_dropout = 0.1
         >>> training_noise(hf_model)
         'attention_dropout=0.1 in model.layers.0.self_attn'
     """
@@ -238,8 +242,9 @@ def stock_noise(subject: Subject, alone: Mapping[str, Any], run: Run, stock: str
 
     Example::
 
-        >>> stock_noise(subject, alone, run(subject, alone, [(0, 13)], grads=True), "sdpa")   # bf16 on a CPU
-        (0.0, 0.0)
+        >>> logits, grads = stock_noise(subject, alone, run_alone, "sdpa")
+        >>> logits < 1e-5, grads < 1e-5     # fp32 on a CPU: rounding only
+        (True, True)
     """
     shape = _shape_noise(subject, alone, run)
     kernel = (0.0, 0.0) if stock is None else kernel_spread(subject, alone, run, stock)
@@ -263,8 +268,9 @@ def kernel_spread(subject: Subject, alone: Mapping[str, Any], run_: Run, stock: 
 
     Example::
 
-        >>> kernel_spread(subject, alone, run_alone, "sdpa")     # bf16 weights on a GPU: eager against sdpa
-        (0.0087, 0.011)
+        >>> logits, grads = kernel_spread(subject, alone, run_alone, "sdpa")     # eager against sdpa
+        >>> logits < 1e-5, grads < 1e-5     # fp32 on a CPU: the two kernels a rounding apart
+        (True, True)
     """
     other = "sdpa" if stock == "eager" else "eager"
     if other == "sdpa" and not getattr(type(subject.model), "_supports_sdpa", False):
@@ -391,8 +397,8 @@ def against_alone(packed: Run, spans: Sequence[tuple[int, int]], alone: Sequence
 
     Example::
 
-        >>> against_alone(packed, [(0, 28), (28, 41)], alone, limits)
-        Comparison(worst=4.5e-08, worst_grad=1.9e-07, differ=())
+        >>> against_alone(packed_run, [(0, 28), (28, 41)], alone_runs, limits)
+        Comparison(worst=..., worst_grad=..., differ=())
     """
     worst, worst_grad, differ = 0.0, None, []
     for i, ((s, e), mine) in enumerate(zip(spans, alone, strict=True)):
@@ -419,6 +425,8 @@ def undefined_values(runs: Sequence[Run], spans: Sequence[tuple[int, int]], pack
 
     Example::
 
+        >>> logits = torch.zeros(5, 64)
+        >>> logits[3, 0] = float("nan")
         >>> undefined_values([Run(logits)], [(0, 3), (3, 5)], packed=True)     # a nan at token 3
         'document of 2 tokens: nan or inf logits at 1 of its 2 tokens'
     """

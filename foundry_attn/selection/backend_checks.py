@@ -53,8 +53,8 @@ def fa2_smoke_test(device: torch.device, dtype: torch.dtype) -> str | None:
 
     Example::
 
-        >>> fa2_smoke_test(torch.device("cuda"), torch.bfloat16)   # an A100 with a working flash-attn
-        None
+        >>> fa2_smoke_test(torch.device("cuda"), torch.bfloat16)   # no GPU here; an A100 with flash-attn: None
+        'a tiny flash_attn_func call failed on the device: ...'
     """
     try:
         from foundry_attn.selection.flash_compat import call
@@ -83,8 +83,10 @@ def model_check(name: str, traits: ModelTraits, reference: bool = False) -> tupl
 
     Example::
 
-        >>> model_check("sdpa", ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config()))
-        ('exactness', "sdpa cannot apply Gemma2ForCausalLM's attention logit softcap (50.0) per document")
+        >>> from transformers import Gemma2Config, Gemma2ForCausalLM
+        >>> gemma2 = ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config())
+        >>> model_check("flex_attention", gemma2)
+        ('exactness', "flex_attention cannot apply Gemma2ForCausalLM's attention logit softcap (50.0) per document")
     """
     stand_in = reference_refusal(traits) if name == FA2 and reference else None
     if name not in traits.supports:
@@ -114,8 +116,12 @@ def model_refusal(
 
     Example::
 
-        >>> model_refusal(ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config()), "sdpa")
-        "attach: sdpa cannot run Gemma2ForCausalLM exactly: check 'exactness' failed: ..."
+        >>> from transformers import Gemma2Config, Gemma2ForCausalLM
+        >>> gemma2 = ModelTraits.from_model_class(Gemma2ForCausalLM, Gemma2Config())
+        >>> print(model_refusal(gemma2, "flex_attention"))
+        attach: flex_attention cannot run Gemma2ForCausalLM exactly: check 'exactness' failed: flex_attention cannot
+        apply Gemma2ForCausalLM's attention logit softcap (50.0) per document. Fix: call attach(model, backend) with
+        one of "flash_attention_2", "eager" (stock transformers refuses this pair at load too)
     """
     failed = {name: model_check(name, traits, reference) for name in {*NAMES, backend}}
     asked = failed[backend]
@@ -141,7 +147,8 @@ def reference_refusal(traits: ModelTraits) -> str | None:
 
     Example::
 
-        >>> reference_refusal(ModelTraits.from_model_class(GPTJForCausalLM, GPTJConfig()))   # transformers 4.51
+        >>> from transformers import GPTJConfig, GPTJForCausalLM
+        >>> reference_refusal(ModelTraits.from_model_class(GPTJForCausalLM, GPTJConfig()))
         'GPTJForCausalLM builds its flash-attention class at construction and that class calls flash-attn itself, ...'
     """
     if not traits.fa2_calls_flash_attn:
@@ -313,9 +320,12 @@ def torch_varlen_smoke_test(device: torch.device, dtype: torch.dtype) -> str | N
     Returns:
         The failure, or None when the call ran.
 
+    The example is not run here: the call needs a CUDA GPU and a torch with varlen_attn, and on a CPU its answer
+    differs between torch releases. Its output is torch 2.7's, which has no varlen_attn.
+
     Example::
 
-        >>> torch_varlen_smoke_test(torch.device("cuda"), torch.bfloat16)   # torch 2.7
+        >>> torch_varlen_smoke_test(torch.device("cuda"), torch.bfloat16)   # torch 2.7  # doctest: +SKIP
         'torch 2.7.0+cu126 has no torch.nn.attention.varlen'
     """
     kernel = torch_varlen_kernel()
@@ -349,7 +359,7 @@ def check_torch_varlen(
 
     Example::
 
-        >>> check_torch_varlen(probe(), torch.bfloat16, traits, None).reason
+        >>> check_torch_varlen(t4_capability, torch.bfloat16, traits, None).reason   # torch 2.7
         'torch 2.7.0+cu126 has no torch.nn.attention.varlen (>= 2.10)'
     """
     name = TORCH_VARLEN

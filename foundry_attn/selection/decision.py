@@ -70,7 +70,7 @@ def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
 
     Example::
 
-        >>> model_class_for(AutoConfig.from_pretrained("meta-llama/Llama-3.2-1B")).__name__
+        >>> model_class_for(AutoConfig.from_pretrained(llama_path)).__name__   # a Llama checkpoint's directory
         'LlamaForCausalLM'
     """
     mapping = AutoModelForCausalLM._model_mapping
@@ -100,8 +100,9 @@ def transformers_load_check(
 
     Example::
 
-        >>> transformers_load_check(LlamaForCausalLM, config, "flash_attention_2", torch.bfloat16)   # no flash-attn
-        'transformers refused it at load: FlashAttention2 has been toggled on, but it cannot be used due to ...'
+        >>> from transformers import LlamaConfig, LlamaForCausalLM   # on a machine without flash-attn
+        >>> print(transformers_load_check(LlamaForCausalLM, LlamaConfig(), "flash_attention_2", torch.bfloat16))
+        transformers refused it at load: FlashAttention2 has been toggled on, but it cannot be used due to ...
     """
     try:
         if hasattr(model_class, "_check_and_adjust_attn_implementation"):
@@ -162,9 +163,11 @@ def decide(
 
     Example::
 
-        >>> decision = decide("meta-llama/Llama-3.2-1B", "auto")     # on a CPU, no flash-attn
-        >>> decision.chosen, decision.reason
-        ('sdpa', 'flash_attention_2: flash-attn is not installed (pip install flash-attn --no-build-isolation)')
+        >>> decision = decide(llama_path, "auto")     # a Llama checkpoint's directory, on a CPU without flash-attn
+        >>> decision.chosen
+        'sdpa'
+        >>> print(decision.reason)
+        flash_attention_2: flash-attn is not installed (pip install flash-attn --no-build-isolation)...
     """
     from foundry_attn.selection.capability import probe
 

@@ -62,8 +62,11 @@ def strict_error(
 
     Example::
 
-        >>> raise strict_error(FA2, "compute capability", "Tesla T4 sm75 < 8.0", "use sdpa on this GPU", d.where)
-        AttentionUnavailableError: attn_strict: flash_attention_2 cannot run on Tesla T4 (sm75) on node-3: check ...
+        >>> where = "Tesla T4 (sm75) on node-3"
+        >>> raise strict_error(FA2, "compute capability", "Tesla T4 sm75 < 8.0", "use sdpa on this GPU", where)
+        Traceback (most recent call last):
+        foundry_attn.selection.policy.AttentionUnavailableError: strict: flash_attention_2 cannot run on Tesla T4 (sm75)
+        on node-3: check 'compute capability' failed: Tesla T4 sm75 < 8.0. Fix: use sdpa on this GPU.
     """
     surface = surface or spoken()
     relax = f"; or {surface.fix('strict', False)} to fall back along {list(fallback)}" if fallback else ""
@@ -107,7 +110,7 @@ class Decision:
 
         Example::
 
-            >>> Decision.given("sdpa", "attach(model, 'sdpa')").as_dict()["fell_back"]
+            >>> Decision.given("sdpa", "named at attach").as_dict()["fell_back"]
             False
         """
         return cls(name, name, (Candidate(name, True, reason),), strict, compute_dtype, proof)
@@ -121,7 +124,7 @@ class Decision:
 
         Example::
 
-            >>> choose(FA2, strict=True).binding, choose(AUTO, strict=True).binding   # on an A100 with flash-attn
+            >>> choose(SDPA, strict=True).binding, choose(AUTO, strict=True).binding   # here, on a CPU
             (True, False)
         """
         return self.strict and self.requested != AUTO
@@ -308,7 +311,7 @@ def choose(
 
     Example::
 
-        >>> decision = choose(AUTO, cap=probe(), dtype=torch.bfloat16, traits=traits)   # on a Tesla T4
+        >>> decision = choose(AUTO, cap=t4_capability, dtype=torch.bfloat16, traits=traits)   # on a Tesla T4
         >>> decision.chosen, decision.reason
         ('sdpa', 'flash_attention_2: Tesla T4 sm75 < 8.0')
     """
@@ -346,8 +349,11 @@ def nothing_runs(
 
     Example::
 
-        >>> raise nothing_runs(decision.candidates[:1], decision.where)
-        AttentionUnavailableError: attention: no implementation in ['flash_attention_2'] can run on Tesla T4 ...
+        >>> t4 = choose(AUTO, cap=t4_capability)
+        >>> raise nothing_runs(t4.candidates[:1], t4.where)
+        Traceback (most recent call last):
+        foundry_attn.selection.policy.AttentionUnavailableError: attention: no implementation in ['flash_attention_2']
+        can run on Tesla T4 (sm75) on node-3: flash_attention_2: check 'compute capability' failed: ...
     """
     failures = "; ".join(f"{c.name}: check '{c.check}' failed: {c.reason} (fix: {c.fix})" for c in candidates)
     chain = (surface or spoken()).key("fallback")

@@ -45,6 +45,7 @@ class ModelTraits:
 
         Example::
 
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
             >>> traits = ModelTraits.from_model_class(LlamaForCausalLM, LlamaConfig())
             >>> sorted(traits.supports), traits.head_dim
             (['eager', 'flash_attention_2', 'flex_attention', 'sdpa', 'torch_varlen'], 128)
@@ -104,6 +105,7 @@ def head_dim_of(config: object) -> int | None:
 
     Example::
 
+        >>> from transformers import GPT2Config, LlamaConfig
         >>> head_dim_of(LlamaConfig()), head_dim_of(GPT2Config())
         (128, 64)
     """

@@ -92,7 +92,9 @@ def _fetch(name: str, version: str, packagetype: str) -> Path:
         pytest.skip(f"cannot fetch {name}=={version} from PyPI: {exc}")
     if hashlib.sha256(data).hexdigest() != entry["digests"]["sha256"]:
         raise AssertionError(f"{entry['filename']}: sha256 does not match PyPI's")
-    target.write_bytes(data)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_bytes(data)
+    partial.replace(target)  # whole or not at all, whichever test worker writes it
     return target
 
 
@@ -104,7 +106,17 @@ def _pip_target(source: Path, folder: Path, env: dict[str, str] | None = None) -
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(tmp)]
     proc = subprocess.run([*cmd, str(source)], env={**os.environ, **(env or {})}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    tmp.rename(folder)
+    return _settled(tmp, folder)
+
+
+def _settled(tmp: Path, folder: Path) -> Path:
+    """``tmp`` renamed to ``folder``; where another test worker made ``folder`` meanwhile, theirs stands."""
+    try:
+        tmp.rename(folder)
+    except OSError:
+        if not folder.exists():
+            raise
+        shutil.rmtree(tmp)
     return folder
 
 
@@ -125,7 +137,7 @@ def flash_attn(version: str, abi: bool = False) -> Path:
         source.write_text(ABI_EXTENSION)
         out = tmp / f"flash_attn_2_cuda{sysconfig.get_config_var('EXT_SUFFIX')}"
         subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(out), str(source)], check=True)
-        tmp.rename(folder)
+        _settled(tmp, folder)
     return folder
 
 
