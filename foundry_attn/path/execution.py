@@ -105,7 +105,8 @@ class Execution:
     compiled: Regions | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def fresh(self) -> Execution:
-        """The same choice for a copied model, compiled again on its first batch.
+        """The same choice for a copied model, compiled again on its first batch; under ``auto`` that batch's device
+        decides again (a copy may train elsewhere).
 
         Returns:
             A new :class:`Execution` with ``asked``, ``runs`` and ``reason`` kept.
@@ -116,7 +117,8 @@ class Execution:
             >>> copy.deepcopy(model).foundry_path.execution.compiled is None
             True
         """
-        return dataclasses.replace(self, eager={}, compile_s=None, compiled=None)
+        settled = self.settled and not self.by_device
+        return dataclasses.replace(self, eager={}, compile_s=None, compiled=None, settled=settled)
 
     def settle(self, device: torch.device, capacity: int, tokens: int, hf: torch.nn.Module | None = None) -> int:
         """The first flat batch: its device decides ``auto``, and CUDA graphs need CUDA. Said in the log. A compiled

@@ -202,6 +202,11 @@ def test_auto_on_cuda_graphs_a_backend_with_bounds_on_the_device_at_the_first_ba
     assert sdpa.runs == COMPILED and sdpa.reason.endswith(f"graphed not applied: {why}")
     moved = execution_for(AUTO_STEP, False, "torch_varlen", 0, False, False, cuda)  # built on CUDA, trained on a CPU
     assert moved.settle(torch.device("cpu"), 0, 12288) == 0 and moved.runs == EAGER_STEP
+    copied = moved.fresh()  # a copy of the model may train elsewhere: under auto its first batch's device decides
+    assert not copied.settled and copied.settle(cuda, 0, 12288) == 12288 and copied.runs == GRAPHED
+    asked = execution_for(COMPILED, False, "torch_varlen", 0, False, False, cuda)
+    asked.settle(cuda, 0, 12288)
+    assert asked.fresh().settled  # what the user named stays named
     fsdp = execution_for(AUTO_STEP, False, "torch_varlen", 0, False, False, cuda)
     monkeypatch.setattr(execution, "sharded", lambda hf: True)
     assert fsdp.settle(cuda, 0, 12288, conformance.build("llama", "sdpa")) == 0 and fsdp.runs == COMPILED
