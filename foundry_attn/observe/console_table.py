@@ -69,10 +69,13 @@ def format_table(records: list[dict[str, Any]], title: str = "attention_inspecto
 
     Example::
 
-        >>> print(format_table(records))  # a Llama's [2, 8] batch, two padding tokens
+        >>> print(format_table(records))  # a Llama's [2, 8] batch, two padding tokens (4-D masks: 4.51 float, 5.x bool)
         attention_inspector
         level          modules               mask  dtype    shape    hides    real   fill   packed  impl
         model          LlamaForCausalLM      2-D   int64    2x8      padding  14/16  0.875  -       sdpa
+        layer 0-1      LlamaDecoderLayer x2  4-D   ...      2x1x8x8  padding  14/16  0.875  no      sdpa
+        attention 0-1  LlamaAttention x2     4-D   ...      2x1x8x8  padding  14/16  0.875  no      sdpa
+        hides: what the mask hides beyond causality (padding, documents, other keys; window N: the model's sliding ...
     """
     order = {MODEL: 0, LAYER: 1, ATTENTION: 2}
     groups: list[list[dict[str, Any]]] = []

@@ -51,7 +51,9 @@ def run_from_env() -> str | None:
 
     Example::
 
-        >>> run_from_env()  # RUN_NAME=my-run
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"RUN_NAME": "my-run"}):  # as the launcher sets it
+        ...     run_from_env()
         'my-run'
     """
     return os.environ.get("COMPOSER_RUN_NAME") or os.environ.get("RUN_NAME")
@@ -120,6 +122,7 @@ class EventLog:
 
         Example::
 
+            >>> log = EventLog(None, rank=0)  # events held until the folder is known
             >>> log.bind("runs/my-run/attn_events", run="my-run")
             >>> log.path
             PosixPath('runs/my-run/attn_events/events-rank0.jsonl')
@@ -158,6 +161,7 @@ class EventLog:
 
         Example::
 
+            >>> log = EventLog("attn_events", rank=0)
             >>> event = log.append("attn_verdict", step=3, state="isolated")
             >>> event["kind"], event["rank"], event["step"]
             ('attn_verdict', 0, 3)
@@ -202,7 +206,9 @@ def event_files(path: str | os.PathLike) -> list[Path]:
 
     Example::
 
-        >>> [p.name for p in event_files("runs/my-run/attn_events")]
+        >>> for rank in (10, 2, 1, 0):
+        ...     EventLog("attn_events", rank).path.touch()
+        >>> [p.name for p in event_files("attn_events")]
         ['events-rank0.jsonl', 'events-rank1.jsonl', 'events-rank2.jsonl', 'events-rank10.jsonl']
     """
     root = Path(path)
@@ -229,8 +235,9 @@ def iter_events(paths: Iterable[Path], kind: str | None = None, skipped: Skipped
     Example::
 
         >>> skipped = Skipped()
-        >>> [e["chosen"] for e in iter_events(event_files("runs/my-run"), "attn_impl", skipped)], skipped.lines
-        (['flash_attention_2', 'sdpa'], 0)
+        >>> rank3 = event_files(runs / "my-run" / "attn_events" / "events-rank3.jsonl")  # a T4, then an A100
+        >>> [e["chosen"] for e in iter_events(rank3, "attn_impl", skipped)], skipped.lines
+        (['sdpa', 'flash_attention_2'], 0)
     """
     needle = None if kind is None else f'"{kind}"'.encode()
     for path in paths:

@@ -129,9 +129,11 @@ class FlashCallTracer:
 
         Example::
 
+            >>> tracer.counts["varlen"], tracer.entry  # after a forward
+            (2, 'varlen')
             >>> tracer.reset(record=True)
-            >>> tracer.counts["varlen"], tracer.first
-            (0, {})
+            >>> tracer.counts["varlen"], tracer.entry, tracer.first
+            (0, None, {})
         """
         self.counts = dict.fromkeys(ROLES, 0)
         self.first, self.order, self.ran_reference = {}, [], None
@@ -159,7 +161,15 @@ class FlashCallTracer:
 
         Example::
 
-            >>> tracer.attach()  # then the forward; tracer.detach() after it, also when it raised
+            >>> tracer = FlashCallTracer()
+            >>> tracer.attach()
+            >>> try:  # FA2 on a CPU: the reference kernel (foundry_attn.attention.fa2_reference)
+            ...     with reference_flash_attn(), torch.no_grad():
+            ...         out = fa2_model(input_ids=ids)
+            ... finally:
+            ...     tracer.detach()  # also when the forward raised
+            >>> tracer.counts["dense"]  # one call per layer: rows without padding
+            2
         """
         with _lock:
             self._depth += 1
@@ -192,6 +202,8 @@ class FlashCallTracer:
 
         Example::
 
+            >>> tracer.attach()
+            >>> tracer.attach()  # nested: one more to undo
             >>> tracer.detach(force=True)
             >>> tracer.attached
             False
@@ -286,7 +298,7 @@ class FlashCallTracer:
 
         Example::
 
-            >>> tracer.max_seqlen  # rows of 8 and 5 real tokens
+            >>> tracer.max_seqlen  # rows of 8 and 6 real tokens
             8
         """
         for role in (self.entry, VARLEN, DENSE, UPAD, POSIDS):
@@ -303,8 +315,8 @@ class FlashCallTracer:
 
         Example::
 
-            >>> tracer.cu_seqlens  # rows of 8 and 5 real tokens
-            [0, 8, 13]
+            >>> tracer.cu_seqlens  # rows of 8 and 6 real tokens
+            [0, 8, 14]
         """
         for role in (VARLEN, UPAD, POSIDS):
             if self.first.get(role, {}).get("cu_seqlens_q") is not None:

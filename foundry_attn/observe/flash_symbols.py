@@ -88,8 +88,8 @@ class FlashSymbols:
 
         Example::
 
-            >>> discover_mpt().module_of("pad"), discover_mpt().module_of("varlen")
-            ('flash_attn.bert_padding', 'flash_attn.flash_attn_interface')
+            >>> discover().module_of("varlen")  # transformers' own helpers: one module
+            'transformers.modeling_flash_attention_utils'
         """
         return self.modules.get(role, self.module)
 
@@ -101,7 +101,7 @@ class FlashSymbols:
 
         Example::
 
-            >>> discover().describe_missing()  # transformers 4.51: every role found
+            >>> discover().describe_missing()  # transformers 4.51 and 5.x: every role found
             []
         """
         if self.error:
@@ -120,8 +120,8 @@ class FlashSymbols:
 
         Example::
 
-            >>> print(discover().describe())  # transformers 4.51
-            transformers 4.51.3 (transformers.modeling_flash_attention_utils): upad=_upad_input, posids=...
+            >>> print(discover().describe())  # posids: 4.51 prepare_fa2_from_position_ids, 5.x _prepare_from_posids
+            transformers ... (transformers.modeling_flash_attention_utils): upad=_upad_input, posids=...
         """
         found = ", ".join(f"{role}={name}" for role, name in self.found.items()) or "nothing"
         lines = [f"{self.library} {self.transformers_version} ({self.module}): {found}", *self.describe_missing()]
@@ -135,7 +135,7 @@ class FlashSymbols:
 
         Example::
 
-            >>> discover().as_dict()["found"]["upad"]  # transformers 4.51
+            >>> discover().as_dict()["found"]["upad"]  # transformers 4.51 and 5.x
             '_upad_input'
         """
         return dataclasses.asdict(self)
@@ -162,8 +162,8 @@ def discover(module: ModuleType | None = None) -> FlashSymbols:
 
     Example::
 
-        >>> discover().found["posids"]  # transformers 4.51
-        'prepare_fa2_from_position_ids'
+        >>> sorted(discover().found)  # every role: under 4.51's names, or 5.x's
+        ['dense', 'pad', 'posids', 'upad', 'varlen']
     """
     version = _transformers_version()
     try:
@@ -217,8 +217,8 @@ def discover_mpt() -> FlashSymbols:
 
     Example::
 
-        >>> discover_mpt().found  # flash-attn 2.x installed
-        {'varlen': 'flash_attn_varlen_func', 'dense': 'flash_attn_func', 'pad': 'pad_input'}
+        >>> discover_mpt().error  # no flash-attn here; with flash-attn 2.x, found names varlen, dense and pad
+        "ModuleNotFoundError: No module named 'flash_attn'"
     """
     try:
         import flash_attn
@@ -257,8 +257,8 @@ def symbol_label(symbols: FlashSymbols, role: str) -> str:
 
     Example::
 
-        >>> symbol_label(discover(), "upad")  # transformers 4.51
-        '_upad_input'
+        >>> symbol_label(discover(), "upad"), symbol_label(FlashSymbols("4.50", FA_UTILS, {}, {}), "upad")
+        ('_upad_input', '_upad_input (missing)')
     """
     return symbols.found.get(role) or f"{CANDIDATES[role][0]} (missing)"
 
@@ -333,9 +333,8 @@ def is_reference(symbols: FlashSymbols) -> bool:
 
     Example::
 
-        >>> with reference_flash_attn():  # foundry_attn.attention.fa2_reference
-        ...     is_reference(discover())
-        True
+        >>> is_reference(discover())  # flash-attn's kernel, or none installed: not the reference
+        False
     """
     name = symbols.found.get(VARLEN)
     if name is None or name.startswith(LAZY_IMPORT):

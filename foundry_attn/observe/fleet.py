@@ -43,8 +43,8 @@ def files(path: str | os.PathLike) -> list[Path]:
 
     Example::
 
-        >>> [p.name for p in files("runs/my-run")]
-        ['events-rank0.jsonl', 'events-rank1.jsonl']
+        >>> [p.name for p in files(runs / "my-run")]  # 8 ranks
+        ['events-rank0.jsonl', 'events-rank1.jsonl', ..., 'events-rank7.jsonl']
     """
     root = Path(path)
     if not root.exists():
@@ -84,8 +84,9 @@ def events(
 
     Example::
 
-        >>> [e["kind"] for e in events(files("runs/my-run"), since=parse_time("2026-11-22"))]
-        ['attn_impl', 'attn_inspect', 'attn_verdict', 'upad_trace']
+        >>> recent = list(events(files(runs / "my-run"), since=parse_time("2026-11-22")))  # the second launch's
+        >>> len(recent), sorted({e["kind"] for e in recent})
+        (11, ['attn_impl', 'attn_inspect', 'attn_verdict', 'upad_trace'])
     """
     for path in paths:
         for event in iter_events([path], kind, skipped):
@@ -108,7 +109,7 @@ def decisions(stream: Iterable[dict]) -> list[dict]:
 
     Example::
 
-        >>> len(decisions(events(files("runs/my-run"))))  # 8 ranks, launched twice
+        >>> len(decisions(events(files(runs / "my-run"))))  # 8 ranks, launched twice
         16
     """
     last: dict[tuple, dict] = {}
@@ -168,8 +169,8 @@ def fell_back(decided: Iterable[dict]) -> list[dict]:
 
     Example::
 
-        >>> [(row["rank"], row["chosen"]) for row in fell_back(decided)]  # ranks 3 and 7 on Tesla T4s
-        [(3, 'sdpa'), (7, 'sdpa')]
+        >>> [(row["rank"], row["device_name"], row["chosen"]) for row in fell_back(decided)]  # of runs/my-run
+        [(3, 'Tesla T4', 'sdpa'), (7, 'Tesla T4', 'sdpa')]
     """
     rows = [{c: d.get(c) for c in FELL_BACK_COLUMNS} for d in decided if unmet(d)]
     return sorted(rows, key=lambda r: (str(r["run"]), str(r["launch"]), r["rank"] if r["rank"] is not None else -1))
@@ -187,7 +188,7 @@ def summary(decided: list[dict]) -> dict[str, Any]:
 
     Example::
 
-        >>> summary(decided)["by_device"]["Tesla T4 (sm75)"]
+        >>> summary(decided)["by_device"]["Tesla T4 (sm75)"]  # of runs/my-run: its first launch had two T4s
         {'ranks': 2, 'fell_back': 2, 'rate': 1.0}
     """
     by_device: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
@@ -245,9 +246,10 @@ def table(rows: list[dict], columns: Iterable[str]) -> str:
 
     Example::
 
-        >>> print(table(fell_back(decided), ["run", "rank", "chosen"]))
-        run     rank  chosen
-        my-run  3     sdpa
+        >>> print(table(fell_back(decided), ["run", "rank", "host", "chosen"]))  # of runs/my-run
+        run     rank  host    chosen
+        my-run  3     node-0  sdpa
+        my-run  7     node-1  sdpa
     """
     columns = list(columns)
     cells = [[str(r.get(c, "")) if r.get(c) is not None else "-" for c in columns] for r in rows]
@@ -269,7 +271,8 @@ def one_line(event: dict) -> dict:
 
     Example::
 
-        >>> one_line(event)["what"]  # an attn_impl event that fell back
+        >>> event = {"kind": "attn_impl", "requested": "flash_attention_2", "chosen": "sdpa", "fell_back": True}
+        >>> one_line(event)["what"]
         'flash_attention_2 -> sdpa (fell back)'
     """
     what = ""

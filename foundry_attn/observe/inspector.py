@@ -60,8 +60,11 @@ class InspectorCore:
 
         Example::
 
-            >>> core.say_once("leak", "attention_inspector: packed documents attend to each other")
+            >>> core = InspectorCore()
+            >>> core.say_once("leak", "attention_inspector: packed documents attend to each other")  # a warning
             True
+            >>> core.say_once("leak", "attention_inspector: packed documents attend to each other")  # said before
+            False
         """
         if key in self.said:
             return False
@@ -81,6 +84,7 @@ class InspectorCore:
 
         Example::
 
+            >>> core = InspectorCore()
             >>> core.probe(llama_model).modules.attention[0][0]
             'model.layers.0.self_attn'
         """
@@ -119,7 +123,8 @@ class InspectorCore:
 
         Example::
 
-            >>> core.inspected(0, records, BatchInfo.from_batch(batch), "model", "sdpa")["attn/fill_ratio"]
+            >>> core = InspectorCore()
+            >>> core.inspected(0, records, BatchInfo.from_batch(padded), "model", "sdpa")["attn/fill_ratio"]
             0.875
         """
         metrics = summarize(records, batch)
@@ -151,6 +156,8 @@ class InspectorCore:
 
         Example::
 
+            >>> from foundry_attn.observe.verdict import Features, fix_for, structural
+            >>> core = InspectorCore()
             >>> core.judged(3, structural(llama_model, Features.of(batch)), fix_for(llama_model))  # packed, stock sdpa
             {'attn/documents_isolated': 0.0}
         """
@@ -191,7 +198,13 @@ class InspectorCore:
 
         Example::
 
-            >>> core.table(0, records, BatchInfo.from_batch(batch), "sdpa", verdict, rank=0)  # prints; later: nothing
+            >>> core = InspectorCore()
+            >>> core.table(0, records, BatchInfo.from_batch(padded), "sdpa", None, rank=0)
+            attention_inspector: batch 0, rank 0, implementation sdpa, batch fill 0.875 (14/16 real)
+            level          modules               mask  dtype    shape    hides    real   fill   packed  impl
+            model          LlamaForCausalLM      2-D   int64    2x8      padding  14/16  0.875  -       sdpa
+            ...
+            >>> core.table(1, records, BatchInfo.from_batch(padded), "sdpa", None, rank=0)  # printed once: nothing now
         """
         if not (records and self.print_table and not self._printed and rank == 0):
             return
@@ -236,7 +249,7 @@ class InspectorResults:
 
         Example::
 
-            >>> inspector.last_metrics["attn/fill_ratio"]
+            >>> inspector.last_metrics["attn/fill_ratio"]  # the Trainer's inspector, after a step: 14 of 16 tokens real
             0.875
         """
         return self.core.last_metrics
@@ -250,7 +263,7 @@ class InspectorResults:
 
         Example::
 
-            >>> inspector.last_verdict.state
-            'isolated'
+            >>> inspector.last_verdict.state  # the Trainer's inspector, after a step of two rows, a document each
+            'not packed'
         """
         return self.core.last_verdict

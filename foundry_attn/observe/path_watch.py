@@ -37,8 +37,13 @@ class PathWatch:
 
         Example::
 
-            >>> watch.changed()          # a proof on this batch moved the run to rows
-            ('path',)
+            >>> from foundry_attn.path.state import path_of
+            >>> watch = PathWatch(path_of(hf_model))  # hf_model: attached
+            >>> watch.changed()  # nothing since the watch began
+            ()
+            >>> path_of(hf_model).to_rows("proof at batch 3 failed: ...")  # what a failed proof does
+            >>> watch.changed(), watch.changed()  # said once
+            (('path',), ())
         """
         now = self._now()
         changed = tuple(

@@ -233,6 +233,8 @@ class BatchInfo:
 
             >>> BatchInfo.from_batch({"input_ids": ids, "attention_mask": mask})  # [2, 8], two padding tokens
             BatchInfo(shape=(2, 8), real_tokens=14)
+            >>> BatchInfo.from_batch({"input_ids": batch["input_ids"], "doc_lens": [[20, 30], [40]]})  # packed rows
+            BatchInfo(shape=(2, 64), real_tokens=90)
         """
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
             return cls()
@@ -330,9 +332,12 @@ class ModelInspector:
 
         Example::
 
-            >>> inspector.arm(BatchInfo.from_batch(batch))
-            >>> llama_model(**batch)  # fills inspector.records
-            >>> inspector.disarm()
+            >>> probe = ModelInspector(llama_model)
+            >>> probe.arm(BatchInfo.from_batch(padded))
+            >>> out = llama_model(**padded)  # fills probe.records, in call order
+            >>> probe.disarm()
+            >>> [r["level"] for r in probe.records]
+            ['model', 'layer', 'attention', 'layer', 'attention']
         """
         self.disarm()
         self.records, self._done, self._masks, self._positions = [], False, {}, {}
@@ -348,8 +353,11 @@ class ModelInspector:
 
         Example::
 
-            >>> inspector.disarm()
-            >>> inspector.armed, len(inspector.records)
+            >>> probe = ModelInspector(llama_model)
+            >>> probe.arm()
+            >>> out = llama_model(**padded)
+            >>> probe.disarm()
+            >>> probe.armed, len(probe.records)  # the records stay
             (False, 5)
         """
         handles, self._handles = self._handles, []
@@ -369,8 +377,8 @@ class ModelInspector:
 
         Example::
 
-            >>> with ModelInspector(llama_model).capture(BatchInfo.from_batch(batch)) as records:
-            ...     llama_model(**batch)
+            >>> with ModelInspector(llama_model).capture(BatchInfo.from_batch(padded)) as records:
+            ...     out = llama_model(**padded)  # [2, 8], two padding tokens
             >>> records[0]["mask"], records[0]["fill_ratio"]
             ('2-D', 0.875)
         """
@@ -467,7 +475,7 @@ def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> 
 
     Example::
 
-        >>> summarize(records, BatchInfo.from_batch(batch))["attn/mask_4d_modules"]  # a 2-layer Llama on sdpa
+        >>> summarize(records, BatchInfo.from_batch(padded))["attn/mask_4d_modules"]  # a 2-layer Llama on sdpa
         2.0
     """
     attn = [r for r in records if r["level"] == ATTENTION and "error" not in r]

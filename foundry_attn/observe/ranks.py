@@ -33,7 +33,9 @@ def launch_id() -> str:
 
     Example::
 
-        >>> EventLog(folder, rank, launch=launch_id())
+        >>> log = EventLog("attn_events", rank=0, launch=launch_id())  # every rank calls launch_id()
+        >>> len(log.append("attn_impl", chosen="sdpa")["launch"])
+        12
     """
     launch = [uuid.uuid4().hex[:12]]
     if _distributed():
@@ -79,7 +81,9 @@ def announce(info: dict[str, Any], events: EventLog, rank: int, log: logging.Log
 
     Example::
 
-        >>> announce(decision_of(hf_model), events, rank=0, log=log)
+        >>> from foundry_attn.observe.discovery import decision_of
+        >>> events = EventLog("attn_events", rank=0)
+        >>> announce(decision_of(hf_model), events, rank=0, log=logging.getLogger("my_glue"))  # attached on sdpa
         'attention: 1/1 ranks sdpa; path flat'
     """
     reference = info["reason"].startswith(REFERENCE_NAME)
@@ -122,7 +126,9 @@ def summarize_ranks(decisions: Sequence[dict]) -> str:
 
     Example::
 
-        >>> summarize_ranks(gather({"rank": rank, **decision.as_dict()}))
+        >>> a100 = {"chosen": "flash_attention_2", "fell_back": False, "reason": "flash-attn 2.7.4 on NVIDIA A100 sm80"}
+        >>> t4 = {"chosen": "sdpa", "fell_back": True, "reason": "flash_attention_2: Tesla T4 sm75 < 8.0"}
+        >>> summarize_ranks([{"rank": r, **(t4 if r in (3, 7) else a100)} for r in range(8)])  # gather()'s, on 8 ranks
         'attention: 6/8 ranks flash_attention_2, 2/8 sdpa; 2/8 fell back (rank 3, rank 7: Tesla T4 sm75 < 8.0)'
     """
     n = len(decisions)

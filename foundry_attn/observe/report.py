@@ -202,8 +202,10 @@ def launches(decided: list[dict]) -> list[dict[str, Any]]:
 
     Example::
 
-        >>> launches(decided)[0]["ranks"]  # one rank that fell back
-        {0: {'chosen': 'sdpa', 'outcome': 'fell back'}}
+        >>> [(c["launch"], c["index"], c["of"], c["latest"]) for c in launches(decided)]  # runs/my-run: launched twice
+        [('5f0c2a9e81d3', 1, 2, False), ('b7e41d06c9a2', 2, 2, True)]
+        >>> launches(decided)[0]["ranks"][3]  # a Tesla T4 at the first launch
+        {'chosen': 'sdpa', 'outcome': 'fell back'}
     """
     first: dict[tuple[str, str | None], float] = {}
     for d in decided:
@@ -360,8 +362,9 @@ def build_report(path: str | Path, out: str | Path) -> dict[str, Any]:
 
     Example::
 
-        >>> build_report("runs/my-run/attn_events", "report")["html"]
-        'report/report.html'
+        >>> written = build_report(runs / "my-run" / "attn_events", "report")
+        >>> written["html"], [Path(p).name for p in written["figures"]]
+        ('report/report.html', ['fill_ratio.png', 'calls.png', 'ranks.png'])
     """
     skipped = Skipped()
     events = list(fleet.events(fleet.files(path), skipped=skipped))

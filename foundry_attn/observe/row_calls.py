@@ -40,8 +40,9 @@ def packed_slice(values: torch.Tensor, batch: Mapping, row: int, start: int, n: 
 
     Example::
 
-        >>> packed_slice(out.logits, batch, row=0, start=0, n=13).shape
-        torch.Size([13, 64])
+        >>> logits = llama_model(input_ids=batch["input_ids"]).logits  # [2, 64, vocab 64]; doc_lens [[20, 30], [40]]
+        >>> packed_slice(logits, batch, row=0, start=20, n=30).shape  # row 0's second document
+        torch.Size([30, 64])
     """
     ids = batch["input_ids"]
     if values.dim() != 3:
@@ -85,7 +86,9 @@ def row_forward(
 
     Example::
 
-        >>> logits, embeds = row_forward(hf_model, batch, row=0, start=0, n=22, context=None)
+        >>> logits, embeds = row_forward(llama_model, batch, row=0, start=0, n=50, context=None)  # row 0's documents
+        >>> logits.shape, embeds.shape, embeds.requires_grad
+        (torch.Size([1, 50, 64]), torch.Size([1, 50, 32]), True)
     """
     call = row_call(hf, batch, row, start, start + n, training=True)
     with untouched(hf), embeddings(hf, True) as captured, torch.enable_grad(), context or contextlib.nullcontext():
@@ -127,8 +130,10 @@ def against_alone(
 
     Example::
 
-        >>> against_alone(hf_model, batch, (0, 0, 22), (13, 22), packed, None, rerun=True)
-        (0.0, False)
+        >>> packed = llama_model(input_ids=batch["input_ids"]).logits[0, 20:50]  # row 0's second document, in the row
+        >>> diff, off = against_alone(llama_model, batch, (0, 0, 50), (20, 50), packed, None, rerun=True)
+        >>> off  # stock sdpa: the first document reaches it
+        True
     """
     row, start, n = first
     ids = batch["input_ids"][row, start + last[0] : start + last[1]]
@@ -168,8 +173,9 @@ def row_call(hf: Any, batch: Mapping, row: int, start: int, end: int, training: 
 
     Example::
 
-        >>> sorted(row_call(hf_model, {"input_ids": ids, "attention_mask": mask, "labels": ids}, 0, 0, 9))
-        ['attention_mask', 'input_ids']
+        >>> call = row_call(llama_model, {"input_ids": ids, "attention_mask": mask, "labels": ids}, 1, start=0, end=6)
+        >>> sorted(call), call["input_ids"].shape
+        (['attention_mask', 'input_ids'], torch.Size([1, 6]))
     """
     named = base_parameters(type(hf))  # type: ignore[arg-type]  # (a class is hashable: see flat.inputs)
     shape = batch["input_ids"].shape
@@ -199,8 +205,8 @@ def untouched(hf: Any) -> Iterator[None]:
 
     Example::
 
-        >>> with untouched(hf_model):
-        ...     own_forward(hf_model, input_ids=ids)
+        >>> with untouched(llama_model):  # a RuntimeError where the forward changed a weight in place
+        ...     logits = own_forward(llama_model, input_ids=ids).logits
     """
     tensors = [*hf.parameters(), *hf.buffers()]
     versions = [t._version for t in tensors]

@@ -67,7 +67,12 @@ class TracerCore:
 
         Example::
 
+            >>> core = TracerCore()
+            >>> core.events = EventLog("attn_events", rank=0)
             >>> core.say_once("upad_trace_idle", "upad_tracer: nothing to trace (...)", attn_implementation="sdpa")
+            >>> core.say_once("upad_trace_idle", "upad_tracer: nothing to trace (...)")  # said before: no warning
+            >>> len(core.events.path.read_text().splitlines())  # one upad_trace_idle event
+            1
         """
         if key in self._said:
             return
@@ -87,8 +92,13 @@ class TracerCore:
 
         Example::
 
-            >>> core.resolve(state.model, hf_model); core.idle_reason
-            'the model runs sdpa, not flash attention'
+            >>> core = TracerCore()
+            >>> core.resolve(llama_model, llama_model)  # what the trainer calls, the HF model inside it
+            >>> core.idle_reason
+            "the attention implementation is 'sdpa', not flash_attention_2: transformers' flash-attention utilities ..."
+            >>> core.resolve(fa2_model, fa2_model)
+            >>> core.idle_reason, core.tracer is not None
+            (None, True)
         """
         self.implementation = attn_implementation(hf)
         mpt = mpt_attn_impl(hf)
@@ -140,6 +150,8 @@ class TracerCore:
 
         Example::
 
+            >>> core = TracerCore()
+            >>> core.resolve(llama_model, llama_model)
             >>> core.start()  # the model runs sdpa: resolve said why, once
             False
         """
@@ -153,8 +165,13 @@ class TracerCore:
 
         Example::
 
+            >>> core = TracerCore()
+            >>> core.resolve(fa2_model, fa2_model)
             >>> if core.start():
             ...     core.attach()
+            >>> core.tracer.attached
+            True
+            >>> core.release()
         """
         if self.tracer is not None:
             self.tracer.attach()
@@ -164,7 +181,12 @@ class TracerCore:
 
         Example::
 
+            >>> core = TracerCore()
+            >>> core.resolve(fa2_model, fa2_model)
+            >>> core.attach()
             >>> core.detach()  # in the ``finally`` after the sampled forward
+            >>> core.tracer.attached
+            False
         """
         if self.tracer is not None:
             self.tracer.detach()
@@ -174,7 +196,13 @@ class TracerCore:
 
         Example::
 
+            >>> core = TracerCore()
+            >>> core.resolve(fa2_model, fa2_model)
+            >>> core.attach()
+            >>> core.attach()  # attached twice (nested)
             >>> core.release()  # at the end of training, or when the callback goes away
+            >>> core.tracer.attached
+            False
         """
         if self.tracer is not None:
             self.tracer.detach(force=True)
@@ -194,6 +222,16 @@ class TracerCore:
 
         Example::
 
+            >>> core = TracerCore()
+            >>> core.resolve(fa2_model, fa2_model)
+            >>> core.start()
+            True
+            >>> core.attach()
+            >>> try:  # FA2 on a CPU: the reference kernel (foundry_attn.attention.fa2_reference)
+            ...     with reference_flash_attn(), torch.no_grad():
+            ...         out = fa2_model(**padded)  # two rows, 8 and 6 real tokens
+            ... finally:
+            ...     core.detach()
             >>> core.report(3, rank0=False)["attn/varlen_calls_per_step"]  # a 2-layer model, one varlen call per layer
             2.0
         """

@@ -245,8 +245,8 @@ def active_dropout(hf: Any) -> str | None:
 
     Example::
 
-        >>> active_dropout(llama_model.train())  # attention_dropout=0.1
-        'attention_dropout=0.1 in model.layers.0.self_attn'
+        >>> active_dropout(dropout_llama.eval()), active_dropout(dropout_llama.train())  # attention_dropout=0.1
+        (None, 'attention_dropout=0.1 in model.layers.0.self_attn')
     """
     return training_noise(hf) if hf.training else None
 
@@ -288,8 +288,8 @@ def measure(
 
     Example::
 
-        >>> measure(llama_model, {"input_ids": ids, "doc_lens": [[3, 5], [4, 4]]}, None).line()  # stock sdpa
-        'documents LEAK (measured: documents [0, 1] (lengths [3, 5]) of row 0; document(s) [1]: its loss reaches ...)'
+        >>> print(measure(llama_model, {"input_ids": ids, "doc_lens": [[3, 5], [4, 4]]}, None).line())  # stock sdpa
+        documents LEAK (measured: documents [0, 1] (lengths [3, 5]) of row 0; document(s) [1]: its loss reaches ...)
     """
     rows = packed_rows(batch) if rows is None else rows
     if not rows:
@@ -394,8 +394,10 @@ def judge(
 
     Example::
 
-        >>> judge(hf_model, batch, output, second_forward_blocked(model, hf_model)).state  # foundry_attn's path
-        'isolated'
+        >>> judge(llama_model, batch, output=None).state  # stock sdpa, packed rows: measured on a forward of its own
+        'leaks'
+        >>> print(judge(hf_model, batch, output=None).line())  # hf_model: attached, on foundry_attn's path
+        documents isolated (structural reading, not measured: foundry_attn's flat path, proven against stock ...)
     """
     if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
         return Verdict(UNKNOWN, reason="the batch has no input_ids tensor")
