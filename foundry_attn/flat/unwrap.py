@@ -132,23 +132,3 @@ def compiled(model: Any) -> bool:
 
     return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
 
-
-def checkpointing(hf: Any) -> bool:
-    """Whether transformers' activation checkpointing is on in ``hf`` (``is_activation_checkpointing``; before
-    transformers 5, ``is_gradient_checkpointing``, which 5.x keeps as a deprecated alias until v6).
-
-    Args:
-        hf: a transformers model (or any module: False).
-
-    Returns:
-        True where the model's layers recompute their forward in backward.
-
-    Example::
-
-        >>> checkpointing(hf_model), hf_model.gradient_checkpointing_enable(), checkpointing(hf_model)
-        (False, None, True)
-    """
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(hf), name):
-            return bool(getattr(hf, name))
-    return False

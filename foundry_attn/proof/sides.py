@@ -22,7 +22,6 @@ from foundry_attn.attention.fa2_reference import kernel_context
 from foundry_attn.flat.inputs import one_per_row, stock_packed
 from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.packing import IGNORE_INDEX
-from foundry_attn.flat.unwrap import checkpointing
 from foundry_attn.proof.comparison import summed
 from foundry_attn.proof.proving import hidden
 from foundry_attn.proof.result import NO_CALLS
@@ -40,6 +39,27 @@ from foundry_attn.proof.tolerance import undefined_values
 
 #: the packed side of a proof: (the model, the compared documents' spans, grads) -> its run, or None and why not
 PackedSide = Callable[[Subject, Sequence[tuple[int, int]], bool], tuple["Run | None", str]]
+
+
+def checkpointing(hf: Any) -> bool:
+    """Whether transformers' activation checkpointing is on in ``hf`` (``is_activation_checkpointing``; before
+    transformers 5, ``is_gradient_checkpointing``, which 5.x keeps as a deprecated alias until v6).
+
+    Args:
+        hf: a transformers model (or any module: False).
+
+    Returns:
+        True where the model's layers recompute their forward in backward.
+
+    Example::
+
+        >>> checkpointing(hf_model), hf_model.gradient_checkpointing_enable(), checkpointing(hf_model)
+        (False, None, True)
+    """
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(hf), name):
+            return bool(getattr(hf, name))
+    return False
 
 
 def dropped_in_training(subject: Subject, inputs: Mapping[str, Any]) -> str | None:

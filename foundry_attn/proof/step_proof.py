@@ -20,11 +20,11 @@ import torch
 from foundry_attn.attention.backends import BACKENDS
 from foundry_attn.attention.documents import DOCS_KEY
 from foundry_attn.flat.layout import Truth
-from foundry_attn.flat.unwrap import checkpointing, unwrapped
+from foundry_attn.flat.unwrap import unwrapped
 from foundry_attn.proof.prove import prove_step
 from foundry_attn.proof.result import Proof
 from foundry_attn.proof.runs import HeadCall, embeddings, head_calls
-from foundry_attn.proof.sides import passes_kwargs
+from foundry_attn.proof.sides import checkpointing, passes_kwargs
 from foundry_attn.proof.subject import Subject
 from foundry_attn.proof.tolerance import training_noise
 
