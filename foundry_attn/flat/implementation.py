@@ -17,8 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from foundry_attn.attention.backends import BACKENDS, FA2, FA2_REFERENCE, PREFIX
-from foundry_attn.checks import check_choice
+from foundry_attn.attention.backends import FA2, FA2_REFERENCE, PREFIX
 
 
 def current(hf: Any) -> str:
@@ -95,7 +94,7 @@ def point(hf: Any, backend: str, fa2_reference: bool = False) -> str:
 
     Args:
         hf: the transformers model (not a wrapper).
-        backend: one of the backend table's names.
+        backend: one of the backend table's names (checked where the user gives it: attach).
         fa2_reference: FA2 on the pure-PyTorch reference kernel (CPU tests).
 
     Returns:
@@ -109,7 +108,6 @@ def point(hf: Any, backend: str, fa2_reference: bool = False) -> str:
     from foundry_attn.attention.functions import register  # transformers' interface: only where a model is pointed
 
     register()
-    backend = check_choice("attention backend", backend, BACKENDS)
     name = PREFIX + (FA2_REFERENCE if backend == FA2 and fa2_reference else backend)
     use(hf, name)
     return name

@@ -131,4 +131,3 @@ def compiled(model: Any) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(model, OptimizedModule) or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
-

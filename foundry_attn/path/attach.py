@@ -122,17 +122,27 @@ def attach(
     if backend is not None:
         check_choice("attention backend", backend, (policy.AUTO, *BACKENDS))
     hf, caller_compiles = unwrapped(model), compiled(model)
-    if backend == policy.AUTO:
+    device = next(hf.parameters()).device
+    # auto's chain, or flash_attention_2 named where it may not run here: the checks' cause before a proof fails on it
+    checked = backend == FA2 and prove_now and not fa2_reference and device.type != "meta"
+    if backend == policy.AUTO or checked:
+        chain = tuple(fallback) if backend == policy.AUTO else (FA2,)
         dtype = weights_compute_dtype(next(hf.parameters()).dtype, compute_dtype)
-        decision = decide(
-            None,
-            policy.AUTO,
-            tuple(fallback),
-            compute_dtype=dtype,
-            fa2_reference=fa2_reference,
-            config=hf.config,
-            model_class=type(hf),
-        )
+        try:
+            decision = decide(
+                None,
+                backend,
+                chain,
+                compute_dtype=dtype,
+                fa2_reference=fa2_reference,
+                config=hf.config,
+                model_class=type(hf),
+            )
+        except AttentionUnavailableError as exc:
+            if backend == policy.AUTO or not exc.candidates:
+                raise
+            raise _fa2_cannot_run(exc) from exc
+    if backend == policy.AUTO:
         decision, state = _chain(hf, decision, path, fa2_reference, strict, interval, prove_now)
         level = logging.WARNING if decision.fell_back else logging.INFO
         log.log(
@@ -145,27 +155,19 @@ def attach(
             state.reason,
         )
     else:
-        if backend == FA2 and prove_now and not fa2_reference and next(hf.parameters()).device.type != "meta":
-            _fa2_runs_here(hf)
         state = _attach_backend(hf, backend, path, fa2_reference, strict, interval, prove_now)
     return with_step(state, hf, capacity, execution, caller_compiles)
 
 
-def _fa2_runs_here(hf: Any) -> None:
+def _fa2_cannot_run(exc: AttentionUnavailableError) -> AttentionUnavailableError:
     """flash_attention_2 named where it cannot run (flash-attn not installed, no CUDA device, the dtype): the cause, as
-    ``auto``'s chain says it, before a proof fails on it."""
-    dtype = weights_compute_dtype(next(hf.parameters()).dtype, "auto")
-    try:
-        decide(None, FA2, (FA2,), compute_dtype=dtype, config=hf.config, model_class=type(hf))
-    except AttentionUnavailableError as exc:
-        if not exc.candidates:
-            raise
-        failed = exc.candidates[0]
-        install = "" if failed.fix in failed.reason else f" ({failed.fix})"
-        raise AttentionUnavailableError(
-            f"attach: {FA2} cannot run on {exc.where}: check '{failed.check}' failed: {failed.reason}{install}. "
-            'Fix: call attach(model, "auto") (the fastest backend that runs here), or name another backend'
-        ) from exc
+    ``auto``'s chain says it (``exc``: the check that failed, its only candidate)."""
+    failed = exc.candidates[0]
+    install = "" if failed.fix in failed.reason else f" ({failed.fix})"
+    return AttentionUnavailableError(
+        f"attach: {FA2} cannot run on {exc.where}: check '{failed.check}' failed: {failed.reason}{install}. "
+        'Fix: call attach(model, "auto") (the fastest backend that runs here), or name another backend'
+    )
 
 
 def capacity_refusal(state: PathState) -> str:
