@@ -7,12 +7,8 @@ shape, what it hides beyond causality, read with the model's own alignment (``ha
 documents or other keys; ``window``: the model's sliding window; ``mask_hides``: both in words, see
 :func:`describe_mask`), real tokens, fill ratio (real / positions), whether ``position_ids`` restart inside a
 row (packed), and the attention implementation that runs (:func:`attn_implementation`: HF's
-``_attn_implementation``, MPT's ``attn_impl``, ...). :func:`foundry_attn.observe.console_table.format_table` prints
-those records as a compact console table::
-
-    with ModelInspector(hf_model).capture(BatchInfo.from_batch(batch)) as records:
-        hf_model(input_ids=ids, attention_mask=mask)
-    print(format_table(records))
+``_attn_implementation``, MPT's ``attn_impl``, ...); :meth:`ModelInspector.capture` shows the use, and
+:func:`foundry_attn.observe.console_table.format_table` prints its records as a compact console table.
 
 Imports torch and the core (:mod:`foundry_attn.observe.discovery` finds the modules); the
 Composer callback built on it is :class:`foundry_attn.integrations.composer.attention_inspector.AttentionInspector`.
@@ -233,8 +229,6 @@ class BatchInfo:
 
             >>> BatchInfo.from_batch({"input_ids": ids, "attention_mask": mask})  # [2, 8], two padding tokens
             BatchInfo(shape=(2, 8), real_tokens=14)
-            >>> BatchInfo.from_batch({"input_ids": batch["input_ids"], "doc_lens": [[20, 30], [40]]})  # packed rows
-            BatchInfo(shape=(2, 64), real_tokens=90)
         """
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
             return cls()
