@@ -126,12 +126,12 @@ def attach(
     # auto's chain, or flash_attention_2 named where it may not run here: the checks' cause before a proof fails on it
     checked = backend == FA2 and prove_now and not fa2_reference and device.type != "meta"
     if backend == policy.AUTO or checked:
-        chain = tuple(fallback) if backend == policy.AUTO else (FA2,)
+        requested, chain = (policy.AUTO, tuple(fallback)) if backend == policy.AUTO else (FA2, (FA2,))
         dtype = weights_compute_dtype(next(hf.parameters()).dtype, compute_dtype)
         try:
             decision = decide(
                 None,
-                backend,
+                requested,
                 chain,
                 compute_dtype=dtype,
                 fa2_reference=fa2_reference,
