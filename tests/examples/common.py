@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ def tiny_llama(impl: str = "sdpa", seed: int = 0) -> torch.nn.Module:
     return make_llama(impl, seed)
 
 
+@functools.lru_cache(maxsize=1)
 def attached(tmp: Path) -> torch.nn.Module:
-    """The tiny Llama attached on sdpa: its flat path proven."""
+    """The tiny Llama attached on sdpa: its flat path proven; one per block (``tmp``), so every name and factory of
+    a block that reads it reads the same model."""
     from foundry_attn.path.attach import attach
 
     hf = tiny_llama()

@@ -10,15 +10,7 @@ from typing import Any
 
 from tests.examples import common
 
-_MADE: dict[Path, Any] = {}
-
-
-def attached(tmp: Path) -> Any:
-    """The tiny Llama attached on sdpa (:func:`tests.examples.common.attached`), one per block."""
-    if tmp not in _MADE:
-        _MADE.clear()
-        _MADE[tmp] = common.attached(tmp)
-    return _MADE[tmp]
+attached = common.attached  # one per block
 
 
 def state(tmp: Path) -> Any:

@@ -4,7 +4,7 @@ lays them out (``inputs``), its run (``packed_run``) and its first two documents
 13-token document (``doc``, ``alone``, ``run_alone``), a step proof due on a training batch (``step``); a tiny CPM-Ant.
 
 Every name of a block that needs the model reads the same one (``hf_model`` is :func:`tests.examples.common.attached`,
-made once for the block here), so ``subject``, ``state``, ``step`` and ``hf_model`` are one model's. The harness makes
+made once per block), so ``subject``, ``state``, ``step`` and ``hf_model`` are one model's. The harness makes
 each name its block's source mentions, comments and strings included: names here are none of a module path's words."""
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ LENGTHS = (28, 13, 1)
 SPANS = ((0, 28), (28, 41))
 
 
-@functools.lru_cache(maxsize=1)
-def _model(tmp: Path) -> torch.nn.Module:
-    """The block's tiny Llama attached on sdpa, one for every name of the block."""
-    return common.attached(tmp)
+_model = common.attached  # one per block
 
 
 @functools.lru_cache(maxsize=1)
