@@ -1,12 +1,13 @@
 """A batch's real tokens laid out for the model: one flat row with its documents, or one document per row.
 
+    built = build(hf_model, plan)                                            # a batch's plan, built once
     inputs, placed = flat_inputs(hf_model, ids, labels, layout)              # the flat row + Documents
     inputs, placed = one_per_row(hf_model, ids, positions, labels, layout)   # rows, right-padded, a 2-D mask
     logits = placed_back(out.logits, placed)                                 # [rows, width, vocab] again
 
 Pure functions of the batch, its :class:`~foundry_attn.flat.layout.Layout` and the HF model's config (the model
 itself, not a wrapper: callers unwrap once): no state, no decision (which layout a batch gets is
-:meth:`foundry_attn.path.state.PathState.plan`'s). Core module: torch and transformers only.
+:func:`foundry_attn.path.plan.plan_batch`'s). Core module: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import functools
 import inspect
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from foundry_attn.attention.config_values import config_value
 from foundry_attn.attention.documents import DOCS_KEY, Documents
+from foundry_attn.flat.capacity import at_capacity
 from foundry_attn.flat.layout import Layout, flattened_lengths
 from foundry_attn.flat.packing import IGNORE_INDEX
 
@@ -91,27 +93,6 @@ def real_tokens(router_logits: Any, src: torch.Tensor) -> Any:
         return router_logits
     flat = router_logits.reshape(-1, router_logits.shape[-1])
     return flat[src] if flat.shape[0] != src.numel() else router_logits
-
-
-def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
-    """Whether any token has a target (host counts when the collator gave them: no device sync).
-
-    Args:
-        batch: the batch, read for the collator's ``loss_generating_tokens``.
-        labels: its ``[rows, width]`` labels (on a GPU without counts: assumed True, no sync).
-
-    Returns:
-        True when some token is trained on.
-
-    Example::
-
-        >>> has_targets({"loss_generating_tokens": [6, 4]}, labels)
-        True
-    """
-    counts = batch.get("loss_generating_tokens")
-    if counts is not None:
-        return sum(counts) > 0
-    return labels.device.type != "cpu" or bool((labels[:, 1:] != IGNORE_INDEX).any())
 
 
 @functools.lru_cache(maxsize=16)
@@ -403,6 +384,75 @@ def row_forwards(
     )
     tokens = torch.arange(layout.real_tokens, device=ids.device)
     return forwards, Placed(tokens, layout.real_indices(ids.device), layout.rows, layout.width)
+
+
+class _Laid(Protocol):
+    """What :func:`build` reads of a batch's plan (:class:`foundry_attn.path.plan.Plan`, handed in, never imported):
+    ``path``, ``layout``, ``ids``, ``labels``, ``groups``, ``even``, ``sizes``, ``stock_mask``, ``left`` and
+    ``first_targets``, each read-only."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def ids(self) -> torch.Tensor: ...
+    @property
+    def labels(self) -> torch.Tensor | None: ...
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]: ...
+    @property
+    def even(self) -> bool: ...
+    @property
+    def sizes(self) -> tuple[int, int] | None: ...
+    @property
+    def stock_mask(self) -> bool: ...
+    @property
+    def left(self) -> bool: ...
+    @property
+    def first_targets(self) -> bool: ...
+
+
+class Built(NamedTuple):
+    """A plan's inputs (:func:`build`): what the model runs (``inputs``; with ``forwards``, the first's), where the
+    tokens went, the flat row with its documents that a proof runs (None on rows), and each forward by width."""
+
+    inputs: dict[str, Any]
+    placed: Placed
+    row: dict[str, Any] | None = None
+    forwards: tuple[RowForward, ...] = ()
+
+
+def build(hf: Any, plan: _Laid) -> Built:
+    """The inputs of a batch's plan, built once: the flat row (even rows, padded to the capacity, or on stock's packed
+    mask as the plan says), or one document per row, in several forwards by width where the plan groups them.
+
+    Args:
+        hf: the HF model (not a wrapper).
+        plan: the batch's plan (:func:`foundry_attn.path.plan.plan_batch`).
+
+    Returns:
+        The :class:`Built` inputs.
+
+    Example::
+
+        >>> from foundry_attn.path.plan import plan_batch
+        >>> built = build(hf_model, plan_batch(hf_model, batch))     # doc_lens [[20, 30], [40]], attached: flat
+        >>> built.inputs["input_ids"].shape, built.row is built.inputs
+        (torch.Size([1, 90]), True)
+    """
+    layout, ids, labels = plan.layout, plan.ids, plan.labels
+    if plan.path == "flat":
+        row, placed = flat_inputs(hf, ids, labels, layout, plan.even)
+        row = at_capacity(row, plan.sizes) if plan.sizes else row
+        return Built(stock_packed(row) if plan.stock_mask else row, placed, row)
+    # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
+    # included); only a user's explicit position_ids with their own mask are passed on
+    positions = None if layout.marked else layout.positions
+    if plan.groups:
+        forwards, placed = row_forwards(hf, ids, positions, labels, layout, plan.groups, plan.left, plan.first_targets)
+        return Built(forwards[0].inputs, placed, forwards=forwards)
+    return Built(*one_per_row(hf, ids, positions, labels, layout, plan.left, plan.first_targets))
 
 
 def pad_id(hf: Any) -> int:

@@ -284,6 +284,27 @@ class Truth:
         return Truth(*(None if t is None else t[:, s:e] for t in (self.positions, self.labels)))
 
 
+def has_targets(batch: Mapping, labels: torch.Tensor) -> bool:
+    """Whether any token has a target (host counts when the collator gave them: no device sync).
+
+    Args:
+        batch: the batch, read for the collator's ``loss_generating_tokens``.
+        labels: its ``[rows, width]`` labels (on a GPU without counts: assumed True, no sync).
+
+    Returns:
+        True when some token is trained on.
+
+    Example::
+
+        >>> has_targets({"loss_generating_tokens": [6, 4]}, labels)
+        True
+    """
+    counts = batch.get("loss_generating_tokens")
+    if counts is not None:
+        return sum(counts) > 0
+    return labels.device.type != "cpu" or bool((labels[:, 1:] != IGNORE_INDEX).any())
+
+
 def padding_side(mask: torch.Tensor) -> str | None:
     """Which side a 2-D mask pads its rows on (one host sync): ``"left"`` where any row with real tokens starts with
     padding, else ``"right"`` where any position is padding, else None (no padding: nothing to tell).

@@ -1,9 +1,11 @@
-"""Which proven layout a batch runs: the cheapest, within the memory the device has free. The one owner of that
-choice; :class:`foundry_attn.path.state.PathState` asks it once per batch, among the layouts proven exact.
+"""Which proven layout a batch runs, and in how many forwards: the cheapest, within the memory the device has free,
+the same number of forwards on every rank. The one owner of that choice; the batch's plan
+(:func:`foundry_attn.path.plan.plan_batch`) asks it once per batch, among the layouts proven exact.
 
-    shape = ModelShape.of(hf_model)
-    choice = cheapest(shape, lengths=[256] * 16, layouts=("flat", "rows"), stock_mask=True)
-    choice.layout, choice.reason        # 'rows', "one document per row: 2.1 GFLOP, ... against the flat row ..."
+    choice = state.choice                # a LayoutChoice, kept on the path's state
+    layout, groups = choice.choose(hf_model, [256] * 16, "flat", candidates=True, grouped=False)
+    choice.layout, choice.reason        # 'rows', "one document per row: 1.36 GFLOP, ... against the flat row ..."
+    cheapest(ModelShape.of(hf_model), [256] * 16, ("flat", "rows"), stock_mask=True)   # the cost alone
 
 The cost of a layout is the work of one training step (forward and backward, 3x the forward): the linear layers
 grow with the positions a forward computes (real tokens and padding), attention with its score pairs. Our flat row
@@ -18,13 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from foundry_attn.attention.config_values import config_value
+
+log = logging.getLogger(__name__)
 
 FLAT, ROWS = "flat", "rows"
 #: activations a backward keeps per position, per layer, in units of the hidden size (attention and MLP inputs,
@@ -271,3 +276,132 @@ def cheapest(
     batch = f"{len(lengths)} documents, longest {max(lengths)}, {sum(lengths)} tokens"
     reason = said(chosen) + (f" against {others}" if others else "") + f" ({batch}){note}"
     return Choice(chosen, reason, costs)
+
+
+#: the fewest forwards any rank would run a batch's rows in, given this rank's (:func:`foundry_attn.path.ranks.fewest`)
+Agree = Callable[[int], int]
+
+
+@dataclasses.dataclass
+class LayoutChoice:
+    """The layout the last batch ran and why, and the most forwards a batch's rows may run in by width."""
+
+    most_forwards: int = MOST_FORWARDS  # 1: padded to the longest, in one forward
+    layout: str = ""  # "flat" or "rows"
+    reason: str = ""
+    _shape: ModelShape | None = None
+
+    def shape(self, hf: Any) -> ModelShape:
+        """What a layout's cost reads of the model, read once.
+
+        Args:
+            hf: the transformers model.
+
+        Returns:
+            Its :class:`ModelShape`.
+
+        Example::
+
+            >>> state.choice.shape(hf_model).layers
+            2
+        """
+        if self._shape is None:
+            self._shape = ModelShape.of(hf)
+        return self._shape
+
+    def splits(self, hf: Any) -> bool:
+        """Whether the model lets a batch's rows run in several forwards: not where it adds a loss over all a
+        forward's tokens (a router's), nor with ``most_forwards`` 1; the plan adds what the ranks allow.
+
+        Args:
+            hf: the transformers model.
+
+        Returns:
+            True where :meth:`choose` may split.
+
+        Example::
+
+            >>> state.choice.splits(hf_model)
+            True
+        """
+        return self.most_forwards > 1 and not getattr(hf.config, "output_router_logits", False)
+
+    def forwards(self, hf: Any, lengths: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The documents of each forward a batch's rows run in, where several by width cost less than one; empty
+        for one forward (also where :meth:`splits` says no).
+
+        Args:
+            hf: the transformers model.
+            lengths: every document's length in the batch.
+
+        Returns:
+            The documents (indices in batch order) of each forward, widest first; empty: one forward.
+
+        Example::
+
+            >>> state.choice.forwards(hf_model, [2048] + [32] * 64)
+            ((0,), (1, 2, ..., 64))
+        """
+        groups = row_groups(tuple(lengths), self.most_forwards, self.shape(hf).forward_positions)
+        return groups if self.splits(hf) and len(groups) > 1 else ()
+
+    def choose(
+        self,
+        hf: Any,
+        lengths: Sequence[int],
+        path: str,
+        candidates: bool,
+        grouped: bool,
+        agree: Agree | None = None,
+    ) -> tuple[str, tuple[tuple[int, ...], ...]]:
+        """The layout a batch of documents of ``lengths`` runs and, on rows, the documents of each forward: the
+        run's ``path``, or where one document per row is proven beside the flat row on stock's packed mask
+        (``candidates``), the cheaper of the two within the free memory; with several processes (``agree``), the
+        fewest forwards any rank would run. Kept as ``layout``/``reason``.
+
+        Args:
+            hf: the transformers model.
+            lengths: every document's length in the batch.
+            path: the run's path, ``"flat"`` or ``"rows"``.
+            candidates: one document per row is proven beside the flat row on stock's packed mask.
+            grouped: the rows may run in several forwards by width (the plan said yes).
+            agree: the fewest forwards over the ranks (one collective), None with one process.
+
+        Returns:
+            ``(layout, groups)``: ``"flat"`` or ``"rows"``, and the documents of each forward (empty: one).
+
+        Example::
+
+            >>> state.choice.choose(hf_model, [256] * 16, "flat", candidates=True, grouped=False)
+            ('rows', ())
+            >>> state.choice.reason
+            "one document per row: 1.36 GFLOP, 48 MB against the flat row (stock's packed mask): 13.4 GFLOP, ..."
+        """
+        lengths = tuple(lengths)
+        shape = self.shape(hf)
+        most = self.most_forwards if grouped else 1
+        free = free_memory(next(hf.parameters()).device) if candidates and lengths else float("inf")
+
+        def chosen(forwards: int) -> tuple[str, str]:
+            if not (candidates and lengths):
+                return path, ""
+            best = cheapest(shape, lengths, (FLAT, ROWS), stock_mask=True, free=free, forwards=forwards)
+            return best.layout, best.reason
+
+        def split(layout: str, forwards: int) -> tuple[tuple[int, ...], ...]:
+            groups = row_groups(lengths, forwards, shape.forward_positions) if layout == ROWS and lengths else ()
+            return groups if len(groups) > 1 else ()
+
+        layout, reason = chosen(most)
+        groups = split(layout, most) if grouped else ()
+        if grouped and agree is not None:  # every rank runs as many forwards (DDP broadcasts its buffers in each)
+            least = agree(max(1, len(groups)))
+            if least == 1 < len(groups):  # one forward: the cheaper layout in one
+                layout, reason = chosen(1)
+                groups = ()
+            elif least < len(groups):
+                groups = split(layout, least)
+        if candidates and lengths and layout != self.layout:
+            log.info("foundry_attn: %s runs %s", type(hf).__name__, reason)
+        self.layout, self.reason = layout, reason
+        return layout, groups

@@ -20,53 +20,51 @@ Core module: torch and transformers only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from foundry_attn.attention.backends import BACKENDS
-from foundry_attn.attention.documents import DOCS_KEY, Documents
-from foundry_attn.flat.capacity import at_capacity, capacity_for
-from foundry_attn.flat.inputs import (
-    Placed,
-    RowForward,
-    base_parameters,
-    flat_inputs,
-    has_targets,
-    one_per_row,
-    placed_back,
-    real_tokens,
-    row_forwards,
-    stock_packed,
-)
-from foundry_attn.flat.layout import Layout, Truth, padding_side
+from foundry_attn.flat.inputs import Placed, RowForward, base_parameters, build, placed_back, real_tokens
+from foundry_attn.flat.layout import padding_side
 from foundry_attn.flat.unwrap import compiled, unwrapped
-from foundry_attn.path.execution import EAGER_STEP, PROOF_DUE, ROWS_BATCH, Execution
-from foundry_attn.path.proven import prove_batch, step_proof
-from foundry_attn.path.state import FLAT, ROWS, PathState, Plan, path_of
+from foundry_attn.path.execution import PROOF_DUE, ROWS_BATCH
+from foundry_attn.path.plan import PAST_CAPACITY as PAST_CAPACITY
+from foundry_attn.path.plan import Plan, plan_batch, replan
+from foundry_attn.path.proven import prove_plan
+from foundry_attn.path.state import FLAT, path_of
 from foundry_attn.proof.step_proof import StepProof
 
 log = logging.getLogger(__name__)
 
-PAST_CAPACITY = "a batch past the capacity of"
-
 
 @dataclasses.dataclass
 class Prepared:
-    """A batch laid out for the model: its ``inputs``, where its tokens went (``placed``, for :func:`repad_logits`),
-    whether it has no target, the proof due on it that its forward serves (``proof``), and, where its rows run in
-    several forwards by width, each one (``forwards``; ``inputs`` is the first's). Run it with :func:`run_prepared`."""
+    """A batch laid out for the model by its :class:`~foundry_attn.path.plan.Plan`: its ``inputs``, where its tokens
+    went (``placed``, for :func:`repad_logits`), the proof due on it that its forward serves (``proof``), and, where
+    its rows run in several forwards by width, each one (``forwards``; ``inputs`` is the first's). Run it with
+    :func:`run_prepared`."""
 
+    plan: Plan
     inputs: dict[str, Any]
     placed: Placed
-    no_targets: bool
     proof: StepProof | None = None
     forwards: tuple[RowForward, ...] = ()
-    execution: Execution | None = None  # how the flat step runs (the attached state's); None: not attached
-    flat: bool = False  # the inputs are the flat row (else rows: one document per row)
+
+    @property
+    def no_targets(self) -> bool:
+        """Whether the batch has no target (its loss is zero, still connected to the parameters).
+
+        Returns:
+            The plan's ``no_targets``.
+
+        Example::
+
+            >>> prepare_documents(model, batch).no_targets     # batch: labels on every real token
+            False
+        """
+        return self.plan.no_targets
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
@@ -91,23 +89,22 @@ def forward_documents(model: Any, batch: Mapping) -> Any:
         >>> out.loss.backward()
     """
     prepared = prepare_documents(model, batch, in_step=not compiled(model))
-    out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
+    out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, prepared)
     return finish_documents(out, prepared.placed, prepared.no_targets)
 
 
 def run_prepared(
-    forward: Callable[[dict[str, Any]], Any], model: Any, batch: Mapping, prepared: Prepared, summed: bool = False
+    forward: Callable[[dict[str, Any]], Any], model: Any, prepared: Prepared, summed: bool = False
 ) -> tuple[Any, Prepared]:
     """``forward(prepared.inputs)``, or one forward per group of rows joined (:func:`joined`); where a proof is
-    due on the batch, the forward is its packed side (:class:`StepProof`) and, if the proof moves the run to rows,
-    the batch runs again there. The flat row runs as the state's execution says (eager, compiled or graphed:
+    due on the batch, the forward is its packed side (:class:`StepProof`) and, if the proof moves the run, the batch
+    runs again where its new plan says. The flat row runs as the state's execution says (eager, compiled or graphed:
     :mod:`foundry_attn.path.execution`); a proof due, and rows, run eagerly. Returns the output and the layout it ran.
 
     Args:
         forward: runs the model on a layout's inputs.
-        model: the model ``forward`` calls (a wrapper or not), laid out again if the batch must run again.
-        batch: the batch ``prepared`` was made from.
-        prepared: :func:`prepare_documents`' answer for ``batch``.
+        model: the model ``forward`` calls (a wrapper or not).
+        prepared: :func:`prepare_documents`' answer for the batch.
         summed: the model's loss is a sum over the batch's targets (``num_items_in_batch`` given), not a mean.
 
     Returns:
@@ -116,17 +113,19 @@ def run_prepared(
     Example::
 
         >>> prepared = prepare_documents(model, batch, in_step=True)   # doc_lens [[20, 30], [40]]
-        >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, batch, prepared)
+        >>> out, prepared = run_prepared(lambda inputs: model(**inputs, use_cache=False), model, prepared)
         >>> out.logits.shape                                            # the flat row: 90 real tokens
         torch.Size([1, 90, 64])
     """
-    execution = prepared.execution
+    hf = unwrapped(model)
+    state = path_of(hf) if prepared.plan.attached else None
+    execution = state.execution if state is not None else None
     if prepared.proof is not None:  # a flat row whose proof takes its forward, uncompiled
         if execution is not None:
             execution.ran_eagerly(PROOF_DUE)
-        return _proven(forward, model, batch, prepared.proof, prepared)
-    if prepared.flat and execution is not None:
-        return execution.run(forward, prepared.inputs, unwrapped(model)), prepared
+        return _proven(forward, hf, prepared.proof, prepared)
+    if prepared.plan.path == FLAT and execution is not None:
+        return execution.run(forward, prepared.inputs, hf), prepared
     if execution is not None:  # rows: a shape per batch
         execution.ran_eagerly(ROWS_BATCH)
     if prepared.forwards:
@@ -138,7 +137,7 @@ def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = F
     """The outputs of a batch's rows run in several forwards by width as one: the logits of every real token in
     batch order (``[1, tokens, vocab]``), the loss the batch's targets give in one forward (each forward's mean
     weighted by its targets; ``summed``: added up). Per-row fields (hidden states, router logits) are not joined:
-    :meth:`~foundry_attn.path.layout_choice.LayoutChoice.forwards` runs such a model in one forward.
+    :meth:`~foundry_attn.flat.layout_cost.LayoutChoice.forwards` runs such a model in one forward.
 
     Args:
         outs: each forward's output, in the order of ``forwards``.
@@ -150,6 +149,8 @@ def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = F
 
     Example::
 
+        >>> from foundry_attn.flat.inputs import row_forwards
+        >>> from foundry_attn.flat.layout import Layout
         >>> layout = Layout.from_batch(batch)                            # doc_lens [[20, 30], [40]]
         >>> groups = ((2,), (0, 1))                                      # 40 alone, then 20 and 30
         >>> forwards, placed = row_forwards(model, batch["input_ids"], None, batch["labels"], layout, groups)
@@ -172,7 +173,7 @@ def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = F
 
 @torch.compiler.disable  # a step proof is made only for uncompiled forwards; this keeps a compiled caller's graph
 def _proven(
-    forward: Callable[[dict[str, Any]], Any], model: Any, batch: Mapping, proof: StepProof, prepared: Prepared
+    forward: Callable[[dict[str, Any]], Any], hf: Any, proof: StepProof, prepared: Prepared
 ) -> tuple[Any, Prepared]:
     try:
         with proof.capturing():
@@ -182,7 +183,7 @@ def _proven(
     else:
         if proof.settle(out):
             return out, prepared
-    prepared = prepare_documents(model, batch)  # rows, or stock's packed mask, now (proven there when due)
+    prepared = _laid_out(hf, replan(hf, prepared.plan))  # rows, or stock's packed mask, now
     return forward(prepared.inputs), prepared
 
 
@@ -217,25 +218,14 @@ def finish_documents(out: Any, placed: Placed, no_targets: bool, shaped: bool = 
     return out
 
 
-def _at_capacity(state: PathState, hf: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The flat row padded to its bucket of ``state.capacity``; a row past it runs at its own length, said once."""
-    docs: Documents = inputs[DOCS_KEY]
-    sizes = capacity_for(docs.bounds[-1], len(docs.lengths), state.capacity)
-    if sizes is not None:
-        return at_capacity(inputs, sizes)
-    if not any(n.startswith(PAST_CAPACITY) for n in state.notes):
-        note = f"{PAST_CAPACITY} {state.capacity} tokens (a row of {docs.bounds[-1]}): it runs at its own length"
-        state.notes.append(note)
-        log.warning("foundry_attn: %s: %s (said once)", type(hf).__name__, note)
-    return inputs
-
-
 @torch.compiler.disable
 def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped: bool | None = None) -> Prepared:
-    """The model's inputs for ``batch`` (:class:`Prepared`). Host-side work on Python ints, so never traced: under
-    ``torch.compile`` (Composer's ``compile_config`` compiles the forward around this) the model sees only tensors
-    and our ``Documents``. ``in_step``: the caller runs the forward uncompiled through :func:`run_prepared`, so a
-    proof due on the batch may take that forward as its packed side, and rows may run in several forwards by width.
+    """The model's inputs for ``batch`` (:class:`Prepared`): planned once (:func:`~foundry_attn.path.plan.plan_batch`),
+    built once from the plan (:func:`~foundry_attn.flat.inputs.build`), and where a proof is due, proven on them; a
+    proof that moves the run returns a new plan, built in its turn. Host-side work on Python ints, so never traced:
+    under ``torch.compile`` (Composer's ``compile_config`` compiles the forward around this) the model sees only
+    tensors and our ``Documents``. ``in_step``: the caller runs the forward uncompiled through :func:`run_prepared`,
+    so a proof due on the batch may take that forward as its packed side, and rows may run in several forwards by width.
 
     Args:
         model: a transformers causal LM, or a wrapper of one.
@@ -256,60 +246,23 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
         >>> prepared.inputs["input_ids"].shape
         torch.Size([1, 90])
     """
-    ids = batch["input_ids"]
-    layout = Layout.from_batch(batch)
-    if layout.real_tokens == 0:
-        raise ValueError("empty batch: no real tokens (every row is padding)")
-    labels = batch.get("labels")
-    no_targets = labels is not None and not has_targets(batch, labels)
-    if no_targets:
-        labels = None
     hf = unwrapped(model)
+    plan = plan_batch(hf, batch, in_step, in_step if grouped is None else grouped)
+    built = build(hf, plan)
+    if plan.at is None:
+        return Prepared(plan, built.inputs, built.placed, forwards=built.forwards)
     state = path_of(hf)
-    groups: tuple[tuple[int, ...], ...] = ()
-    if state is None:
-        _say_unproven(type(hf).__name__)
-    else:
-        grouped = in_step if grouped is None else grouped
-        plan = state.plan(hf, layout.real_tokens, layout.max_length, in_step, layout.lengths, grouped)
-        # a proof due judges the row that trains against what the batch itself gives each document alone
-        truth = Truth.of(layout, labels) if plan.at is not None else None
-        if plan.path == ROWS and plan.at is not None and state.path == FLAT:  # rows beside the flat row, proven now
-            flat = flat_inputs(hf, ids, labels, layout)[0]
-            if prove_batch(state, hf, flat, plan, truth) == FLAT:
-                plan = Plan(FLAT)  # failed: the flat row (proven) runs this batch
-        groups = plan.groups
-        if plan.path == FLAT:
-            if not state.execution.settled:  # the first flat batch: its device, and auto's capacity (rows x width)
-                state.run_with(capacity=state.execution.settle(ids.device, state.capacity, ids.numel(), hf))
-            # documents of one length as even rows where the function would regroup them in every layer (uncompiled:
-            # a compiled step takes every layout as one flat row, one graph)
-            regroups = state.stock_mask or BACKENDS[state.backend].regroups
-            even = in_step and state.execution.runs == EAGER_STEP and regroups
-            inputs, placed = flat_inputs(hf, ids, labels, layout, even)
-            if state.capacity and not state.stock_mask:  # a few fixed shapes: the kernel reads the bounds on the device
-                inputs = _at_capacity(state, hf, inputs)
-            # the proof, when due, runs these very inputs (or their forward); a failure moves the batch and run to rows
-            if plan.in_step:
-                proof = step_proof(state, hf, inputs, plan, truth)
-                return Prepared(inputs, placed, no_targets, proof, execution=state.execution, flat=True)
-            if plan.at is None or prove_batch(state, hf, inputs, plan, truth) == FLAT:
-                inputs = stock_packed(inputs) if state.stock_mask else inputs
-                return Prepared(inputs, placed, no_targets, execution=state.execution, flat=True)
-        # rows, proven as flat is: the first batch, changes, longer batches, the interval
-        elif plan.at is not None and state.path == ROWS:
-            flat = flat_inputs(hf, ids, labels, layout)[0]
-            prove_batch(state, hf, flat, plan, truth)
-    # rows: each document starts its own row, so the model's own position ids are right (RoBERTa-style offsets
-    # included); only a user's explicit position_ids with their own mask are passed on
-    left, first = (state.rows_left, state.first_targets) if state is not None else (False, False)
-    execution = state.execution if state is not None else None
-    positions = None if layout.marked else layout.positions
-    if groups:  # several forwards by width
-        forwards, placed = row_forwards(hf, ids, positions, labels, layout, groups, left, first)
-        return Prepared(forwards[0].inputs, placed, no_targets, forwards=forwards, execution=execution)
-    inputs, placed = one_per_row(hf, ids, positions, labels, layout, left, first)
-    return Prepared(inputs, placed, no_targets, execution=execution)
+    assert state is not None
+    settled, proof = prove_plan(state, hf, plan, built.row)
+    if settled is plan:
+        return Prepared(plan, built.inputs, built.placed, proof, built.forwards)
+    return _laid_out(hf, settled)
+
+
+def _laid_out(hf: Any, plan: Plan) -> Prepared:
+    """A plan with no proof due, built."""
+    built = build(hf, plan)
+    return Prepared(plan, built.inputs, built.placed, forwards=built.forwards)
 
 
 def packed_model(model: Any, forward: Callable[..., Any], batch: dict[str, Any], extra: dict[str, Any]) -> Any:
@@ -337,9 +290,8 @@ def packed_model(model: Any, forward: Callable[..., Any], batch: dict[str, Any],
     per_row = any(extra.get(k) for k in ("output_hidden_states", "output_attentions", "output_router_logits"))
     prepared = prepare_documents(model, batch, in_step=in_step, grouped=in_step and not per_row)
     summed = extra.get("num_items_in_batch") is not None
-    out, prepared = run_prepared(
-        lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, batch, prepared, summed
-    )
+    run = run_prepared(lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, prepared, summed)
+    out, prepared = run
     return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
 
 
@@ -417,16 +369,6 @@ def plain_call(model: Any, kwargs: Mapping[str, Any]) -> None:
     state.learned(padding_read=True)
     if side == "left":
         state.keep(f"{state.reason}; {LEFT_PADDED}", change=LEFT_PADDED)
-
-
-@functools.cache
-def _say_unproven(class_name: str) -> None:
-    log.warning(
-        "foundry_attn: %s was never attached (foundry_attn.path.attach.attach), so its flat path is not proven: "
-        "forward_documents runs it one document per row (rows path; under FA2 that is transformers' per-layer "
-        "unpad). Call attach(model, backend) once for the flat path.",
-        class_name,
-    )
 
 
 def repad_logits(out: Any) -> torch.Tensor:

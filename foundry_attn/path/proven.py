@@ -4,7 +4,7 @@ refused. The path asks the proof (:mod:`foundry_attn.proof`) and acts on its ans
     prove_at_attach(state, hf_model)                         # on synthetic documents, the path's own proof
     prove(state, hf_model, inputs, "attach")                 # the flat row, at attach or on a batch
     prove_rows(state, hf_model, inputs, "attach")            # one document per row (right-, else left-padded)
-    prove_batch(state, hf_model, inputs, plan, truth=None)   # the proof a batch's plan calls for: the path after
+    prove_plan(state, hf_model, plan, row)                   # the proof a batch's plan calls for: the plan after
     subject_of(hf_model)                                     # the model as the proof runs it (its one door)
 
 Core module: torch and transformers only.
@@ -26,7 +26,8 @@ from foundry_attn.flat.inputs import flat_inputs, stock_splits_packed_rows
 from foundry_attn.flat.layout import Layout, Truth
 from foundry_attn.flat.layout_cost import FLAT, ROWS
 from foundry_attn.flat.model_forward import own_forward
-from foundry_attn.path.state import FlatPathError, NoExactPath, PathState, Plan
+from foundry_attn.path.plan import Plan, replan
+from foundry_attn.path.state import FlatPathError, NoExactPath, PathState
 from foundry_attn.proof.prove import prove_flat, prove_packed
 from foundry_attn.proof.prove import prove_rows as rows_proof
 from foundry_attn.proof.proving import hidden
@@ -380,64 +381,49 @@ def _note(state: PathState, hf: Any, note: str) -> None:
     (log.info if said else log.warning)("foundry_attn: %s %s", type(hf).__name__, note)
 
 
-def prove_batch(state: PathState, hf: Any, inputs: Mapping[str, Any], plan: Plan, truth: Truth | None) -> str:
-    """Prove ``plan``'s path on this batch's flat ``inputs`` (whose documents the rows proof lays out one per
-    row); the path the batch runs after (a failed flat proof: rows).
+def prove_plan(state: PathState, hf: Any, plan: Plan, row: Mapping[str, Any] | None) -> tuple[Plan, StepProof | None]:
+    """The proof ``plan`` calls for (``plan.at``), on the flat ``row`` the batch trains on (or, where it runs rows,
+    on a flat row of its documents, which the rows proof lays out one per row): in the batch's own forward
+    (``plan.in_step``: the :class:`~foundry_attn.proof.step_proof.StepProof` to run it in), else now. Returns the plan
+    the batch runs: ``plan`` where the proof holds, else the batch where the proof moved the run
+    (:func:`~foundry_attn.path.plan.replan`).
 
     Args:
         state: the path's state.
         hf: the transformers model.
-        inputs: the batch's flat inputs.
-        plan: this batch's :class:`~foundry_attn.path.state.Plan`, with a proof due (``plan.at``).
-        truth: the documents' positions and labels, read from the batch (None: the model's own).
+        plan: this batch's :class:`~foundry_attn.path.plan.Plan`, with a proof due.
+        row: the batch's flat row with its documents (:func:`foundry_attn.flat.inputs.build`), None where it runs rows.
 
     Returns:
-        ``"flat"`` or ``"rows"``.
+        The plan the batch runs, and the step proof to run its forward in (None where the proof ran now).
 
     Example::
 
-        >>> plan = Plan("flat", at="batch 1 (the first training batch)")
-        >>> prove_batch(state, hf_model, inputs, plan, truth=None)
-        'flat'
+        >>> from foundry_attn.flat.inputs import build
+        >>> from foundry_attn.path.plan import plan_batch
+        >>> _ = hf_model.train()
+        >>> plan = plan_batch(hf_model, batch)                      # the first training batch: a proof due
+        >>> settled, step = prove_plan(state, hf_model, plan, build(hf_model, plan).row)
+        >>> settled is plan, step
+        (True, None)
     """
     assert plan.at is not None
+    truth = Truth.of(plan.layout, plan.labels)
+    flat = row if row is not None else flat_inputs(hf, plan.ids, plan.labels, plan.layout)[0]
+    if plan.in_step:
+        keep, again = functools.partial(keep_proof, state), functools.partial(prove, state)
+        return plan, StepProof(state, keep, again, subject_of(hf), flat, plan.at, plan.grads, truth)
+    before = (state.path, state.stock_mask, state.rows_left)
     if plan.path == FLAT:
-        prove(state, hf, inputs, plan.at, grads=plan.grads, truth=truth)
-        return state.path
-    if state.path == FLAT:  # one document per row as the cheaper candidate: a failure leaves the flat row
-        runs = _rows_candidate(state, hf, inputs, plan.at, plan.grads, truth, plan.groups)
+        prove(state, hf, flat, plan.at, grads=plan.grads, truth=truth)
+    elif state.path == FLAT:  # one document per row as the cheaper candidate: a failure leaves the flat row
+        runs = _rows_candidate(state, hf, flat, plan.at, plan.grads, truth, plan.groups)
         state.schedule.watch(hf, state.names)
         if not runs:
             state.choice.layout, state.choice.reason = FLAT, f"one document per row failed its proof at {plan.at}"
-        return ROWS if runs else FLAT
-    prove_rows(state, hf, inputs, plan.at, grads=plan.grads, truth=truth, groups=plan.groups)
-    state.schedule.watch(hf, state.names)
-    return ROWS
-
-
-def step_proof(state: PathState, hf: Any, inputs: Mapping[str, Any], plan: Plan, truth: Truth | None) -> StepProof:
-    """The proof ``plan`` calls for on the batch's own forward (``plan.in_step``).
-
-    Args:
-        state: the path's state.
-        hf: the transformers model.
-        inputs: the batch's flat inputs.
-        plan: this batch's :class:`~foundry_attn.path.state.Plan`, with ``in_step``.
-        truth: the documents' positions and labels, read from the batch (None: the model's own).
-
-    Returns:
-        The :class:`~foundry_attn.proof.step_proof.StepProof` to run the forward in.
-
-    Example::
-
-        >>> plan = Plan("flat", at="batch 1 (the first training batch)", in_step=True)
-        >>> proof = step_proof(state, hf_model, inputs, plan, truth=None)
-        >>> with proof.capturing():                                 # the batch's own forward
-        ...     out = hf_model(**inputs, use_cache=False)
-        >>> proof.settle(out)
-        True
-    """
-    assert plan.at is not None
-    keep = functools.partial(keep_proof, state)
-    again = functools.partial(prove, state)
-    return StepProof(state, keep, again, subject_of(hf), inputs, plan.at, plan.grads, truth)
+            return replan(hf, plan, FLAT), None
+    else:
+        prove_rows(state, hf, flat, plan.at, grads=plan.grads, truth=truth, groups=plan.groups)
+        state.schedule.watch(hf, state.names)
+    moved = (state.path, state.stock_mask, state.rows_left) != before
+    return (replan(hf, plan, ROWS if plan.path == ROWS and state.path == FLAT else None) if moved else plan), None

@@ -1,38 +1,34 @@
-"""The path a model runs, flat or rows, and the one per-batch plan: which layout, and whether a proof is due.
+"""The path a model runs, flat or rows, and why: the one owner of its changes.
 
     state = path_of(hf_model)                        # kept on the HF model by attach (foundry_attn.path.attach)
     state.path, state.reason                         # "flat" | "rows", and why
-    plan = state.plan(hf_model, tokens, longest, in_step=True)   # what forward_documents does with a batch
+    state.to_rows("proof at batch 3 failed: ...")    # a transition: the only code that assigns the state's fields
 
 **flat** (unpad once, the documents as an argument of every attention call) is used only while the proof
 (:mod:`foundry_attn.proof`: the flat row that trains against stock on each document alone, logits and gradients)
 holds. **rows** (the stock backend, one document per row, a 2-D mask) is used otherwise: a failed proof moves the run
 there, from the batch it failed on, with one warning (or, binding, raises with the reason and the batch). The state
-holds the path and asks the owners of the rest: when a proof is due (:mod:`~foundry_attn.path.schedule`), which
-proven layout runs (:mod:`~foundry_attn.path.layout_choice`), what a proof's outcome does to the path
-(:mod:`~foundry_attn.path.proven`). :mod:`foundry_attn.path.forward` asks :meth:`PathState.plan` once per batch and
-acts on the answer. Core module: torch and transformers only.
+holds the path and what the plan of each batch reads (:mod:`foundry_attn.path.plan`): when a proof is due
+(:mod:`~foundry_attn.path.schedule`), which proven layout runs (:class:`~foundry_attn.flat.layout_cost.LayoutChoice`),
+how the flat step runs (:mod:`~foundry_attn.path.execution`); what a proof's outcome does to the path is
+:mod:`~foundry_attn.path.proven`'s. Core module: torch and transformers only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from foundry_attn.checks import check_choice
 from foundry_attn.flat.capacity import bucket
-from foundry_attn.flat.implementation import current
-from foundry_attn.flat.layout_cost import FLAT, ROWS
+from foundry_attn.flat.layout_cost import FLAT, ROWS, LayoutChoice
 from foundry_attn.flat.unwrap import compiled, unwrapped
 from foundry_attn.path.execution import EAGER_STEP, Execution
-from foundry_attn.path.layout_choice import LayoutChoice
 from foundry_attn.path.schedule import Schedule
 from foundry_attn.proof.result import Proof
-from foundry_attn.proof.step_proof import step_blocker
 from foundry_attn.selection.options import AUTO_PATH as AUTO_PATH
 from foundry_attn.selection.options import PATHS as PATHS
 from foundry_attn.selection.policy import AttentionUnavailableError, Decision
@@ -70,20 +66,6 @@ def check_path(path: str) -> str:
         ValueError: attn_path: unknown value 'flatt'; valid values: auto, flat, rows
     """
     return check_choice("attn_path", path, PATHS)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What a batch runs (:meth:`PathState.plan`): its ``path``, and the proof due on it, if any: why (``at``),
-    with gradients or forward only, and whether it takes the batch's own forward (``in_step``); on rows, the
-    documents of each forward where they run in several by width (``groups``:
-    :func:`~foundry_attn.flat.layout_cost.row_groups`)."""
-
-    path: str
-    at: str | None = None
-    grads: bool = True
-    in_step: bool = False
-    groups: tuple[tuple[int, ...], ...] = ()  # rows in several forwards: each one's documents (empty: one forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,53 +274,22 @@ class PathState:
         if execution is not None:
             self.execution = execution
 
-    def plan(
-        self,
-        hf: Any,
-        tokens: int,
-        longest: int,
-        in_step: bool = False,
-        lengths: Sequence[int] = (),
-        grouped: bool = False,
-    ) -> Plan:
-        """The one per-batch plan, for a batch of ``tokens`` real tokens whose longest document is ``longest``:
-        its layout (flat while proven and in place, else rows), and for a training batch the proof due on it, if
-        any (counted here: this is called once per batch). ``in_step``: the caller runs the forward itself,
-        uncompiled, so a flat proof may take that forward as its packed side where
-        :func:`foundry_attn.proof.step_proof.step_blocker` allows.
+    def settle_step(self, device: torch.device, tokens: int, hf: Any) -> None:
+        """The first flat batch settles how the flat step runs: its device decides ``auto``, and a graphed step
+        without a capacity takes the batch's rows x width (:meth:`~foundry_attn.path.execution.Execution.settle`).
 
         Args:
-            hf: the transformers model.
-            tokens: the batch's real tokens.
-            longest: its longest document.
-            in_step: the caller runs the forward itself, uncompiled.
-            lengths: every document's length, for the choice of layout (empty: the path).
-            grouped: the caller runs rows in several forwards by width where that costs less.
-
-        Returns:
-            The batch's :class:`Plan`.
+            device: the batch's device.
+            tokens: its rows x width.
+            hf: the transformers model (its decoder layers are compiled where the step is).
 
         Example::
 
-            >>> _ = hf_model.train()                         # layout: the batch's, doc_lens [[20, 30], [40]]
-            >>> state.plan(hf_model, layout.real_tokens, layout.max_length, in_step=True)
-            Plan(path='flat', at='batch 1 (the first training batch)', grads=True, in_step=True, groups=())
+            >>> state.settle_step(torch.device("cpu"), 12288, hf_model)
+            >>> state.capacity, state.execution.settled
+            (0, True)
         """
-        if self.path == FLAT and current(hf) != self.flat_name:
-            return Plan(ROWS)  # someone set another implementation: stock runs it, one document per row
-        training = hf.training and torch.is_grad_enabled()
-        grouped = grouped and self.choice.splits(hf, training)
-        candidates = self.path == FLAT and self.stock_mask and self.rows_proven
-        layout, groups = self.choice.choose(hf, lengths, self.path, candidates, grouped)
-        if not training:
-            return Plan(layout, groups=groups)
-        candidate = layout == ROWS and self.path == FLAT
-        due = self.schedule.due(hf, tokens, longest, self.names, rows=candidate)
-        if due is None:
-            return Plan(layout, groups=groups)
-        at = f"batch {self.schedule.batches} ({due[0]})"
-        in_step = in_step and layout == FLAT and not self.stock_mask and step_blocker(hf) is None
-        return Plan(layout, at, due[1], in_step, groups)
+        self.capacity = self.execution.settle(device, self.capacity, tokens, hf)
 
 
 def compiled_by(model: Any) -> str | None:

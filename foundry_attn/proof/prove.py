@@ -260,7 +260,7 @@ def prove_rows(
         truth: the documents' positions and labels from the batch (None: the model's own, every next token).
         left: left-pad the rows (default: right).
         groups: the documents of each forward the batch's rows run in
-            (:meth:`~foundry_attn.path.layout_choice.LayoutChoice.forwards`; empty: one).
+            (:meth:`~foundry_attn.flat.layout_cost.LayoutChoice.forwards`; empty: one).
 
     Returns:
         The :class:`Proof` of the rows path.

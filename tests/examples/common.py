@@ -28,6 +28,13 @@ def attached(tmp: Path) -> torch.nn.Module:
     return hf
 
 
+def state(tmp: Path) -> Any:
+    """The :class:`~foundry_attn.path.state.PathState` of the block's attached model."""
+    from foundry_attn.path.state import path_of
+
+    return path_of(attached(tmp))
+
+
 def ids(tmp: Path) -> torch.Tensor:
     """``[2, 8]`` token ids."""
     return torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -44,6 +51,7 @@ NAMES: dict[str, Callable[[Path], Any]] = {
     "hf_model": attached,
     "model": attached,
     "llama_model": attached,
+    "state": state,
     "ids": ids,
     "batch": batch,
 }

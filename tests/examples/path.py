@@ -13,13 +13,6 @@ from tests.examples import common
 attached = common.attached  # one per block
 
 
-def state(tmp: Path) -> Any:
-    """The :class:`~foundry_attn.path.state.PathState` of the block's attached model."""
-    from foundry_attn.path.state import path_of
-
-    return path_of(attached(tmp))
-
-
 def layout(tmp: Path) -> Any:
     """The :class:`~foundry_attn.flat.layout.Layout` of ``common.batch``: documents ``[[20, 30], [40]]``."""
     from foundry_attn.flat.layout import Layout
@@ -53,7 +46,6 @@ NAMES: dict[str, Callable[[Path], Any]] = {
     "model": attached,
     "hf_model": attached,
     "llama_model": attached,
-    "state": state,
     "llama": lambda tmp: common.tiny_llama(),
     "layout": layout,
     "inputs": inputs,

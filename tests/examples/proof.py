@@ -96,12 +96,15 @@ def packed_run(tmp: Path) -> Any:
 
 
 def step(tmp: Path) -> Any:
-    """The proof due on a training batch of ``inputs`` that takes its forward (``step_proof``)."""
-    from foundry_attn.path.proven import step_proof
-    from foundry_attn.path.state import Plan
+    """The proof due on a training batch of ``inputs`` that takes its forward (as ``prove_plan`` makes it)."""
+    import functools
 
-    plan = Plan("flat", at="batch 1 (the first training batch)", in_step=True)
-    return step_proof(state(tmp), _model(tmp), _inputs(tmp), plan, None)
+    from foundry_attn.path.proven import keep_proof, prove, subject_of
+    from foundry_attn.proof.step_proof import StepProof
+
+    keep, again = functools.partial(keep_proof, state(tmp)), functools.partial(prove, state(tmp))
+    at = "batch 1 (the first training batch)"
+    return StepProof(state(tmp), keep, again, subject_of(_model(tmp)), _inputs(tmp), at, True, None)
 
 
 def cpmant(tmp: Path) -> torch.nn.Module:

@@ -95,7 +95,7 @@ def _planted(monkeypatch: pytest.MonkeyPatch, plant: str) -> None:
             made["labels"] = labels
         return made, placed
 
-    monkeypatch.setattr(forward, "flat_inputs", planted)
+    monkeypatch.setattr(inputs, "flat_inputs", planted)  # what build lays the training row out with
 
 
 @pytest.mark.parametrize("plant", ["position offset", "dropped target", "crossing target"])

@@ -166,9 +166,9 @@ def test_an_unknown_path_lists_the_valid_ones() -> None:
 
 def test_an_unattached_model_runs_rows_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     from foundry_attn.flat.implementation import point
-    from foundry_attn.path import forward
+    from foundry_attn.path import plan
 
-    forward._say_unproven.cache_clear()  # said once per class and process
+    plan._say_unproven.cache_clear()  # said once per class and process
     model = conformance.build("llama", "sdpa")
     point(model, "sdpa")  # our name, never proven
     out = forward_documents(model, _batch(0))

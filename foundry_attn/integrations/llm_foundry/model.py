@@ -217,7 +217,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         routed = self._route(batch)
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
-        out, routed = run_prepared(lambda inputs: self.model(**inputs, use_cache=False), self.model, batch, routed)
+        out, routed = run_prepared(lambda inputs: self.model(**inputs, use_cache=False), self.model, routed)
         self._path_changed()
         return finish_documents(out, routed.placed, routed.no_targets, shaped=True)  # [rows, width, vocab] logits
 
