@@ -3,6 +3,7 @@
     check_interval("upad_tracer", "log_interval", 50)                          # 50
     check_interval("foundry_attn_causal_lm", "attn_proof_interval", 0, minimum=0)   # 0: first batch and changes only
     check_choice("attn_path", "flatt", ("auto", "flat", "rows"))   # attn_path: unknown value 'flatt'; valid values: ...
+    short(starts)                                                  # a long list in an error: '[0, 10, ...] (10)'
 
 Core module: standard library only.
 """
@@ -52,3 +53,21 @@ def check_choice(key: str, value: object, valid: Iterable[str]) -> str:
     if not isinstance(value, str) or value not in names:
         raise ValueError(f"{key}: unknown value {value!r}; valid values: {', '.join(names)}")
     return value
+
+
+def short(values: list[int], keep: int = 6) -> str:
+    """``[0, 5, 16, ...]`` with the count when long.
+
+    Args:
+        values: the list to show.
+        keep: how many values a long list shows.
+
+    Returns:
+        The list as text.
+
+    Example::
+
+        >>> short(list(range(0, 100, 10)))
+        '[0, 10, 20, 30, 40, 50, ...] (10)'
+    """
+    return str(values) if len(values) <= keep else f"[{', '.join(map(str, values[:keep]))}, ...] ({len(values)})"

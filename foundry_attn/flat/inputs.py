@@ -387,9 +387,7 @@ def row_forwards(
 
 
 class _Laid(Protocol):
-    """What :func:`build` reads of a batch's plan (:class:`foundry_attn.path.plan.Plan`, handed in, never imported):
-    ``path``, ``layout``, ``ids``, ``labels``, ``groups``, ``even``, ``sizes``, ``stock_mask``, ``left`` and
-    ``first_targets``, each read-only."""
+    """What :func:`build` reads of a batch's plan (:class:`foundry_attn.path.plan.Plan`, handed in, never imported)."""
 
     @property
     def path(self) -> str: ...

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from foundry_attn.checks import short
 from foundry_attn.flat.packing import IGNORE_INDEX
 
 
@@ -484,21 +485,3 @@ def flattened_lengths(batch: Mapping) -> list[int] | None:
             f"{short(restarts)}; both must mark the same documents (DataCollatorWithFlattening makes them together)"
         )
     return lengths
-
-
-def short(values: list[int], keep: int = 6) -> str:
-    """``[0, 5, 16, ...]`` with the count when long.
-
-    Args:
-        values: the list to show.
-        keep: how many values a long list shows.
-
-    Returns:
-        The list as text.
-
-    Example::
-
-        >>> short(list(range(0, 100, 10)))
-        '[0, 10, 20, 30, 40, 50, ...] (10)'
-    """
-    return str(values) if len(values) <= keep else f"[{', '.join(map(str, values[:keep]))}, ...] ({len(values)})"

@@ -25,13 +25,11 @@ from typing import Any
 
 import torch
 
+from foundry_attn.checks import short
+
 IGNORE_INDEX = -100
 #: the keys a packed call carries per token; read and flattened together
 TOKEN_KEYS = ("input_ids", "labels", "position_ids")
-
-
-def _short(values: list[int], keep: int = 6) -> str:
-    return str(values) if len(values) <= keep else f"[{', '.join(map(str, values[:keep]))}, ...] ({len(values)})"
 
 
 def _restarts(pos: torch.Tensor) -> torch.Tensor:
@@ -64,7 +62,7 @@ def check_document_mask(mask: torch.Tensor, positions: torch.Tensor) -> None:
         if last - first + 1 != len(real):
             gaps = [k for k in range(first, last + 1) if m[k] == 0]
             raise ValueError(
-                f"axolotl packed batch, row {r}: attention_mask has padding (0) inside the row at {_short(gaps)}; "
+                f"axolotl packed batch, row {r}: attention_mask has padding (0) inside the row at {short(gaps)}; "
                 "foundry_attn reads padding only as one run at an end of a row"
             )
         for edge in (first, last + 1):  # where padding meets a document, the positions must restart
@@ -79,7 +77,7 @@ def check_document_mask(mask: torch.Tensor, positions: torch.Tensor) -> None:
             if changes != starts:
                 raise ValueError(
                     f"axolotl packed batch, row {r}: attention_mask document numbers start documents at "
-                    f"{_short(changes)} but position_ids restart at {_short(starts)}; both must mark the same "
+                    f"{short(changes)} but position_ids restart at {short(starts)}; both must mark the same "
                     "documents"
                 )
 
