@@ -278,7 +278,7 @@ def cheapest(
     return Choice(chosen, reason, costs)
 
 
-#: the fewest forwards any rank would run a batch's rows in, given this rank's (:func:`foundry_attn.path.ranks.fewest`)
+#: the fewest forwards any rank would run a batch's rows in, given this rank's (`foundry_attn.path.agreement.fewest`)
 Agree = Callable[[int], int]
 
 

@@ -33,7 +33,7 @@ import torch
 
 from foundry_attn.attention.documents import DOCS_KEY, Documents
 from foundry_attn.checks import check_choice
-from foundry_attn.path.ranks import sharded
+from foundry_attn.path.agreement import sharded
 from foundry_attn.path.regions import Regions
 from foundry_attn.selection.options import AUTO_STEP, COMPILED, EAGER_STEP, EXECUTIONS, GRAPHED
 

@@ -26,8 +26,8 @@ from foundry_attn.flat.capacity import capacity_for
 from foundry_attn.flat.implementation import current
 from foundry_attn.flat.layout import Layout, has_targets
 from foundry_attn.flat.layout_cost import FLAT, ROWS
+from foundry_attn.path.agreement import fewest, sharded, world
 from foundry_attn.path.execution import EAGER_STEP
-from foundry_attn.path.ranks import fewest, sharded, world
 from foundry_attn.path.state import PathState, path_of
 from foundry_attn.proof.step_proof import step_blocker
 

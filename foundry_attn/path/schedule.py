@@ -23,7 +23,7 @@ import torch
 
 from foundry_attn.attention.documents import Documents
 from foundry_attn.attention.torch_varlen import torch_varlen_kernel
-from foundry_attn.path.ranks import agreed_lengths
+from foundry_attn.path.agreement import agreed_lengths
 from foundry_attn.selection.options import PROOF_INTERVAL as PROOF_INTERVAL
 
 
