@@ -413,7 +413,7 @@ def prove_plan(state: PathState, hf: Any, plan: Plan, row: Mapping[str, Any] | N
     if plan.in_step:
         keep, again = functools.partial(keep_proof, state), functools.partial(prove, state)
         return plan, StepProof(state, keep, again, subject_of(hf), flat, plan.at, plan.grads, truth)
-    before = (state.path, state.stock_mask, state.rows_left)
+    before, path = (state.path, state.stock_mask, state.rows_left), None
     if plan.path == FLAT:
         prove(state, hf, flat, plan.at, grads=plan.grads, truth=truth)
     elif state.path == FLAT:  # one document per row as the cheaper candidate: a failure leaves the flat row
@@ -421,9 +421,10 @@ def prove_plan(state: PathState, hf: Any, plan: Plan, row: Mapping[str, Any] | N
         state.schedule.watch(hf, state.names)
         if not runs:
             state.choice.layout, state.choice.reason = FLAT, f"one document per row failed its proof at {plan.at}"
-            return replan(hf, plan, FLAT), None
+        path = ROWS if runs else FLAT  # the layout the batch runs, beside the run's path
     else:
         prove_rows(state, hf, flat, plan.at, grads=plan.grads, truth=truth, groups=plan.groups)
         state.schedule.watch(hf, state.names)
-    moved = (state.path, state.stock_mask, state.rows_left) != before
-    return (replan(hf, plan, ROWS if plan.path == ROWS and state.path == FLAT else None) if moved else plan), None
+    if (state.path, state.stock_mask, state.rows_left) == before and path in (None, plan.path):
+        return plan, None
+    return replan(hf, plan, path), None
