@@ -342,8 +342,12 @@ class LayoutChoice:
             >>> state.choice.forwards(hf_model, [2048] + [32] * 64)
             ((0,), (1, 2, ..., 64))
         """
-        groups = row_groups(tuple(lengths), self.most_forwards, self.shape(hf).forward_positions)
-        return groups if self.splits(hf) and len(groups) > 1 else ()
+        return self._groups(hf, tuple(lengths), self.most_forwards) if self.splits(hf) else ()
+
+    def _groups(self, hf: Any, lengths: tuple[int, ...], most: int) -> tuple[tuple[int, ...], ...]:
+        """The documents of each of at most ``most`` forwards by width; empty where one forward runs them all."""
+        groups = row_groups(lengths, most, self.shape(hf).forward_positions) if lengths else ()
+        return groups if len(groups) > 1 else ()
 
     def choose(
         self,
@@ -378,29 +382,24 @@ class LayoutChoice:
             "one document per row: 1.36 GFLOP, 48 MB against the flat row (stock's packed mask): 13.4 GFLOP, ..."
         """
         lengths = tuple(lengths)
-        shape = self.shape(hf)
         most = self.most_forwards if grouped else 1
         free = free_memory(next(hf.parameters()).device) if candidates and lengths else float("inf")
 
         def chosen(forwards: int) -> tuple[str, str]:
             if not (candidates and lengths):
                 return path, ""
-            best = cheapest(shape, lengths, (FLAT, ROWS), stock_mask=True, free=free, forwards=forwards)
+            best = cheapest(self.shape(hf), lengths, (FLAT, ROWS), stock_mask=True, free=free, forwards=forwards)
             return best.layout, best.reason
 
-        def split(layout: str, forwards: int) -> tuple[tuple[int, ...], ...]:
-            groups = row_groups(lengths, forwards, shape.forward_positions) if layout == ROWS and lengths else ()
-            return groups if len(groups) > 1 else ()
-
         layout, reason = chosen(most)
-        groups = split(layout, most) if grouped else ()
+        groups = self._groups(hf, lengths, most) if grouped and layout == ROWS else ()
         if grouped and agree is not None:  # every rank runs as many forwards (DDP broadcasts its buffers in each)
             least = agree(max(1, len(groups)))
             if least == 1 < len(groups):  # one forward: the cheaper layout in one
                 layout, reason = chosen(1)
                 groups = ()
             elif least < len(groups):
-                groups = split(layout, least)
+                groups = self._groups(hf, lengths, least)
         if candidates and lengths and layout != self.layout:
             log.info("foundry_attn: %s runs %s", type(hf).__name__, reason)
         self.layout, self.reason = layout, reason

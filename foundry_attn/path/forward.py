@@ -248,15 +248,14 @@ def prepare_documents(model: Any, batch: Mapping, in_step: bool = False, grouped
     """
     hf = unwrapped(model)
     plan = plan_batch(hf, batch, in_step, in_step if grouped is None else grouped)
-    built = build(hf, plan)
-    if plan.at is None:
-        return Prepared(plan, built.inputs, built.placed, forwards=built.forwards)
-    state = path_of(hf)
-    assert state is not None
-    settled, proof = prove_plan(state, hf, plan, built.row)
-    if settled is plan:
-        return Prepared(plan, built.inputs, built.placed, proof, built.forwards)
-    return _laid_out(hf, settled)
+    built, proof = build(hf, plan), None
+    if plan.at is not None:  # a proof due: on these inputs, or in their forward (proof); a moved run is a new plan
+        state = path_of(hf)
+        assert state is not None
+        settled, proof = prove_plan(state, hf, plan, built.row)
+        if settled is not plan:
+            return _laid_out(hf, settled)
+    return Prepared(plan, built.inputs, built.placed, proof, built.forwards)
 
 
 def _laid_out(hf: Any, plan: Plan) -> Prepared:
@@ -290,8 +289,9 @@ def packed_model(model: Any, forward: Callable[..., Any], batch: dict[str, Any],
     per_row = any(extra.get(k) for k in ("output_hidden_states", "output_attentions", "output_router_logits"))
     prepared = prepare_documents(model, batch, in_step=in_step, grouped=in_step and not per_row)
     summed = extra.get("num_items_in_batch") is not None
-    run = run_prepared(lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, prepared, summed)
-    out, prepared = run
+    out, prepared = run_prepared(
+        lambda inputs: forward(model, **inputs, use_cache=False, **extra), model, prepared, summed
+    )
     return finish_documents(out, prepared.placed, prepared.no_targets, shaped=True)
 
 

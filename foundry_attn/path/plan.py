@@ -121,7 +121,7 @@ def plan_batch(hf: torch.nn.Module, batch: Mapping, in_step: bool = False, group
     candidates = state.path == FLAT and state.stock_mask and state.rows_proven
     agree = functools.partial(fewest, hf=hf) if grouped and world() > 1 else None
     path, groups = state.choice.choose(hf, layout.lengths, state.path, candidates, grouped, agree)
-    plan = dataclasses.replace(_laid(state, hf, plan, path, in_step), groups=groups)
+    plan = _laid(state, hf, plan, path, in_step, groups)
     beside = path == ROWS and state.path == FLAT  # one document per row, a candidate beside the flat row
     due = state.schedule.due(hf, layout.real_tokens, layout.max_length, state.names, rows=beside) if training else None
     if due is None:
@@ -150,15 +150,27 @@ def replan(hf: torch.nn.Module, plan: Plan, path: str | None = None) -> Plan:
     state = path_of(hf)
     if state is None:
         return plan
-    return dataclasses.replace(_laid(state, hf, plan, path or state.path, False), at=None, in_step=False, groups=())
+    return _laid(state, hf, plan, path or state.path, False)
 
 
-def _laid(state: PathState, hf: torch.nn.Module, plan: Plan, path: str, in_step: bool) -> Plan:
-    """The layout's part of a plan on ``path``: the flat row's shape (``in_step``: even rows where our function
+def _laid(state: PathState, hf: torch.nn.Module, plan: Plan, path: str, in_step: bool, groups: Groups = ()) -> Plan:
+    """``plan`` laid out on ``path``, no proof due yet: the flat row's shape (``in_step``: even rows where our function
     would regroup documents of one length in every layer, uncompiled; padded to the capacity, a row past it at its
-    own length, said once), or the rows' side and targets."""
+    own length, said once), or the rows' ``groups``, side and targets. Every layout field is set, none kept from
+    ``plan``'s other path."""
     if path == ROWS:
-        return dataclasses.replace(plan, path=ROWS, left=state.rows_left, first_targets=state.first_targets)
+        return dataclasses.replace(
+            plan,
+            path=ROWS,
+            groups=groups,
+            even=False,
+            sizes=None,
+            stock_mask=False,
+            left=state.rows_left,
+            first_targets=state.first_targets,
+            at=None,
+            in_step=False,
+        )
     layout, capacity = plan.layout, state.capacity
     even = in_step and state.execution.runs == EAGER_STEP and (state.stock_mask or BACKENDS[state.backend].regroups)
     sizes = None
@@ -168,7 +180,18 @@ def _laid(state: PathState, hf: torch.nn.Module, plan: Plan, path: str, in_step:
             note = f"{PAST_CAPACITY} {capacity} tokens (a row of {layout.real_tokens}): it runs at its own length"
             state.notes.append(note)
             log.warning("foundry_attn: %s: %s (said once)", type(hf).__name__, note)
-    return dataclasses.replace(plan, path=FLAT, stock_mask=state.stock_mask, even=even, sizes=sizes)
+    return dataclasses.replace(
+        plan,
+        path=FLAT,
+        groups=groups,
+        even=even,
+        sizes=sizes,
+        stock_mask=state.stock_mask,
+        left=False,
+        first_targets=False,
+        at=None,
+        in_step=False,
+    )
 
 
 @functools.cache
