@@ -457,7 +457,7 @@ class ModelInspector:
 
 
 def summarize(records: list[dict[str, Any]], batch: BatchInfo | None = None) -> dict[str, float]:
-    """The ``attn/*`` metrics of one forward's records (see :class:`AttentionInspector` for each key); the
+    """The ``attn/*`` metrics of one forward's records (each key: docs/callbacks.md); the
     ``attn/mask_*_modules`` keys count attention modules by the mask they were given.
 
     Args:

@@ -1,5 +1,5 @@
 """The Composer callbacks attention_inspector, upad_tracer and attn_decision: construction (log_interval,
-selector), logged keys against their docstrings, the LLM-Foundry registry, then real Composer Trainer runs."""
+selector), logged keys against docs/callbacks.md, the LLM-Foundry registry, then real Composer Trainer runs."""
 
 from __future__ import annotations
 
@@ -104,8 +104,9 @@ def test_block_mask_attention_modules_are_counted() -> None:
 
 
 @pytest.mark.foundry
-def test_every_logged_key_is_in_its_callback_docstring() -> None:
-    """The class docstrings are the reference of the logged keys: none missing, none made up."""
+def test_docs_callbacks_md_lists_every_logged_key_of_each_callback() -> None:
+    """docs/callbacks.md is the reference of the logged keys, one section per callback: none missing, none made up;
+    the class docstring shows the YAML and the Trainer, names its arguments and points there."""
     import inspect
     import re
 
@@ -113,18 +114,25 @@ def test_every_logged_key_is_in_its_callback_docstring() -> None:
     from foundry_attn.observe import inspector, probe, tracer
     from foundry_attn.observe.flash_symbols import ROLES
 
-    for modules, cls, computed in (  # the inspector's metrics are summed in the core (probe.summarize)
-        ((attention_inspector, document_verdict, probe, inspector), attention_inspector.AttentionInspector, set()),
-        ((attn_decision,), attn_decision.AttnDecision, set()),
-        ((upad_tracer, tracer), upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "callbacks.md").read_text()
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", doc, re.MULTILINE | re.DOTALL))
+    for name, modules, cls, computed in (  # the inspector's metrics are summed in the core (probe.summarize)
+        (
+            "attention_inspector",
+            (attention_inspector, document_verdict, probe, inspector),
+            attention_inspector.AttentionInspector,
+            set(),
+        ),
+        ("attn_decision", (attn_decision,), attn_decision.AttnDecision, set()),
+        ("upad_tracer", (upad_tracer, tracer), upad_tracer.UpadTracer, {f"attn/{r}_calls_per_step" for r in ROLES}),
     ):
-        module = modules[0]
         source = "".join(inspect.getsource(m) for m in modules)
         logged = set(re.findall(r'"(attn/[a-z0-9_]+)"', source)) | computed
-        documented = set(re.findall(r"``(attn/[a-z0-9_]+)``", cls.__doc__))
-        assert logged and logged == documented, (cls.__name__, logged ^ documented)
+        documented = set(re.findall(r"`(attn/[a-z0-9_]+)`", sections[name]))
+        assert logged and logged == documented, (name, logged ^ documented)
         assert "from composer import Trainer" in cls.__doc__ and "callbacks:" in cls.__doc__
-        assert "Args:" in cls.__doc__ and cls.__name__ in module.__all__
+        assert f"docs/callbacks.md ({name})" in cls.__doc__
+        assert "Args:" in cls.__doc__ and cls.__name__ in modules[0].__all__
 
 
 @pytest.mark.foundry

@@ -1,16 +1,5 @@
-"""The plugin's YAML keys, merged into axolotl's config before it is validated (``BasePlugin.get_input_args``).
-
-    foundry_attn_backend: auto          # auto | flash_attention_2 | torch_varlen | flex_attention | sdpa | eager
-    foundry_attn_strict: false
-    foundry_attn_proof_interval: 100
-    foundry_attn_capacity: 0            # N: flat rows padded to a few fixed shapes (flash_attention_2, torch_varlen)
-    foundry_attn_execution: auto        # auto | eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
-    foundry_attn_events_dir: ./out/attn_events
-    foundry_attn_log_interval: 50
-    foundry_attn_verdict_interval: 100
-
-pydantic only (axolotl's config is a pydantic model; this class joins it as a base class, so its model validator
-sees the whole config and refuses what the plugin cannot honour before axolotl sets anything up).
+"""The plugin's YAML keys, merged into axolotl's config before it is validated (``BasePlugin.get_input_args``): this
+class joins axolotl's pydantic config as a base, so its validator sees the whole config and refuses what cannot work.
 """
 
 from __future__ import annotations
@@ -32,28 +21,27 @@ OWNER = "foundry_attn (axolotl plugin)"
 
 
 class FoundryAttnArgs(BaseModel):
-    """The ``foundry_attn_*`` keys of an axolotl YAML (every one optional).
+    """The ``foundry_attn_*`` keys of an axolotl YAML, every one optional (docs/axolotl.md, "The keys").
+
+        foundry_attn_backend: auto          # auto | flash_attention_2 | torch_varlen | flex_attention | sdpa | eager
+        foundry_attn_strict: false
+        foundry_attn_proof_interval: 100
+        foundry_attn_capacity: 0            # N: flat rows padded to a few fixed shapes (flash_attention_2, ...)
+        foundry_attn_execution: auto        # auto | eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
+        foundry_attn_events_dir: ./out/attn_events
+        foundry_attn_log_interval: 50
+        foundry_attn_verdict_interval: 100
 
     Attributes:
-        foundry_attn_backend: ``auto`` (on each rank the fastest backend of ``flash_attention_2 -> torch_varlen ->
-            sdpa -> eager`` whose checks pass here, and why not the faster ones) or one backend; default: axolotl's
+        foundry_attn_backend: ``auto`` (the fallback chain, on each rank) or one backend; default: axolotl's
             ``attn_implementation``.
-        foundry_attn_strict: a backend named here that cannot run, or a flat path that cannot be proven, stops the
-            run at the start instead of falling back (to the next backend, or to one document per row).
-        foundry_attn_proof_interval: re-prove the flat path every N training batches, forward only (0: the first
-            batch and changes of the attention code only).
-        foundry_attn_capacity: pad each flat row to a few fixed shapes up to N tokens where the kernel reads the
-            documents' bounds on the device (0: each row at its own length; :mod:`foundry_attn.flat.capacity`).
-        foundry_attn_execution: how the flat step runs, ``auto`` (graphed on CUDA where it can be, else compiled;
-            eager on a CPU), ``eager``, ``compiled`` or ``graphed`` (:mod:`foundry_attn.path.execution`).
+        foundry_attn_strict: a named backend that cannot run, or a flat path not proven, stops the run.
+        foundry_attn_proof_interval: re-prove every N training batches (0: the first batch and changes only).
+        foundry_attn_capacity: flat rows padded to a few fixed shapes up to N tokens (0: each at its own length).
+        foundry_attn_execution: ``auto``, ``eager``, ``compiled`` or ``graphed`` (:mod:`foundry_attn.path.execution`).
         foundry_attn_events_dir: the folder of ``events-rank<r>.jsonl`` (default ``<output_dir>/attn_events``).
         foundry_attn_log_interval: optimizer steps between inspected steps (the first is always inspected).
         foundry_attn_verdict_interval: optimizer steps between verdicts on packed documents.
-
-    Example::
-
-        >>> FoundryAttnArgs(foundry_attn_backend="sdpa").foundry_attn_backend
-        'sdpa'
     """
 
     foundry_attn_backend: str | None = None
@@ -68,8 +56,7 @@ class FoundryAttnArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _honoured(cls, data: Any) -> Any:
-        """axolotl's whole config, as given: a setting the plugin cannot honour is refused here, with the reason and
-        the fix in axolotl's keys (:func:`~foundry_attn.integrations.axolotl.refusals.refusal`)."""
+        """axolotl's whole config, as given: what the plugin cannot honour is refused (:func:`.refusals.refusal`)."""
         why = refusal(data) if isinstance(data, dict) else None
         if why is not None:
             raise ValueError(f"{OWNER}: {why}")

@@ -1,20 +1,5 @@
-"""axolotl's packed batches, read as they are.
-
-    kwargs, shape = read_packed(batch)          # None: not packed (stock trains it as it is)
-    counted = document_targets(batch)           # labels as counted for num_items_in_batch
-
-``MultipackBatchSampler`` + ``V2BatchSamplerDataCollatorForSeq2Seq`` (or ``BatchSamplerDataCollatorForSeq2Seq``) give
-rows of several documents: ``position_ids`` restarting at 0 per document, labels copied from the ids (a document's
-first token is a label of the previous document's last token), tail padding with positions ``0..remainder`` (one
-more document, labels -100), and, where axolotl keeps it, an ``attention_mask`` of document numbers 1, 2, 3 (0 on
-padding; 1 everywhere under the V1 collator). For sdpa and eager axolotl packs ``micro_batch_size`` such rows; for
-the flash-style backends one row of ``micro_batch_size x sequence_len`` tokens.
-
-:func:`read_packed` turns such a call into the one flat row the attached model's forward takes (restarting
-``position_ids``, no mask: :func:`foundry_attn.flat.layout.flattened_lengths`), after checking that a mask's document
-numbers and padding agree with the positions; the attached path then trains each document as alone and never makes a
-document's first token a target of the one before. :func:`document_targets` makes the Trainer's
-``num_items_in_batch`` count the same targets. torch only.
+"""axolotl's packed batches (several documents a row, restarting ``position_ids``), read as they are: one flat row
+for the attached model, and the Trainer's target count per document (docs/axolotl.md, "How axolotl's batches are read").
 """
 
 from __future__ import annotations
@@ -39,9 +24,8 @@ def _restarts(pos: torch.Tensor) -> torch.Tensor:
 
 
 def check_document_mask(mask: torch.Tensor, positions: torch.Tensor) -> None:
-    """Check a packed batch's ``attention_mask`` against its ``position_ids`` (one host sync): per row, padding (0) is
-    one run at an end and starts a document of its own; document numbers (where they go beyond 1) change exactly
-    where the positions restart.
+    """Check a packed batch's ``attention_mask`` against its ``position_ids`` (one host sync): padding (0) is one run
+    at an end of a row and starts a document; document numbers (beyond 1) change exactly where the positions restart.
 
     Args:
         mask: ``[rows, width]``, document numbers (1, 2, 3, 0 on padding) or 1/0.
@@ -85,10 +69,9 @@ def check_document_mask(mask: torch.Tensor, positions: torch.Tensor) -> None:
 def read_packed(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[int, int] | None] | None:
     """A model call's keywords as the one flat row an attached model takes, or None for a call that is not packed.
 
-    Packed: ``position_ids`` that restart inside a row of real tokens, or an ``attention_mask`` of document numbers;
-    a batch of several such rows (axolotl's sdpa/eager packing, ``micro_batch_size`` rows) becomes one row of
-    ``rows x width`` tokens (each row's padding reads as a document without targets). The mask, once checked against
-    the positions (:func:`check_document_mask`), is dropped: the positions carry the documents.
+    Packed: ``position_ids`` restarting inside a row of real tokens, or a mask of document numbers. Several rows become
+    one row of ``rows x width`` tokens (each row's padding a document without targets); the mask, once checked
+    (:func:`check_document_mask`), is dropped: the positions carry the documents.
 
     Args:
         kwargs: the keywords of the call (``input_ids``, ``labels``, ``position_ids``, ``attention_mask``, ...).
@@ -161,8 +144,7 @@ def shaped_back(output: Any, shape: tuple[int, int]) -> Any:
 
 
 def document_targets(batch: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``batch`` with each document's first token no target (a copy; the batch itself is left as it is): what the
-    Trainer's ``num_items_in_batch`` should count when each document trains as alone.
+    """``batch`` (a copy) with each document's first token no target: what ``num_items_in_batch`` should count.
 
     Args:
         batch: a batch with ``labels`` and ``position_ids`` (anything else is returned as it is).

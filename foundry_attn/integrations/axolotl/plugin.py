@@ -1,16 +1,5 @@
-"""``FoundryAttnPlugin``: foundry_attn in an axolotl run, from one line of YAML.
-
-    plugins:
-      - foundry_attn.integrations.axolotl.FoundryAttnPlugin
-    foundry_attn_backend: auto
-
-axolotl calls, in order: ``register`` (says the plugin loaded), ``pre_model_load`` (refuses what cannot train each
-document as alone, with the cause), ``post_model_load`` (``attach``: the fallback chain and its reason, the flat path
-proven; after LoRA), ``post_trainer_create`` (the Trainer callbacks, the reader of axolotl's packed batches, the
-Trainer's target count), ``post_train`` (what ran). Lines go to axolotl's log (``axolotl.integrations.foundry_attn``,
-shown at axolotl's INFO level); events to ``<output_dir>/attn_events/events-rank<r>.jsonl``. The class is axolotl's
-``BasePlugin`` where axolotl is installed (only axolotl loads it); without axolotl the module still imports (its docs
-and names can be checked), and the class derives from ``object``.
+"""``FoundryAttnPlugin``: foundry_attn in an axolotl run, from one line of YAML (docs/axolotl.md); without axolotl
+the module still imports and the class derives from ``object``.
 """
 
 from __future__ import annotations
@@ -21,6 +10,7 @@ from importlib.metadata import version
 from typing import Any
 
 from transformers import TrainerCallback
+from typing_extensions import override
 
 from foundry_attn.integrations.axolotl.batches import document_targets, read_packed, shaped_back
 from foundry_attn.integrations.axolotl.refusals import refusal, runs_here
@@ -45,8 +35,7 @@ ENTRY = "foundry_attn.integrations.axolotl.FoundryAttnPlugin"
 
 
 def _given(cfg: Any, key: str) -> Any:
-    """``cfg``'s value of one of our keys, or its default (:class:`~.args.FoundryAttnArgs`: the options' one
-    declaration) where the config does not carry it."""
+    """``cfg``'s value of one of our keys, or its one declared default (:class:`~.args.FoundryAttnArgs`)."""
     from foundry_attn.integrations.axolotl.args import FoundryAttnArgs
 
     value = cfg.get(key)
@@ -143,9 +132,12 @@ class BatchReader:
             handle.remove()
 
 
+def _counts(reader: BatchReader | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if reader is None else (reader.calls, reader.flattened, reader.masks)
+
+
 def count_documents_targets(trainer: Any) -> Callable[[], None] | None:
-    """Make the Trainer's ``num_items_in_batch`` count each document's own targets (a document's first token is no
-    target of the previous document), as the attached path trains.
+    """Make the Trainer's ``num_items_in_batch`` count each document's own targets, as the attached path trains.
 
     Args:
         trainer: the transformers ``Trainer`` axolotl built.
@@ -177,8 +169,7 @@ def count_documents_targets(trainer: Any) -> Callable[[], None] | None:
 
 
 def undone_after_train(trainer: Any, undo: Callable[[], None]) -> None:
-    """``trainer.train`` calls ``undo`` when it returns or raises, then is the Trainer's own again: what the plugin
-    puts on the model and the Trainer for a run is never left behind by it.
+    """``trainer.train`` calls ``undo`` when it returns or raises, then is the Trainer's own again.
 
     Args:
         trainer: the transformers ``Trainer`` axolotl built.
@@ -203,43 +194,22 @@ def undone_after_train(trainer: Any, undo: Callable[[], None]) -> None:
 
 class RunReport(TrainerCallback):
     """After the callbacks of :func:`~foundry_attn.integrations.hf_trainer.install`: an ``attn_axolotl`` event at train
-    begin (axolotl's setting, sdpa_varlen, the attention that runs) and, after the first step, the proof on the
-    training batch in axolotl's log."""
+    begin and, after the first step, the proof on the training batch in axolotl's log."""
 
     def __init__(self, plugin: FoundryAttnPlugin, session: Any) -> None:
         self.plugin, self.session = plugin, session
         self._said = False
 
+    @override
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Write the ``attn_axolotl`` event (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            **kwargs: the Trainer's other event keywords, unused.
-
-        Example::
-
-            >>> report.on_train_begin(args, state, control)
-        """
+        """Write the ``attn_axolotl`` event."""
         events = getattr(self.session, "events", None)
         if events is not None:
             events.append("attn_axolotl", **self.plugin.summary())
 
+    @override
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """After the first step, say what the proof on the training batch found (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            **kwargs: the Trainer's other event keywords, unused.
-
-        Example::
-
-            >>> report.on_step_end(args, state, control)
-        """
+        """After the first step, say what the proof on the training batch found."""
         path = self.plugin.state
         if self._said or path is None:
             return
@@ -252,9 +222,7 @@ class RunReport(TrainerCallback):
             path.path,
             self.plugin.proven_in_training(),
             proof,
-            self.plugin.reader.calls if self.plugin.reader else 0,
-            self.plugin.reader.flattened if self.plugin.reader else 0,
-            self.plugin.reader.masks if self.plugin.reader else 0,
+            *_counts(self.plugin.reader),
         )
         events = getattr(self.session, "events", None)
         if events is not None:
@@ -264,7 +232,9 @@ class RunReport(TrainerCallback):
 class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen at import
     """foundry_attn for axolotl: the fallback chain and its reason per rank, the flat path proven on the batch that
     trains, axolotl's packed batches read as they are, and the Trainer callbacks (``attn/*`` in every logger, the
-    inspector's verdict, the events file).
+    inspector's verdict, the events file). axolotl calls ``register``, ``pre_model_load`` (refusals),
+    ``post_model_load`` (``attach``, after LoRA), ``post_trainer_create`` (callbacks, batch reader, target count) and
+    ``post_train``; lines go to axolotl's log (``axolotl.integrations.foundry_attn``, at its INFO level).
 
         plugins:
           - foundry_attn.integrations.axolotl.FoundryAttnPlugin
@@ -280,67 +250,27 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
         self.counted = self.reported = False
         self.cfg: Any = None
 
+    @override
     def get_input_args(self) -> str:
-        """The pydantic model of the plugin's YAML keys (axolotl merges it into its config).
-
-        Returns:
-            Its dotted path.
-
-        Example::
-
-            >>> FoundryAttnPlugin().get_input_args()
-            'foundry_attn.integrations.axolotl.args.FoundryAttnArgs'
-        """
+        """The dotted path of the pydantic model of the plugin's YAML keys (:class:`~.args.FoundryAttnArgs`)."""
         return "foundry_attn.integrations.axolotl.args.FoundryAttnArgs"
 
+    @override
     def register(self, cfg: dict) -> None:
-        """Say the plugin loaded (axolotl skips a plugin whose module fails to import with only an error line).
-
-        Args:
-            cfg: the unvalidated config.
-
-        Example::
-
-            >>> FoundryAttnPlugin().register({})     # axolotl.integrations.foundry_attn: ... plugin loaded
-        """
+        """Say the plugin loaded (axolotl skips a plugin whose module fails to import with only an error line)."""
         LOG.info("foundry_attn %s: axolotl plugin loaded (%s)", version("foundry-attn"), ENTRY)
 
+    @override
     def pre_model_load(self, cfg: Any) -> None:
-        """Refuse, before the model loads, a setting that cannot train each document as alone (``FoundryAttnArgs``
-        refuses them while axolotl validates its config; this holds where a config skipped that validation).
-
-        Args:
-            cfg: axolotl's validated config.
-
-        Raises:
-            ValueError: the cause and the change that makes the run exact.
-
-        Example::
-
-            >>> plugin.pre_model_load(cfg)     # attn_implementation: xformers -> ValueError
-        """
+        """Refuse again what ``FoundryAttnArgs`` refuses, for a config that skipped axolotl's validation."""
         self.cfg = cfg
         why = refusal(cfg)
         if why is not None:
             raise ValueError(f"foundry_attn (axolotl plugin): {why}")
 
+    @override
     def post_model_load(self, cfg: Any, model: Any) -> None:
-        """``attach`` the loaded model (LoRA included): the chain or the backend named, the flat path proven.
-
-        Args:
-            cfg: axolotl's validated config.
-            model: the model axolotl loaded (a ``PeftModel`` with an adapter).
-
-        Raises:
-            foundry_attn.selection.policy.AttentionUnavailableError: ``foundry_attn_strict`` and a backend named that
-                cannot run here (its install, the device, the dtype: :func:`.refusals.runs_here`), or one that cannot
-                run this model exactly.
-            foundry_attn.path.state.FlatPathError: ``foundry_attn_strict`` and a flat path that is not proven.
-
-        Example::
-
-            >>> plugin.post_model_load(cfg, model)     # axolotl's log: the backend, why, the path
-        """
+        """``attach`` the loaded model (LoRA included), the backend named checked first; say what runs."""
         self.cfg = cfg
         backend = cfg.get("foundry_attn_backend") or cfg.get("attn_implementation")
         strict = bool(cfg.get("foundry_attn_strict"))
@@ -375,17 +305,9 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
             what_ran(self.state, self.varlen),
         )
 
+    @override
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
-        """The Trainer callbacks, the packed-batch reader and the Trainer's target count.
-
-        Args:
-            cfg: axolotl's validated config.
-            trainer: the Trainer axolotl built.
-
-        Example::
-
-            >>> plugin.post_trainer_create(cfg, trainer)
-        """
+        """The Trainer callbacks, the packed-batch reader and the Trainer's target count, undone after train."""
         options = {key: cfg.get(f"foundry_attn_{key}") for key in ("events_dir", "log_interval", "verdict_interval")}
         added = install(trainer, **{k: v for k, v in options.items() if v is not None})  # else install's defaults
         trainer.add_callback(RunReport(self, getattr(added[0], "session", None)))
@@ -406,17 +328,9 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
 
             undone_after_train(trainer, undo)
 
+    @override
     def post_train(self, cfg: Any, model: Any) -> None:
-        """Take the reader off and say what ran.
-
-        Args:
-            cfg: axolotl's validated config.
-            model: the trained model.
-
-        Example::
-
-            >>> plugin.post_train(cfg, model)
-        """
+        """Take the reader off and say what ran (once)."""
         if self.reader is not None:
             self.reader.remove()
         if self.state is not None and not self.reported:  # axolotl may call post_train twice
@@ -424,7 +338,7 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
             LOG.info("foundry_attn: trained with %s; %s", what_ran(self.state, self.varlen), self.summary()["proof"])
 
     def proven_in_training(self) -> bool:
-        """Whether the path was proven on a training batch (every proof since ``attach`` passed, and there is one).
+        """Whether every proof since ``attach`` passed, and there is one (the path proven on a training batch).
 
         Returns:
             True once a proof ran on a batch that trains and every one of them held.
@@ -441,8 +355,7 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
         """What the ``attn_axolotl`` event records.
 
         Returns:
-            axolotl's setting, sdpa_varlen (when the model was attached), the backend, path and proof, what runs,
-            the batches read.
+            axolotl's settings, sdpa_varlen, the backend, path and proof, what runs, the batches read.
 
         Example::
 
@@ -452,6 +365,7 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
         import axolotl
 
         cfg, state = self.cfg or {}, self.state
+        read, flattened, masks = _counts(self.reader)
         return {
             "axolotl": getattr(axolotl, "__version__", "?"),
             "attn_implementation": cfg.get("attn_implementation"),
@@ -463,8 +377,8 @@ class FoundryAttnPlugin(_axolotl_base()):  # type: ignore[misc]  # a base chosen
             "ran": None if state is None else what_ran(state, self.varlen),
             "proven_on_batch": self.proven_in_training(),
             "proof": "no proof" if state is None or not state.proofs else state.proofs[-1][1].describe(),
-            "packed_batches": 0 if self.reader is None else self.reader.calls,
-            "flattened": 0 if self.reader is None else self.reader.flattened,
-            "document_masks": 0 if self.reader is None else self.reader.masks,
+            "packed_batches": read,
+            "flattened": flattened,
+            "document_masks": masks,
             "targets_counted_per_document": self.counted,
         }

@@ -1,11 +1,5 @@
-"""The axolotl settings foundry_attn cannot honour, each with its reason and a fix in axolotl's own YAML keys.
-
-    why = refusal(cfg)      # None, or "tensor_parallel_size: 2 shards ... Fix: set tensor_parallel_size: 1 ..."
-    backend, chain = runs_here(model, "flash_attention_2", strict=True)   # flash-attn missing: refused, in our keys
-
-:func:`refusal` reads axolotl's whole config, raw (``FoundryAttnArgs``' model validator, before axolotl validates or
-sets anything up) or validated (``pre_model_load``). :func:`runs_here` checks a named backend's install, device and
-dtype on the loaded model before any proof (``post_model_load``). No axolotl import: the config is read as a mapping.
+"""The axolotl settings foundry_attn cannot honour, each with its reason and a fix in axolotl's keys (docs/axolotl.md,
+"What it refuses"); the config is read as a mapping, raw or validated, without importing axolotl.
 """
 
 from __future__ import annotations
@@ -29,12 +23,12 @@ LEGACY_FLAGS = {
     "sdp_attention": "sdpa",
     "eager_attention": "eager",
 }
+_TRITON = "routes attention through axolotl's Triton flash kernel"
+_SPLITS = "splits each packed row across ranks (ring attention), and foundry_attn proves whole rows only"
 #: settings that split a packed row, or shard the weights, across ranks
 PARALLEL = {
-    "context_parallel_size": "splits each packed row across ranks (ring attention), and foundry_attn proves whole "
-    "rows only",
-    "sequence_parallel_degree": "splits each packed row across ranks (ring attention), and foundry_attn proves whole "
-    "rows only",
+    "context_parallel_size": _SPLITS,
+    "sequence_parallel_degree": _SPLITS,
     "tensor_parallel_size": "shards every layer's weights across ranks, and foundry_attn's proof runs each document "
     "alone on one rank, which sharded weights cannot do",
 }
@@ -46,12 +40,8 @@ PATCHES: dict[str, tuple[tuple[Any, ...], str, str]] = {
         "axolotl swaps the global layers' attention to its own sdpa after load",
         "false",
     ),
-    "large_head_attention": (
-        ("auto", "triton_flash"),
-        "routes attention through axolotl's Triton flash kernel",
-        "sdpa",
-    ),
-    "flash_attn_d512": ((True,), "routes attention through axolotl's Triton flash kernel", "false"),
+    "large_head_attention": (("auto", "triton_flash"), _TRITON, "sdpa"),
+    "flash_attn_d512": ((True,), _TRITON, "false"),
     "flash_optimum": ((True,), "BetterTransformer replaces the attention modules", "false"),
 }
 FIX = "Fix: set "
@@ -59,8 +49,7 @@ LEAVE = ", or take foundry_attn out of plugins:"
 
 
 def attention_setting(cfg: Mapping[str, Any]) -> str | None:
-    """The attention axolotl will run: ``attn_implementation``, else the first legacy flag set (as axolotl reads
-    them), else None.
+    """The attention axolotl will run: ``attn_implementation``, else the first legacy flag set, else None.
 
     Args:
         cfg: axolotl's config, raw or validated.
@@ -87,8 +76,7 @@ def _above_one(value: Any) -> bool:
 
 
 def refusal(cfg: Mapping[str, Any]) -> str | None:
-    """Why foundry_attn cannot train each document of this axolotl config as alone, with the fix in axolotl's keys;
-    None where it can.
+    """Why foundry_attn cannot train each document of this config as alone, with the fix; None where it can.
 
     Args:
         cfg: axolotl's config (a mapping; a missing key reads None).
@@ -128,10 +116,8 @@ def refusal(cfg: Mapping[str, Any]) -> str | None:
 
 
 def runs_here(model: Any, backend: str | None, strict: bool) -> tuple[str | None, tuple[str, ...]]:
-    """A backend named in ``foundry_attn_backend`` (or ``attn_implementation``) checked for this model, device, dtype
-    and install before any proof runs: where it cannot run here, the cause is named as such (flash-attn is not
-    installed, no CUDA device, fp32), refused under ``foundry_attn_strict: true``, else the chain from it picks the
-    next that runs (the attach log says why).
+    """A named backend checked for this model, device, dtype and install before any proof: where it cannot run here,
+    refused under ``foundry_attn_strict`` with its cause, else the chain from it picks the next that runs.
 
     Args:
         model: the model axolotl loaded (a wrapper of one, PEFT included).
@@ -139,12 +125,11 @@ def runs_here(model: Any, backend: str | None, strict: bool) -> tuple[str | None
         strict: ``foundry_attn_strict``.
 
     Returns:
-        The backend to attach and the chain ``auto`` walks (``auto`` and the chain from ``backend`` on where it cannot
+        The backend to attach and the chain ``auto`` walks (``auto`` and the chain from ``backend``, where it cannot
         run here).
 
     Raises:
-        AttentionUnavailableError: strict, and ``backend`` cannot run here: the check, its cause and the fix in
-            axolotl's keys.
+        AttentionUnavailableError: strict, and ``backend`` cannot run here (the check, its cause, the fix).
 
     Example::
 

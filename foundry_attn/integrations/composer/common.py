@@ -1,8 +1,4 @@
-"""What our callbacks share: finding the models inside ``state.model``, events, one-time notices, intervals.
-
-Composer glue; the callbacks are ``attn_decision``, ``attention_inspector`` and ``upad_tracer``. The HF model inside
-wrappers is :func:`foundry_attn.flat.unwrap.find_hf_model`'s; the torch-only probe is :mod:`foundry_attn.observe`'s.
-"""
+"""What our Composer callbacks share: the models inside ``state.model``, the event log, intervals, release."""
 
 from __future__ import annotations
 
@@ -10,17 +6,13 @@ from typing import Any
 
 from composer.core import Callback, State, Time, TimeUnit
 from composer.utils import dist
+from typing_extensions import override
 
 from foundry_attn.checks import check_interval
 from foundry_attn.flat.unwrap import find_inside
 from foundry_attn.observe.events import EventLog, default_events_dir
 
-__all__ = [
-    "ReleasingCallback",
-    "check_log_interval",
-    "foundry_model",
-    "open_event_log",
-]
+__all__ = ["ReleasingCallback", "check_log_interval", "foundry_model", "open_event_log"]
 
 
 def foundry_model(model: Any) -> Any:
@@ -30,7 +22,7 @@ def foundry_model(model: Any) -> Any:
         model: what Composer trains (``state.model``), wrapped or not.
 
     Returns:
-        The outermost module (``model`` itself first) that carries an ``attn_decision``, or None for other models.
+        The outermost module that carries an ``attn_decision``, or None.
 
     Example::
 
@@ -48,20 +40,15 @@ _LOG_INTERVAL = (
 
 
 def check_log_interval(owner: str, log_interval: Any, key: str = "log_interval") -> int:
-    """``log_interval`` in batches: an integer >= 1, a time string in batches (``'25ba'``) or a :class:`.Time`
-    in batches (``Time(25, TimeUnit.BATCH)``), as Composer's own callbacks take intervals. Any other unit
-    (``'2ep'``, ``'100tok'``, ...) is a ValueError that says what is accepted.
+    """An interval in batches: ``25``, ``'25ba'`` or ``Time(25, TimeUnit.BATCH)``; else a ValueError saying so.
 
     Args:
-        owner: the callback that reads it (``attention_inspector``, ``upad_tracer``), named in the error.
-        log_interval: what the user gave: ``25``, ``'25ba'`` or ``Time(25, TimeUnit.BATCH)``.
+        owner: the callback named in the error (``attention_inspector``, ``upad_tracer``).
+        log_interval: what the user gave.
         key: the key named in the error (``verdict_interval`` for the inspector's verdicts).
 
     Returns:
-        The interval in batches, an ``int``.
-
-    Raises:
-        ValueError: not an integer >= 1, not a time string, or a unit other than batches.
+        The interval in batches.
 
     Example::
 
@@ -84,19 +71,18 @@ def check_log_interval(owner: str, log_interval: Any, key: str = "log_interval")
 
 
 def open_event_log(state: State, events_dir: str | None) -> EventLog:
-    """The callback's event log: ``events_dir`` if set, else the registered model's own events folder
-    (``foundry_attn_causal_lm``'s ``events_dir``), else ``default_events_dir(run_name)``.
+    """This rank's event log in ``events_dir``, else the ``foundry_attn_causal_lm``'s folder, else the run's.
 
     Args:
         state: Composer's training state (its model and run name).
-        events_dir: the callback's ``events_dir``; None for the model's folder, else the run's.
+        events_dir: the callback's ``events_dir``, or None.
 
     Returns:
-        This rank's :class:`~foundry_attn.observe.events.EventLog`, ``<folder>/events-rank<r>.jsonl``.
+        The :class:`~foundry_attn.observe.events.EventLog`, ``<folder>/events-rank<r>.jsonl``.
 
     Example::
 
-        >>> open_event_log(state, None).path      # at FIT_START, run_name 'my-run', rank 0
+        >>> open_event_log(state, None).path      # run_name 'my-run', rank 0
         PosixPath('my-run/attn_events/events-rank0.jsonl')
     """
     ours = foundry_model(state.model)
@@ -107,52 +93,50 @@ def open_event_log(state: State, events_dir: str | None) -> EventLog:
 
 
 class ReleasingCallback(Callback):
-    """A callback whose hooks/patches are undone at ``FIT_END``, at ``close`` and after it, even when training
-    raised (Composer calls ``close`` then). Subclasses implement ``release``, idempotently."""
+    """A callback on a core (``core.events``: its event log) whose hooks are undone at ``FIT_END``, ``close`` and
+    after it, even when training raised."""
 
-    def release(self) -> None:
-        """Every hook and patch of this callback off; a subclass implements it, idempotently.
+    core: Any  # the torch-only core (InspectorCore, TracerCore), shared with the Trainer's callback
+    events_dir: str | None
 
-        Raises:
-            NotImplementedError: on this base class.
+    @property
+    def events(self) -> EventLog | None:
+        """This callback's event log, opened at FIT_START.
+
+        Returns:
+            The :class:`~foundry_attn.observe.events.EventLog`, or None before FIT_START.
 
         Example::
 
-            >>> tracer.release()      # an UpadTracer: its wrappers off; a second call does nothing
+            >>> inspector.events.path      # after trainer.fit(), run_name 'my-run', rank 0
+            PosixPath('my-run/attn_events/events-rank0.jsonl')
+        """
+        return self.core.events
+
+    def _open_events(self, state: State) -> None:
+        if self.core.events is None:
+            self.core.events = open_event_log(state, self.events_dir)
+
+    def release(self) -> None:
+        """Every hook and patch of this callback off, idempotently (subclasses implement it).
+
+        Example::
+
+            >>> tracer.release()      # a second call does nothing
         """
         raise NotImplementedError
 
+    @override
     def fit_end(self, state: State, logger: Any) -> None:
-        """At ``FIT_END``: :meth:`release`.
-
-        Args:
-            state: Composer's training state.
-            logger: Composer's logger.
-
-        Example::
-
-            >>> callback.fit_end(state, logger)      # Composer calls it at FIT_END
-        """
+        """At FIT_END: :meth:`release`."""
         self.release()
 
+    @override
     def close(self, state: State, logger: Any) -> None:
-        """At ``close`` (also after training raised): :meth:`release`.
-
-        Args:
-            state: Composer's training state.
-            logger: Composer's logger.
-
-        Example::
-
-            >>> trainer.close()      # Composer calls callback.close(state, logger), then post_close()
-        """
+        """At close (also after training raised): :meth:`release`."""
         self.release()
 
+    @override
     def post_close(self) -> None:
-        """After ``close``: :meth:`release` once more.
-
-        Example::
-
-            >>> trainer.close()      # Composer calls callback.post_close() after close
-        """
+        """After close: :meth:`release` once more."""
         self.release()

@@ -1,13 +1,5 @@
-"""The verdict on packed documents for ``attention_inspector``: do the documents of a batch see each other?
-
-    callbacks:
-      attention_inspector:
-        verdict: true              # measured where a second forward is possible, else the structural reading
-        verdict_interval: 100      # batches between verdicts (the first batch always has one)
-
-:class:`DocumentVerdicts` is the inspector's second job, kept here: which batches get a verdict, the measurement
-(:func:`foundry_attn.observe.verdict.measure`) or the structural reading, and its metrics, event and warnings.
-"""
+"""``attention_inspector``'s verdict: do the packed documents of a batch see each other? Which batches get one,
+the measurement (:func:`foundry_attn.observe.verdict.measure`) or the structural reading, and its report."""
 
 from __future__ import annotations
 
@@ -58,27 +50,27 @@ class DocumentVerdicts:
         self._pending: Verdict | None = None
 
     def batch_start(self, step: int) -> None:
-        """At the inspector's ``BATCH_START``: whether batch ``step`` gets a verdict; a probe left over removed.
+        """At the inspector's BATCH_START: whether batch ``step`` gets a verdict; a probe left over removed.
 
         Args:
-            step: the batch's index (``state.timestamp.batch``); 0 and every ``interval``-th get one.
+            step: the batch's index; 0 and every ``interval``-th get one.
 
         Example::
 
-            >>> inspector.verdicts.batch_start(int(state.timestamp.batch))      # from AttentionInspector.batch_start
+            >>> inspector.verdicts.batch_start(int(state.timestamp.batch))
         """
         self._due = step % self.interval == 0
         self._drop_probe()
 
     def before_forward(self, state: State) -> None:
-        """At ``BEFORE_FORWARD`` of a due batch's first microbatch: a probe on the HF model's input embeddings.
+        """At BEFORE_FORWARD of a due batch's first microbatch: a probe on the HF model's input embeddings.
 
         Args:
-            state: Composer's training state (its model).
+            state: Composer's training state.
 
         Example::
 
-            >>> inspector.verdicts.before_forward(state)      # from AttentionInspector.before_forward
+            >>> inspector.verdicts.before_forward(state)
         """
         due, self._due = self._due, False  # the first microbatch only
         found = find_hf_model(state.model) if due else None
@@ -87,14 +79,14 @@ class DocumentVerdicts:
             self._probe = ForwardProbe(found[1])
 
     def after_forward(self, state: State) -> None:
-        """At ``AFTER_FORWARD``: the probe off and the verdict taken (before the backward), reported at ``BATCH_END``.
+        """At AFTER_FORWARD: the probe off and the verdict taken, reported at BATCH_END.
 
         Args:
-            state: Composer's training state (its model, batch, outputs and precision).
+            state: Composer's training state.
 
         Example::
 
-            >>> inspector.verdicts.after_forward(state)      # from AttentionInspector.after_forward
+            >>> inspector.verdicts.after_forward(state)
         """
         probe, self._probe = self._probe, None
         if probe is not None:  # before the backward: the verdict differentiates the graph the step trains on
@@ -107,21 +99,20 @@ class DocumentVerdicts:
             self._probe = None
 
     def batch_end(self, state: State, logger: Logger, step: int) -> Verdict | None:
-        """At ``BATCH_END``: the batch's verdict reported (metrics, ``attn_verdict`` event, log line, a leak warned).
+        """At BATCH_END: the batch's verdict reported (metrics, ``attn_verdict`` event, log line, a leak warned).
 
         Args:
-            state: Composer's training state (its model, for the fix a leak names).
-            logger: Composer's logger; it gets ``attn/documents_isolated`` and ``attn/verdict_worst_diff``.
-            step: the batch's index, for the event and the log line.
+            state: Composer's training state.
+            logger: Composer's logger.
+            step: the batch's index.
 
         Returns:
-            The batch's :class:`~foundry_attn.observe.verdict.Verdict`, or None when it had none.
+            The batch's :class:`~foundry_attn.observe.verdict.Verdict`, or None.
 
         Example::
 
-            >>> verdict = inspector.verdicts.batch_end(state, logger, 0)
-            >>> verdict.state, verdict.how
-            ('isolated', 'measured')
+            >>> inspector.verdicts.batch_end(state, logger, 0).state      # packed, ours
+            'isolated'
         """
         verdict, self._pending = self._pending, None
         if verdict is not None:
@@ -132,16 +123,14 @@ class DocumentVerdicts:
         return verdict
 
     def judge(self, state: State, embeds: Any = None) -> Verdict:
-        """The verdict on this microbatch (:func:`foundry_attn.observe.verdict.judge`): measured where a second forward
-        is possible, else the structural reading, labelled so; never a guess shown as a measurement.
+        """The verdict on this microbatch: measured where a second forward is possible, else structural, labelled so.
 
         Args:
-            state: Composer's training state after the forward (its model, batch, outputs and precision).
-            embeds: the forward's input embeddings (a :class:`~foundry_attn.proof.forward_probe.ForwardProbe`'s);
-                None: the documents run a forward of their own.
+            state: Composer's training state after the forward.
+            embeds: the forward's input embeddings (a ``ForwardProbe``'s); None: the documents run a forward alone.
 
         Returns:
-            The :class:`~foundry_attn.observe.verdict.Verdict`: ``state`` isolated, leaks, not packed or unknown.
+            The :class:`~foundry_attn.observe.verdict.Verdict`.
 
         Example::
 
@@ -156,14 +145,14 @@ class DocumentVerdicts:
         return judge(found[1], state.batch, state.outputs, blocked, precision, embeds=embeds)
 
     def predict(self, state: State) -> None:
-        """At fit start: when the train loader packs documents and the model cannot keep them apart, say so.
+        """At fit start: a WARNING when the train loader packs documents for a model that cannot keep them apart.
 
         Args:
-            state: Composer's training state (its model and ``train_dataloader``; nothing is drawn from it).
+            state: Composer's training state (nothing is drawn from its ``train_dataloader``).
 
         Example::
 
-            >>> inspector.verdicts.predict(state)      # from AttentionInspector.fit_start; a WARNING when it leaks
+            >>> inspector.verdicts.predict(state)
         """
         features = _packing_features(getattr(state, "train_dataloader", None))
         found = find_hf_model(state.model)

@@ -1,22 +1,6 @@
-"""transformers ``Trainer`` and TRL: what attention really did, as transformers ``TrainerCallback`` objects.
+"""transformers ``Trainer`` and TRL: what attention really did, as ``TrainerCallback`` objects (docs/trainer.md).
 
-    from foundry_attn import attach, install
-
-    attach(model, "sdpa")      # optional: padding-free batches then train exactly (docs/trainer.md)
-    trainer = SFTTrainer(model=model, args=SFTConfig(padding_free=True, output_dir="out"), train_dataset=data)
-    install(trainer)           # or Trainer(..., callbacks=hf_trainer.callbacks())
-    trainer.train()
-
-The Composer callbacks' twins (:mod:`foundry_attn.integrations.composer`), one module per callback, on the same cores:
-:class:`~.attn_decision.AttnDecision` (each rank's attention: ``attach``'s backend and path, or the model's own
-setting; one line over every rank on rank 0), :class:`~.attention_inspector.AttentionInspector` (masks, fill and the
-measured verdict on packed documents of sampled steps) and :class:`~.upad_tracer.UpadTracer` (flash-attention unpad /
-varlen / dense calls of sampled steps); what they share is :mod:`.common`. Metrics join the next logs the Trainer
-reports, ahead of every reporter (W&B, TensorBoard, MLflow, the console), however the callbacks were added;
-``trainer.log`` is never called, so the Trainer's and TRL's own logged values stay as they are. A second
-:func:`install` adds nothing. Events go to ``<output_dir>/attn_events/events-rank<r>.jsonl``, the kinds Composer runs
-write, so ``foundry-attn events`` and ``foundry-attn report`` read Trainer runs and mixed fleets alike. Hooks live
-for one forward of a sampled step and are gone by its end, even when it raises. transformers only (TRL optional).
+``install(trainer)`` or ``Trainer(..., callbacks=hf_trainer.callbacks())``; the Composer callbacks' twins.
 """
 
 from __future__ import annotations
@@ -37,11 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def callbacks(
-    trainer: Any = None,
-    *,
-    events_dir: str | None = None,
-    log_interval: int = 50,
-    verdict_interval: int = 100,
+    trainer: Any = None, *, events_dir: str | None = None, log_interval: int = 50, verdict_interval: int = 100
 ) -> list[TrainerCallback]:
     """The decision, the inspector and the unpad tracer, sharing one :class:`~.common.Session` (one event log).
 
@@ -67,20 +47,17 @@ def callbacks(
 
 
 def install(trainer: Any, **options: Any) -> list[TrainerCallback]:
-    """Add the decision, the inspector and the unpad tracer (:func:`callbacks`) to ``trainer``, first among its
-    callbacks' reporters; a second call adds nothing (a warning).
+    """Add :func:`callbacks` to ``trainer``, ahead of its reporters; a second call adds nothing (a warning).
 
     Args:
         trainer: a transformers ``Trainer`` or TRL ``SFTTrainer``, before ``train()``.
-        **options: :func:`callbacks`' keywords: ``events_dir`` (default ``<output_dir>/attn_events``),
-            ``log_interval`` (optimizer steps between samples, default 50), ``verdict_interval`` (default 100).
+        **options: :func:`callbacks`' keywords (``events_dir``, ``log_interval``, ``verdict_interval``).
 
     Returns:
         The callbacks in the trainer (the ones already there on a second call).
 
     Example::
 
-        >>> from foundry_attn import attach, install
         >>> attach(model, "sdpa")                      # optional: padding-free batches then train exactly
         >>> trainer = SFTTrainer(model=model, args=SFTConfig(padding_free=True, output_dir="out"), train_dataset=data)
         >>> install(trainer)

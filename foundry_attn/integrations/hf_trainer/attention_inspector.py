@@ -1,14 +1,13 @@
-"""``AttentionInspector`` for transformers' ``Trainer``: what the attention of a sampled step really sees, and whether
-its packed documents see each other.
-
-See :class:`AttentionInspector`; the Composer twin is :mod:`foundry_attn.integrations.composer.attention_inspector`,
-on the same core (:class:`foundry_attn.observe.inspector.InspectorCore`).
+"""``AttentionInspector`` for transformers' ``Trainer``: what the attention of a sampled step sees, and whether its
+packed documents see each other (the Composer twin's core, :class:`foundry_attn.observe.inspector.InspectorCore`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from typing_extensions import override
 
 from foundry_attn.checks import check_interval
 from foundry_attn.integrations.hf_trainer.common import FIX, SampledCallback, Session
@@ -24,45 +23,14 @@ __all__ = ["AttentionInspector"]
 
 
 class AttentionInspector(InspectorResults, SampledCallback):
-    """On sampled steps, what the first forward gave the model, its decoder layers and attention modules (mask,
-    fill, restarting positions; :class:`foundry_attn.observe.probe.ModelInspector`), and every ``verdict_interval``
-    steps the verdict on packed documents: the influence of one document on another, measured on the step's own
-    graph (:func:`foundry_attn.observe.verdict.judge`; the structural reading, labelled so, under compile, FSDP or
-    dropout). A leak is a warning that says what to change. Hooks live for one forward and are gone by its end.
+    """On sampled steps, the masks, fill and restarting positions the model, its decoder layers and attention
+    modules were given; every ``verdict_interval`` steps, the verdict on packed documents, measured on the step's own
+    graph (the structural reading, labelled so, under compile, FSDP or dropout). A leak is a warning with the fix.
 
         trainer = SFTTrainer(model=model, args=SFTConfig(padding_free=True, output_dir="out"), train_dataset=data)
         install(trainer)      # or Trainer(..., callbacks=hf_trainer.callbacks())
 
-    The metrics join the Trainer's next logs (every reporter gets them); the keys are the Composer inspector's
-    (:class:`foundry_attn.integrations.composer.attention_inspector.AttentionInspector` describes each at length):
-
-    .. list-table::
-        :header-rows: 1
-        :widths: 30 50 20
-
-        * - Key
-          - Logged data
-          - When
-        * - ``attn/inspected_modules``
-          - Forward calls recorded: the model, its decoder layers, its attention modules.
-          - Every sampled step.
-        * - ``attn/mask_none_modules``, ``attn/mask_2d_modules``, ``attn/mask_4d_modules``,
-            ``attn/mask_block_modules``, ``attn/mask_with_zeros_modules``
-          - Attention modules given no mask, a 2-D, a 4-D mask, a flex ``BlockMask``; a mask that hides a key
-            causality would show.
-          - Every sampled step.
-        * - ``attn/fill_ratio``, ``attn/real_tokens``, ``attn/compute_fill_ratio``
-          - Real tokens / positions of the batch, the real tokens, the same ratio at the attention modules.
-          - Sampled steps whose batch size is known.
-        * - ``attn/packed_position_ids``
-          - 1.0 when ``position_ids`` restart inside a row (padding-free batches).
-          - Sampled steps with 2-D ``position_ids``.
-        * - ``attn/documents_isolated``, ``attn/verdict_worst_diff``
-          - 1.0 when packed documents do not see each other (0.0: a leak); the measured influence (0.0 isolated).
-          - The first step and every ``verdict_interval``-th, when a row holds two documents or more.
-        * - ``attn_inspect``, ``attn_verdict`` events
-          - The records of every module, the batch, the metrics; the verdict and its line.
-          - As the metrics.
+    Logged keys and events: docs/trainer.md, "Logged keys".
 
     Args:
         session: the :class:`~foundry_attn.integrations.hf_trainer.common.Session` shared with the other callbacks.
@@ -90,24 +58,12 @@ class AttentionInspector(InspectorResults, SampledCallback):
         self.verdict_interval = check_interval(self.owner, "verdict_interval", verdict_interval)
         self.core = InspectorCore(attention_selector, print_table, unit="step")  # the Composer inspector's core
         self.inspector: ModelInspector | None = None
-        self._model: Any = None
-        self._hf: Any = None
         self._pending: tuple[list[dict[str, Any]], BatchInfo, Verdict | None] | None = None
         self._probe: ForwardProbe | None = None
 
+    @override
     def begin(self, args: Any, model: Any, hf: Any) -> None:
-        """The probe on the HF model (none under ``torch.compile``: said once, the inspector steps aside).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            model: what the Trainer calls (a wrapper, compiled or not).
-            hf: the HF model inside it.
-
-        Example::
-
-            >>> inspector.begin(trainer.args, trainer.model, hf_model)   # from on_train_begin
-        """
-        self._model, self._hf = model, hf
+        """The probe on the HF model (none under ``torch.compile``: said once, the inspector steps aside)."""
         self.core.events = self.events
         how = compiled_by(model) or compiled_by(hf)
         if how:
@@ -115,27 +71,16 @@ class AttentionInspector(InspectorResults, SampledCallback):
             return
         self.inspector = self.core.probe(hf)
 
+    @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Arm the hooks for the first forward of a sampled step (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            **kwargs: the Trainer's other event keywords, unused.
-
-        Example::
-
-            >>> inspector.on_step_begin(args, state, control)   # the Trainer calls it before each optimizer step
-        """
+        """Arm the hooks for the first forward of a sampled step."""
         step = state.global_step
         inspect, judged = step % self.log_interval == 0, self.verdict and step % self.verdict_interval == 0
         if self.inspector is None or not (inspect or judged) or self._model is None:
             return
         inspector = self.inspector
 
-        probe = ForwardProbe(self._hf) if judged else None  # the forward's own autocast and input embeddings
-        self._probe = probe
+        probe = self._probe = ForwardProbe(self._hf) if judged else None  # the forward's autocast and input embeddings
 
         def before(batch: dict) -> None:
             inspector.batch = BatchInfo.from_batch(batch)
@@ -156,19 +101,9 @@ class AttentionInspector(InspectorResults, SampledCallback):
         blocked = second_forward_blocked(self._model, self._hf)
         return judge(self._hf, batch, output, blocked, probe.context(), embeds=probe.embeds)
 
+    @override
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Report the sampled step's records and verdict (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            **kwargs: the Trainer's other event keywords, unused.
-
-        Example::
-
-            >>> inspector.on_step_end(args, state, control)   # then the next logs carry attn/documents_isolated 1.0
-        """
+        """Report the sampled step's records and verdict."""
         self.release()
         path = path_of(self._hf) if self._hf is not None else None
         if path is not None and any(change.reason == LEFT_PADDED for change in path.changes):
@@ -186,13 +121,9 @@ class AttentionInspector(InspectorResults, SampledCallback):
         if metrics:
             self.session.log(metrics)
 
+    @override
     def release(self) -> None:
-        """Every hook of ours off the model, the probe's included (idempotent).
-
-        Example::
-
-            >>> inspector.release()
-        """
+        """Every hook of ours off the model, the probe's included (idempotent)."""
         super().release()
         if self.inspector is not None:
             self.inspector.disarm()

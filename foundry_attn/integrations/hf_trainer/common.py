@@ -1,8 +1,5 @@
 """What the Trainer callbacks share: the :class:`Session` of one :func:`~foundry_attn.integrations.hf_trainer.callbacks`
-call (the trainer, the event log, the metrics waiting for the Trainer's next logs) and the sampled-step base class.
-
-transformers glue (TRL optional); the callbacks are ``AttnDecision``, ``AttentionInspector`` and ``UpadTracer``, one
-module each, as the Composer callbacks are (:mod:`foundry_attn.integrations.composer`).
+call (the trainer, the event log, the metrics waiting for the next logs) and the sampled-step base class.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
+from typing_extensions import override
 
 from foundry_attn.checks import check_interval
 from foundry_attn.flat.unwrap import find_hf_model
@@ -30,9 +28,8 @@ FIX = (
 
 
 class Session:
-    """What the three callbacks of one :func:`~foundry_attn.integrations.hf_trainer.callbacks` call share: the trainer
-    (if known), the event log (one launch id for every rank, rank 0's) and the metrics waiting for the Trainer's next
-    logs.
+    """What the callbacks of one :func:`~foundry_attn.integrations.hf_trainer.callbacks` call share: the trainer, the
+    event log (one launch id over the ranks) and the metrics waiting for the Trainer's next logs.
 
     Args:
         trainer: the Trainer, where known (``install`` knows it; ``Trainer(callbacks=...)`` finds its handler).
@@ -47,7 +44,7 @@ class Session:
         self.placed = False
 
     def open(self, args: Any) -> EventLog:
-        """The event log, opened once, at train begin (every rank calls it there: the launch id is a collective).
+        """The event log, opened once at train begin (on every rank: the launch id is a collective).
 
         Args:
             args: the Trainer's ``TrainingArguments``.
@@ -67,10 +64,10 @@ class Session:
         return self.events
 
     def place(self, handler: CallbackHandler | None) -> None:
-        """Put :class:`Merger` first among ``handler``'s callbacks, before the Trainer's reporters (once per Trainer).
+        """Put :class:`Merger` first among ``handler``'s callbacks, before the Trainer's reporters.
 
         Args:
-            handler: the Trainer's callback handler; None (none found) leaves the merging to our own ``on_log``.
+            handler: the Trainer's callback handler; None leaves the merging to our own ``on_log``.
 
         Example::
 
@@ -94,7 +91,7 @@ class Session:
         self.pending.update(metrics)
 
     def merge(self, logs: dict | None, state: Any) -> None:
-        """``pending`` into the logs being reported, and into their copy the Trainer just kept in its history.
+        """``pending`` into the logs being reported, and into the copy the Trainer just kept in its history.
 
         Args:
             logs: the logs the Trainer is about to report (changed in place).
@@ -102,7 +99,7 @@ class Session:
 
         Example::
 
-            >>> session.merge(logs, trainer.state)     # from Merger.on_log
+            >>> session.merge(logs, trainer.state)
         """
         if not self.pending or logs is None:
             return
@@ -114,32 +111,19 @@ class Session:
 
 
 class Merger(TrainerCallback):
-    """First among the Trainer's callbacks: the ``attn/*`` metrics waiting since the last log join the logs the
-    Trainer is about to report, so every reporter (TensorBoard, W&B, MLflow, the console) gets them."""
+    """First among the Trainer's callbacks: the waiting ``attn/*`` metrics join the logs every reporter gets."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
 
+    @override
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        """Merge the waiting metrics into ``logs`` (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            logs: the logs the Trainer is about to report (changed in place).
-            **kwargs: the Trainer's other event keywords (model, optimizer, ...), unused.
-
-        Example::
-
-            >>> merger.on_log(args, state, control, logs={"loss": 2.31})   # the Trainer calls it at each log
-        """
+        """Merge the waiting metrics into ``logs``."""
         self.session.merge(logs, state)
 
 
 def calling_handler() -> CallbackHandler | None:
-    """The Trainer's :class:`CallbackHandler` that is calling this callback event (a Trainer given our callbacks with
-    ``Trainer(callbacks=...)`` is not known to them otherwise).
+    """The Trainer's :class:`CallbackHandler` calling this event (``Trainer(callbacks=...)`` does not tell us).
 
     Returns:
         The handler, or None when no caller up the stack is one.
@@ -172,13 +156,15 @@ class SampledCallback(TrainerCallback):
         self.session = session or Session()
         self.log_interval = check_interval(self.owner, "log_interval", log_interval)
         self._handles: list[Any] = []
+        self._model: Any = None  # what the Trainer calls (a wrapper, compiled or not), and the HF model inside it
+        self._hf: Any = None
 
     @property
     def events(self) -> EventLog | None:
-        """The shared event log (None before train begin).
+        """The shared event log.
 
         Returns:
-            The :class:`~foundry_attn.observe.events.EventLog`, or None.
+            The :class:`~foundry_attn.observe.events.EventLog`, or None before train begin.
 
         Example::
 
@@ -187,25 +173,15 @@ class SampledCallback(TrainerCallback):
         """
         return self.session.events
 
+    @override
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        """Open the event log, go first among the reporters, and :meth:`begin` (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            model: what the Trainer calls (a wrapper, compiled or not).
-            **kwargs: the Trainer's other event keywords (optimizer, train_dataloader, ...), unused.
-
-        Example::
-
-            >>> callback.on_train_begin(args, state, control, model=model)   # the Trainer calls it in train()
-        """
+        """Open the event log, go first among the reporters, and :meth:`begin`."""
         self.session.open(args)
         trainer = self.session.trainer
         self.session.place(trainer.callback_handler if trainer is not None else calling_handler())
         found = find_hf_model(model) if model is not None else None
-        self.begin(args, model, found[1] if found is not None else model)
+        self._model, self._hf = model, found[1] if found is not None else model
+        self.begin(args, self._model, self._hf)
 
     def begin(self, args: Any, model: Any, hf: Any) -> None:
         """At train begin, with the model the Trainer calls and the HF model inside it.
@@ -220,20 +196,9 @@ class SampledCallback(TrainerCallback):
             >>> callback.begin(trainer.args, trainer.model, hf_model)
         """
 
+    @override
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        """Merge the waiting metrics where no handler was found to go first in (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            logs: the logs the Trainer is about to report (changed in place).
-            **kwargs: the Trainer's other event keywords, unused.
-
-        Example::
-
-            >>> callback.on_log(args, state, control, logs={"loss": 2.31})   # the Trainer calls it at each log
-        """
+        """Merge the waiting metrics where no handler was found to go first in."""
         if not self.session.placed:  # the reporters after us still get them
             self.session.merge(logs, state)
 
@@ -243,8 +208,7 @@ class SampledCallback(TrainerCallback):
         Args:
             model: what the Trainer calls.
             before: called with the forward's keywords at its start (the first pre-hook).
-            after: called with its keywords and output at its end (None when it raised; the last hook, so
-                :meth:`release` may remove every hook of ours there).
+            after: called with its keywords and output (None when it raised) at its end, after :meth:`release`.
 
         Example::
 
@@ -264,7 +228,7 @@ class SampledCallback(TrainerCallback):
         self._drop_hooks()
         self._handles = [
             model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True),
-            model.register_forward_hook(post, with_kwargs=True, always_call=True),
+            model.register_forward_hook(post, with_kwargs=True, always_call=True),  # last: release may drop them all
         ]
 
     def _drop_hooks(self) -> None:
@@ -281,17 +245,7 @@ class SampledCallback(TrainerCallback):
         """
         self._drop_hooks()
 
+    @override
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Release everything (Trainer event).
-
-        Args:
-            args: the Trainer's ``TrainingArguments``.
-            state: the Trainer's ``TrainerState``.
-            control: the Trainer's ``TrainerControl``.
-            **kwargs: the Trainer's other event keywords, unused.
-
-        Example::
-
-            >>> callback.on_train_end(args, state, control)   # the Trainer calls it at the end of train()
-        """
+        """Release everything."""
         self.release()

@@ -1,12 +1,5 @@
-"""Tiny offline assets, made by our own code: nothing is fetched from a hub.
-
-    foundry-attn assets build/tiny
-
-writes ``tokenizer/`` (word-level, pad == EOS on purpose), ``tiny-llama/config.json``,
-``smollm2-135m/config.json`` (SmolLM2-135M's shapes, random init), ``text/{train,val}`` (MDS
-``tokens`` rows: one real document each, padded with EOS to ``max_seq_len``) and
-``finetune/{train,val}.jsonl`` (prompt/response pairs).
-"""
+"""Tiny offline assets made by our own code, nothing fetched (``foundry-attn assets build/tiny``): a word-level
+tokenizer (pad == EOS on purpose), tiny Llama and SmolLM2-135M configs, MDS text rows and finetuning pairs."""
 
 from __future__ import annotations
 
@@ -27,7 +20,7 @@ WORDS = ["the", "a", "and", ".", "?", "what", "who", "does", "answer", ":", *_NO
 
 
 def sentence(rng: random.Random) -> str:
-    """One random sentence of the tiny vocabulary, ``the <adj> <noun> <verb> a <adj> <noun> .`` as words.
+    """One random sentence of the tiny vocabulary.
 
     Args:
         rng: the random source.
@@ -51,7 +44,7 @@ def _document(rng: random.Random, max_sentences: int) -> str:
 
 
 def build_tokenizer(out: Path):
-    """A word-level fast tokenizer whose pad token is its EOS token.
+    """A word-level fast tokenizer whose pad token is its EOS token, saved to ``out``.
 
     Args:
         out: the folder it is saved to.
@@ -77,7 +70,7 @@ def build_tokenizer(out: Path):
 
 
 def write_text_mds(out: Path, tokenizer, n_rows: int, max_seq_len: int, seed: int) -> None:
-    """Pre-tokenized rows, one real document each (ending in EOS), padded with EOS to ``max_seq_len``.
+    """MDS ``tokens`` rows, one real document each (ending in EOS), padded with EOS to ``max_seq_len``.
 
     Args:
         out: the MDS folder written.
@@ -113,7 +106,6 @@ def write_finetune_jsonl(path: Path, n: int, seed: int) -> None:
     Example::
 
         >>> write_finetune_jsonl(Path("build/tiny/finetune/train.jsonl"), n=512, seed=2)
-        >>> # {"prompt": "what does the old dog see ?", "response": "answer : the old dog sees a old fish ."}
     """
     rng = random.Random(seed)
     with open(path, "w") as f:
@@ -125,7 +117,7 @@ def write_finetune_jsonl(path: Path, n: int, seed: int) -> None:
 
 
 def build_assets(out: str | Path, max_seq_len: int = 128, train_rows: int = 512, val_rows: int = 64) -> Path:
-    """Write every tiny asset under ``out`` (idempotent: existing MDS folders are replaced).
+    """Every tiny asset written under ``out`` (existing MDS folders are replaced).
 
     Args:
         out: the folder to write.

@@ -1,22 +1,5 @@
-"""Registered dataloaders: LLM-Foundry's stock loaders with a padding-aware collator.
-
-    train_loader:
-      name: foundry_attn_text            # pre-tokenized MDS ``tokens`` (or ``text``) datasets
-      padding: pack                      # mask | pack | none (none = the stock collator)
-      overflow: split                    # documents longer than max_seq_len: split | truncate
-      dataset: {local: ./build/tiny/text, split: train, max_seq_len: 128, shuffle: true}
-      drop_last: true
-      num_workers: 0
-
-    train_loader:
-      name: foundry_attn_finetuning      # prompt/response data, LLM-Foundry's finetuning keys
-      padding: pack
-      dataset: {hf_name: ./build/tiny/finetune, split: train, max_seq_len: 128, decoder_only_format: true}
-
-Both return a Composer ``DataSpec`` that counts only real tokens, and examples (not packed rows) as samples.
-The text loader reads whole rows: a row longer than ``max_seq_len`` reaches the collator intact, which splits
-(``overflow: split``) or truncates each document.
-"""
+"""The registered loaders ``foundry_attn_text`` and ``foundry_attn_finetuning``: LLM-Foundry's stock loaders with
+our padding-aware collator (``padding: mask | pack | none``); samples count examples, tokens count real tokens."""
 
 from __future__ import annotations
 
@@ -35,6 +18,7 @@ from llmfoundry.data.text_data import build_text_dataloader as _stock_text
 from llmfoundry.data.utils import get_tokens_per_batch_func
 from streaming import StreamingDataset
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from foundry_attn.checks import check_choice
 from foundry_attn.flat.packing import IGNORE_INDEX, PADDING_MODES, PaddingCollator
@@ -69,57 +53,34 @@ def _data_spec(dl: DataLoader) -> DataSpec:
 
 class WholeRowTextDataset(StreamingTextDataset):
     """LLM-Foundry's ``StreamingTextDataset`` that hands the collator whole rows, not rows cut to ``max_seq_len``:
-    the collator then splits (``overflow: split``) or truncates each document, so no token is lost unseen.
-
-    Its checkpoint state records the padding mode; resuming with another one fails with a clear error.
-    """
+    the collator splits or truncates each document (``overflow``), so no token is lost unseen. Its checkpoint state
+    records the padding mode; resuming with another one fails with a clear error."""
 
     def __init__(self, *args: Any, padding: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.padding = padding
 
+    @override
     def _tokenize(self, text_sample: Mapping) -> dict[str, list[int]]:
         if self.tokenizer.pad_token is None:
             raise RuntimeError("tokenizing text on the fly needs a tokenizer with a pad token")
         return self.tokenizer(text_sample["text"], truncation=False, padding=False)
 
+    @override
     def _read_binary_tokenized_sample(self, sample: dict[str, Any]) -> torch.Tensor:
         tokens = sample["tokens"]
         if not isinstance(tokens, np.ndarray):
             tokens = np.frombuffer(tokens, dtype=getattr(np, self.token_encoding_type))
         return torch.from_numpy(tokens.copy()).to(torch.int64)
 
+    @override
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
-        """The stock dataset's checkpoint state, with this run's padding mode.
-
-        Args:
-            num_samples: samples consumed so far (as Composer passes it).
-            from_beginning: whether ``num_samples`` counts from the start of the epoch.
-
-        Returns:
-            The state, ``foundry_attn_padding`` added.
-
-        Example::
-
-            >>> dataset.state_dict(8, True)["foundry_attn_padding"]
-            'pack'
-        """
+        """The stock dataset's checkpoint state, with this run's padding mode (``foundry_attn_padding``)."""
         return {**super().state_dict(num_samples, from_beginning), "foundry_attn_padding": self.padding}
 
+    @override
     def load_state_dict(self, obj: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`'s state, refusing one written under another padding mode.
-
-        Args:
-            obj: the checkpointed state (no ``foundry_attn_padding``: the stock loader's, ``padding: none``).
-
-        Raises:
-            ValueError: the checkpoint's padding mode is not this run's.
-
-        Example::
-
-            >>> dataset.load_state_dict(dataset.state_dict(8, True))  # the same padding: resumes
-            >>> dataset.load_state_dict(mask_run_state)  # ValueError: ... resume with padding: mask (...)
-        """
+        """Resume from :meth:`state_dict`'s state; a ValueError for one written under another padding mode."""
         saved = obj.get("foundry_attn_padding", "none")
         if saved != self.padding:
             raise ValueError(
@@ -143,7 +104,7 @@ def build_text_dataloader(
     persistent_workers: bool = True,
     timeout: int = 0,
 ) -> DataSpec:
-    """LLM-Foundry's text loader (same keys) with ``padding``/``overflow`` added.
+    """LLM-Foundry's text loader (same keys) with ``padding`` and ``overflow``; rows reach our collator whole.
 
     Args:
         tokenizer: the run's tokenizer (its pad and EOS tokens).
@@ -152,21 +113,22 @@ def build_text_dataloader(
         padding: ``mask``, ``pack`` or ``none`` (the stock collator).
         overflow: a document longer than ``max_seq_len``: ``split`` or ``truncate``.
         drop_last: drop the last incomplete batch.
-        num_workers: DataLoader workers (0: also pass ``prefetch_factor=None, persistent_workers=False``).
+        num_workers: DataLoader workers (0: also ``prefetch_factor: null``, ``persistent_workers: false``).
         pin_memory: DataLoader ``pin_memory``.
         prefetch_factor: DataLoader ``prefetch_factor``.
         persistent_workers: DataLoader ``persistent_workers``.
         timeout: DataLoader ``timeout``.
 
     Returns:
-        A Composer ``DataSpec`` counting real tokens, and examples as samples.
+        A Composer ``DataSpec`` counting real tokens, and examples (not packed rows) as samples.
 
-    Example::
+    Example, in an LLM-Foundry YAML::
 
-        >>> data = {"local": "build/tiny/text", "split": "train", "max_seq_len": 128, "shuffle": False}
-        >>> batch = next(iter(build_text_dataloader(tok, 8, data, padding="pack", num_workers=2).dataloader))
-        >>> batch["doc_lens"], batch["examples"]  # 8 examples in 2 rows
-        ([[33, 9, 33, 17, 25], [17, 17, 33]], [5, 3])
+        train_loader:
+          name: foundry_attn_text        # pre-tokenized MDS tokens (or text) datasets
+          padding: pack                  # mask | pack | none (none = the stock collator)
+          overflow: split                # documents longer than max_seq_len: split | truncate
+          dataset: {local: ./build/tiny/text, split: train, max_seq_len: 128, shuffle: true}
     """
     check_choice("padding", padding, PADDING_MODES)
     loader_kwargs = dict(
@@ -217,14 +179,14 @@ def build_finetuning_dataloader(
         **kwargs: the stock loader's other keys (``num_workers``, ``drop_last``, ``pin_memory``, ...).
 
     Returns:
-        A Composer ``DataSpec`` counting real tokens, and examples as samples.
+        A Composer ``DataSpec`` counting real tokens, and examples (not packed rows) as samples.
 
-    Example::
+    Example, in an LLM-Foundry YAML::
 
-        >>> data = {"hf_name": "build/tiny/finetune", "split": "train", "max_seq_len": 128, "decoder_only_format": True}
-        >>> spec = build_finetuning_dataloader(tok, 4, {**data, "shuffle": True}, padding="pack", num_workers=2)
-        >>> next(iter(spec.dataloader))["doc_lens"]  # 4 prompt/response pairs in 1 row
-        [[18, 18, 18, 18]]
+        train_loader:
+          name: foundry_attn_finetuning  # prompt/response data, LLM-Foundry's finetuning keys
+          padding: pack
+          dataset: {hf_name: ./build/tiny/finetune, split: train, max_seq_len: 128, decoder_only_format: true}
     """
     check_choice("padding", padding, PADDING_MODES)
     spec = _stock_finetuning(tokenizer=tokenizer, device_batch_size=device_batch_size, dataset=dict(dataset), **kwargs)

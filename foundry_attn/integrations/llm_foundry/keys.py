@@ -1,22 +1,5 @@
-"""The attention keys of ``foundry_attn_causal_lm``, parsed once into one typed value.
-
-    model:
-      name: foundry_attn_causal_lm
-      attn_implementation: auto          # auto | flash_attention_2 | torch_varlen | flex_attention | sdpa | eager
-      attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
-      attn_strict: false
-      attn_compute_dtype: auto
-      attn_path: auto                    # auto | flat | rows
-      attn_proof_interval: 100
-      attn_prove_at_build: true          # the proof at build (false: on the first training batch)
-      attn_capacity: 0                   # pad each flat row to a few fixed shapes up to N tokens (varlen backends)
-      attn_execution: auto               # auto | eager | compiled | graphed (CUDA graphs: CUDA and a capacity)
-      fa2_reference_kernel: false
-      attn_rank_overrides: {1: {attn_implementation: sdpa}}
-
-Every check runs here, at build, with the valid values in its error: unknown names, unknown override keys, an
-unknown path.
-"""
+"""The attention keys of ``foundry_attn_causal_lm`` (``attn_implementation``, ``attn_fallback``, ...), checked once
+at build, each error naming the valid values; in a YAML: :class:`~.model.FoundryAttnCausalLM`."""
 
 from __future__ import annotations
 
@@ -37,17 +20,14 @@ OWNER = "foundry_attn_causal_lm"
 
 
 def rank_override(overrides: Mapping | None, rank: int) -> dict:
-    """This rank's entry of ``attn_rank_overrides`` (keys: rank numbers), checked against what it may set.
+    """This rank's entry of ``attn_rank_overrides``, checked against :data:`RANK_OVERRIDABLE` (else a ValueError).
 
     Args:
         overrides: the model's ``attn_rank_overrides`` (rank keys as ints or strings), or None.
         rank: this process's global rank.
 
     Returns:
-        The entry's keys (a subset of :data:`RANK_OVERRIDABLE`); empty where the rank has none.
-
-    Raises:
-        ValueError: the entry sets a key outside :data:`RANK_OVERRIDABLE`.
+        The entry's keys; empty where the rank has none.
 
     Example::
 
@@ -96,7 +76,7 @@ class AttnKeys:
         attn_rank_overrides: Mapping | None = None,
         use_flash_attention_2: bool = False,
     ) -> AttnKeys:
-        """The keys as the model got them; :data:`KEYS` names them, the model passes on the rest.
+        """The keys as the model got them, validated (a ValueError names the valid values); :data:`KEYS` names them.
 
         Args:
             rank: this process's global rank (picks its ``attn_rank_overrides`` entry).
@@ -107,20 +87,14 @@ class AttnKeys:
             attn_path: ``auto``, ``flat`` or ``rows``.
             attn_proof_interval: re-prove every N training batches (0: first batch and changes only).
             attn_prove_at_build: prove at build (False: on the first training batch).
-            attn_capacity: pad each flat row to a few fixed shapes up to this many tokens (0: off;
-                :mod:`foundry_attn.flat.capacity`).
-            attn_execution: how the flat step runs: ``auto`` (graphed on CUDA where it can be, else compiled;
-                eager on a CPU), ``eager``, ``compiled`` or ``graphed`` (:mod:`foundry_attn.path.execution`).
+            attn_capacity: pad each flat row to a few fixed shapes up to this many tokens (0: off).
+            attn_execution: ``auto``, ``eager``, ``compiled`` or ``graphed`` (:mod:`foundry_attn.path.execution`).
             fa2_reference_kernel: run FA2 on the pure-PyTorch reference kernel.
             attn_rank_overrides: per rank, the keys it sets otherwise (:func:`rank_override`).
             use_flash_attention_2: LLM-Foundry's old key; under ``auto``, asks for ``flash_attention_2``.
 
         Returns:
             The validated keys.
-
-        Raises:
-            ValueError: an unknown backend, compute dtype, path, execution or override key, or a bad
-                ``attn_proof_interval`` or ``attn_capacity``.
 
         Example::
 

@@ -1,34 +1,5 @@
-"""``foundry_attn_causal_lm``: LLM-Foundry's ``hf_causal_lm`` with an attention fallback that says why.
-
-    model:
-      name: foundry_attn_causal_lm
-      pretrained_model_name_or_path: ./build/tiny/tiny-llama
-      pretrained: false
-      attn_implementation: auto            # auto | flash_attention_2 | flex_attention | sdpa | eager
-      attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
-      attn_strict: false                   # true: fail if the request cannot run, naming the check
-      attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
-      events_dir: ./runs/${run_name}/attn_events   # default: $FOUNDRY_ATTN_EVENTS_DIR, else ./<run_name>/attn_events
-      fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
-      attn_path: auto                      # auto | flat | rows: flat where proven exact, else one document per row
-      attn_proof_interval: 100             # prove flat again every N training batches (and on the first, and
-                                           # whenever the attention code changes); 0: first batch and changes only
-      attn_prove_at_build: true            # the proof at build on two synthetic documents (false: first batch only)
-      attn_capacity: 0                     # N: each flat row padded to a few fixed shapes up to N tokens (varlen)
-      attn_execution: auto                 # graphed on CUDA where it can be, else compiled; eager on a CPU
-      attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
-        1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
-    callbacks:
-      attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
-
-Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches (``doc_lens``)
-and 2-D masks under every backend, on one of two paths (``foundry_attn.path.attach``): **flat** (one row of real
-tokens, unpadded once, the documents passed to every attention call as an argument) where it is proven
-against stock, **rows** (the stock backend, one document per row, a 2-D mask) where it is not. Either way the
-outputs come back in the batch's shape, as stock's do (``[rows, width, vocab]`` logits, zeros at padding), and
-the loss is the one computed on the layout. With ``pretrained: false`` and one seed the weights, and the RNG
-state after the build, are stock's; the weights load as often as stock loads them.
-"""
+"""``foundry_attn_causal_lm``: LLM-Foundry's ``hf_causal_lm`` with an attention fallback that says why, and packed
+documents trained as each alone."""
 
 from __future__ import annotations
 
@@ -42,6 +13,7 @@ from composer.utils import dist
 from llmfoundry.models.hf import ComposerHFCausalLM
 from llmfoundry.utils.config_utils import set_config_overrides
 from transformers import AutoConfig
+from typing_extensions import override
 
 from foundry_attn.attention.backends import FA2, backend_of, load_name
 from foundry_attn.flat.unwrap import compiled
@@ -60,7 +32,39 @@ log = logging.getLogger(__name__)
 
 
 class FoundryAttnCausalLM(ComposerHFCausalLM):
-    """A ``ComposerHFCausalLM`` whose attention implementation is chosen by checks, per rank."""
+    """A ``ComposerHFCausalLM`` whose attention implementation is chosen by checks, per rank.
+
+    Every other ``hf_causal_lm`` key works unchanged. The forward honours ``foundry_attn`` batches (``doc_lens``)
+    and 2-D masks under every backend, on one of two paths (``foundry_attn.path.attach``): **flat** (one row of real
+    tokens, unpadded once, the documents passed to every attention call) where it is proven against stock, **rows**
+    (the stock backend, one document per row, a 2-D mask) where it is not. The outputs come back in the batch's
+    shape, as stock's do; with ``pretrained: false`` and one seed the weights and the RNG state after the build are
+    stock's.
+
+    Example, in an LLM-Foundry YAML:
+
+    .. code-block:: yaml
+
+        model:
+          name: foundry_attn_causal_lm
+          pretrained_model_name_or_path: ./build/tiny/tiny-llama
+          pretrained: false
+          attn_implementation: auto            # auto | flash_attention_2 | flex_attention | sdpa | eager
+          attn_fallback: [flash_attention_2, torch_varlen, sdpa, eager]
+          attn_strict: false                   # true: fail if the request cannot run, naming the check
+          attn_compute_dtype: auto             # bf16 | fp16 | fp32; auto = bf16 on CUDA (amp_bf16), fp32 on CPU
+          events_dir: runs/${run_name}/attn_events  # default: $FOUNDRY_ATTN_EVENTS_DIR, else ./<run_name>/attn_events
+          fa2_reference_kernel: false          # CPU diagnosis: FA2 code paths on a pure-PyTorch kernel
+          attn_path: auto                      # auto | flat | rows: flat where proven exact, else one document per row
+          attn_proof_interval: 100             # prove flat again every N batches, the first and on change (0: not)
+          attn_prove_at_build: true            # the proof at build on two synthetic documents (false: first batch)
+          attn_capacity: 0                     # N: each flat row padded to a few fixed shapes up to N tokens (varlen)
+          attn_execution: auto                 # graphed on CUDA where it can be, else compiled; eager on a CPU
+          attn_rank_overrides:                 # one rank asks for something else (a node under test, a repro)
+            1: {attn_implementation: flash_attention_2, attn_fallback: [sdpa]}
+        callbacks:
+          attn_decision: {}                    # logs attn/requested, attn/chosen, ... to your loggers
+    """
 
     def __init__(
         self,
@@ -118,9 +122,8 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         )
 
     def _build(self, tokenizer: Any, path: str, config: Any, decision: Decision, reference: bool, kwargs: dict) -> None:
-        """Build once, as stock builds. transformers' own attention check already ran on the config in ``decide``
-        (no weights), so an error here is the build's own: it surfaces unchanged, with no retry and no second
-        load; a later fallback (the path proof, the first-forward dtype check) switches the loaded model."""
+        """Build once, as stock builds: ``decide`` already ran transformers' attention check on the config, so an error
+        here is the build's own (no retry, no second load); a later fallback switches the loaded model."""
         super().__init__(
             tokenizer=tokenizer,
             pretrained_model_name_or_path=path,
@@ -148,10 +151,10 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
 
     @property
     def attn_decision(self) -> Decision:
-        """What attach decided for this rank, with the path and proof as they are now (the state's).
+        """What attach decided for this rank, with the path and proof as they are now.
 
         Returns:
-            The :class:`~foundry_attn.selection.policy.Decision`: ``requested``, ``chosen``, ``reason``, ``path``, ...
+            The :class:`~foundry_attn.selection.policy.Decision`.
 
         Example::
 
@@ -168,13 +171,12 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         for what in (w for w in self._watch.changed() if w != "layout"):
             self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at=what)
 
-    # ---- forward ------------------------------------------------------------------------------------
     @property
     def attn_implementation(self) -> str:
         """The backend attention runs (``sdpa``, not our registered ``foundry_sdpa``).
 
         Returns:
-            The backend's name, as the config's ``attn_implementation`` names it.
+            The backend's name.
 
         Example::
 
@@ -198,22 +200,9 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         log.warning("attention: switching to %s: %s", self.attn_decision.chosen, reason)
         self.attn_events.append("attn_impl", **self.attn_decision.as_dict(), at="first_forward")
 
+    @override
     def forward(self, batch: Mapping) -> Any:
-        """Run ``batch`` on the proven path, flat or rows, where it has our layout (``doc_lens`` or a 2-D mask); any
-        other batch (ICL, generation) runs ``hf_causal_lm``'s own forward.
-
-        Args:
-            batch: the Composer batch: ``input_ids`` with ``doc_lens`` or ``attention_mask``, ``labels`` optional.
-
-        Returns:
-            The HF model's output, its logits ``[rows, width, vocab]`` (zeros at padding) as stock's are.
-
-        Example::
-
-            >>> out = model(batch)           # Composer's training loop calls it
-            >>> out.logits.shape             # 8 rows of 2048, a vocabulary of 32000
-            torch.Size([8, 2048, 32000])
-        """
+        """The batch on the proven path where it has our layout (``doc_lens``, a 2-D mask), else stock's forward."""
         routed = self._route(batch)
         if routed is None:
             return super().forward(batch)  # Composer passes on only the keys the HF forward names
