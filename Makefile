@@ -13,7 +13,7 @@ export WANDB_MODE := disabled
 # share of the cores for torch's threads (tests/conftest.py)
 PARALLEL := -n auto --maxprocesses 4 --dist worksteal
 
-.PHONY: help demo demo-fa2-reference blog-case test test-fast test-latest test-axolotl bench-axolotl chromium lint doctor \
+.PHONY: help demo demo-fa2-reference blog-case test test-launch test-fast test-latest test-axolotl bench-axolotl chromium lint doctor \
 	bench clean
 
 ## this list: every target and the first line of what it does
@@ -74,9 +74,15 @@ demo-fa2-reference: $(ASSETS)/.done
 blog-case: $(STAMP)
 	$(BIN)/python tests/integrations/test_blog_case.py
 
-## the tests on the pinned stack (LLM-Foundry 0.22, Composer 0.32, torch 2.7, transformers 4.51) in .venv
+## the tests on the pinned stack (LLM-Foundry 0.22, Composer 0.32, torch 2.7, transformers 4.51) in .venv,
+## all but those that launch whole runs of their own (make test-launch)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PARALLEL)
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not launch"
+
+## the tests that launch whole runs of their own, on the pinned stack: torchrun ranks (DDP, FSDP2, composer -n 2) and
+## the entry points over real flash-attn / TransformerEngine releases (fetched from PyPI into build/real-installs once)
+test-launch: $(STAMP)
+	$(BIN)/python -m pytest -q $(PARALLEL) -m launch
 
 ## the developer loop: every test but the slow and gpu ones, in about 30 s
 ## (slow: subprocesses, torchrun, Trainer runs, benches)

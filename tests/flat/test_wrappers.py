@@ -84,6 +84,7 @@ def _ranks(ranks: int, out: Path, *args: str) -> dict:
     return result
 
 
+@pytest.mark.launch  # torchrun ranks
 @pytest.mark.parametrize(
     ("wrapper", "ranks", "family", "backend", "checkpointing"),
     [
@@ -105,6 +106,7 @@ def test_distributed_is_exact(
     assert result["wrapped"].startswith("DistributedDataParallel" if wrapper == "ddp" else "FSDP"), result
 
 
+@pytest.mark.launch  # torchrun ranks
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_a_compiled_execution_under_ddp_and_fsdp2_is_exact(tmp_path: Path, wrapper: str) -> None:
     """``attach(..., execution="compiled")`` under DDP and FSDP2 on 2 ranks: the second batch runs the compiled step,
@@ -116,6 +118,7 @@ def test_a_compiled_execution_under_ddp_and_fsdp2_is_exact(tmp_path: Path, wrapp
     assert result["execution"] == "compiled" and list(result["eager"].values()) == eager, result
 
 
+@pytest.mark.launch  # torchrun ranks
 @pytest.mark.parametrize(("rows", "forwards"), [("split", [2, 2]), ("agree", [1, 1])])
 def test_ddp_ranks_agree_on_the_forwards_of_rows_by_width(tmp_path: Path, rows: str, forwards: list[int]) -> None:
     """One document per row in forwards by width under DDP: every rank runs as many forwards (DDP broadcasts its

@@ -429,6 +429,7 @@ def test_sft_trainer_with_the_router_loss_trains_the_truth(model_type: str, back
     assert state.path == path, state.reason
 
 
+@pytest.mark.launch  # torchrun ranks
 def test_a_ddp_trainer_run_reports_every_rank(tmp_path: Path) -> None:
     """torchrun, two CPU ranks (gloo), accelerate's DDP: each rank's decision, one launch id, the rank-0 line."""
     worker = str(Path(__file__).parent / "trainer_worker.py")

@@ -146,6 +146,7 @@ def test_explicit_request_falls_back_down_the_chain(assets: Path, tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_two_ranks_gloo(assets: Path, tmp_path: Path) -> None:
     """`composer -n 2 train.py ...` on CPU: one event per rank, one summary line on rank 0."""
     events = tmp_path / "events"
@@ -202,6 +203,7 @@ def test_gpu_yaml_falls_back_on_cpu(assets: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_one_rank_falls_back_and_the_fleet_view_names_it(assets: Path, tmp_path: Path) -> None:
     """`composer -n 2`, rank 1 asks for FA2 through attn_rank_overrides: the events name rank 1 and why."""
     from foundry_attn.cli import main

@@ -25,7 +25,7 @@ from tests.selection.test_flash_compat import A100, installed
 
 BIN = Path(sys.executable).parent
 YAML = str(REPO / "yamls" / "tiny_cpu.yaml")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
