@@ -79,8 +79,9 @@ blog-case: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not launch"
 
-## the tests that launch whole runs of their own, on the pinned stack: torchrun ranks (DDP, FSDP2, composer -n 2) and
-## the entry points over real flash-attn / TransformerEngine releases (fetched from PyPI into build/real-installs once)
+## the tests that are whole runs of their own, on the pinned stack: torchrun ranks (DDP, FSDP2, composer -n 2), the
+## entry points over real flash-attn / TransformerEngine releases (fetched from PyPI into build/real-installs once),
+## and the benchmarks end to end
 test-launch: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m launch
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,17 @@ def _zoo_truth(config: Any, model_class: type, backend: str, docs: list[torch.Te
         total = torch.stack(losses).sum()
         total.backward()
     return total.item(), grads_of(model)
+
+
+@functools.lru_cache(maxsize=4)  # a type's cells, run one after the other, share stock's truth per backend
+def _truth(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
+    """:func:`_zoo_truth` of ``model_type``'s tiny model on the zoo's documents (the same config, weights and ids
+    every time: :func:`foundry_attn.verify.zoo.tiny`, ``synthetic_documents``)."""
+    from foundry_attn.proof.synthetic import synthetic_documents
+    from foundry_attn.verify import zoo
+
+    config, model_class = zoo.tiny(model_type)
+    return _zoo_truth(config, model_class, backend, synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu")))
 
 
 def _zoo_stock_rows(
@@ -216,7 +228,7 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
     backend = decision.chosen
     try:
         docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
-        want_loss, want_grad = _zoo_truth(config, model_class, backend, docs)
+        want_loss, want_grad = _truth(model_type, backend)
     except Exception as exc:
         return done("crash" if raised_by_us(exc) else "stock fails", f"{type(exc).__name__}: {exc}", chosen=backend)
     try:
@@ -269,7 +281,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
         return done("stock fails", f"{type(exc).__name__}: {exc}")
     docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
     try:
-        truth: tuple[float, torch.Tensor] | None = _zoo_truth(config, model_class, backend, docs)
+        truth: tuple[float, torch.Tensor] | None = _truth(model_type, backend)
     except Exception as exc:  # ours is a crash, unless attach refuses the pair anyway (below)
         truth, stock_error, ours = None, f"{type(exc).__name__}: {exc}", raised_by_us(exc)
     try:

@@ -90,6 +90,7 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
     assert out.count("\n") == 1 and "needs a CUDA GPU" in out
 
 
+@pytest.mark.launch  # a benchmark run end to end
 @no_cuda
 @pytest.mark.slow
 def test_python_m_foundry_attn_cli_bench_runs_without_composer() -> None:
@@ -104,6 +105,7 @@ def test_python_m_foundry_attn_cli_bench_runs_without_composer() -> None:
     assert json.loads(proc.stdout) == {"skipped": gpu.NEEDS_CUDA}
 
 
+@pytest.mark.launch  # a benchmark run end to end
 @pytest.mark.slow
 def test_cpu_plumbing_runs_every_cpu_tier_and_losses_agree(capsys: pytest.CaptureFixture[str]) -> None:
     threads = torch.get_num_threads()

@@ -85,6 +85,7 @@ def test_round_robin_gc_off_inside_a_call_and_self_timed_seconds() -> None:
     assert paired_ratio_median([2.0, 3.0, 8.0], [1.0, 1.0, 2.0]) == 3.0
 
 
+@pytest.mark.launch  # a benchmark run end to end
 @pytest.mark.slow
 def test_quick_proof_and_compile_benches_run_and_agree(capsys) -> None:
     """The proof and compile benchmarks through the CLI, untimed: probes pass, one graph, losses agree."""
@@ -125,6 +126,7 @@ def test_every_benchmark_follows_one_protocol(monkeypatch: pytest.MonkeyPatch, c
     assert main(["bench", "events"]) == 0 and "targets: NOT all met" in capsys.readouterr().out
 
 
+@pytest.mark.launch  # a benchmark run end to end
 @pytest.mark.slow
 @pytest.mark.foundry
 def test_quick_train_bench_runs_every_variant_through_llm_foundry(capsys) -> None:

@@ -50,6 +50,10 @@ def _as_documented(cell: sweep.ZooCell) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", zoo.model_types())
 def test_every_model_type_is_exact_or_refused(model_type: str) -> None:
+    """Each type as the registered model meets it (``auto``: never refused where stock trains; each backend, strict)
+    and as a core user attaches it, built as ``from_pretrained`` builds it (``attach(model, backend)``: refused only
+    where stock cannot train the pair either): exact or refused, never wrong, never a crash. One test per type: its
+    cells share stock's truth per backend."""
     for requested in sweep.ZOO_BACKENDS:
         cell = sweep.zoo_cell(model_type, requested)
         assert cell.status in ("exact", "refused", *NOT_OURS), cell
@@ -60,13 +64,6 @@ def test_every_model_type_is_exact_or_refused(model_type: str) -> None:
         if cell.status == "refused":
             assert cell.detail, cell
         _as_documented(cell)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", zoo.model_types())
-def test_every_model_type_as_a_core_user_attaches_it(model_type: str) -> None:
-    """``attach(model, backend)`` on the model as ``from_pretrained`` builds it: exact, or refused where stock cannot
-    train the pair either; never wrong, never a crash, never a refusal of what stock trains."""
     for backend in sweep.CORE_BACKENDS:
         cell = sweep.core_cell(model_type, backend)
         assert cell.status in ("exact", "refused", *NOT_OURS), cell
