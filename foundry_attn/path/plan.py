@@ -158,23 +158,12 @@ def _laid(state: PathState, hf: torch.nn.Module, plan: Plan, path: str, in_step:
     would regroup documents of one length in every layer, uncompiled; padded to the capacity, a row past it at its
     own length, said once), or the rows' ``groups``, side and targets. Every layout field is set, none kept from
     ``plan``'s other path."""
-    if path == ROWS:
-        return dataclasses.replace(
-            plan,
-            path=ROWS,
-            groups=groups,
-            even=False,
-            sizes=None,
-            stock_mask=False,
-            left=state.rows_left,
-            first_targets=state.first_targets,
-            at=None,
-            in_step=False,
-        )
+    rows = path == ROWS
     layout, capacity = plan.layout, state.capacity
-    even = in_step and state.execution.runs == EAGER_STEP and (state.stock_mask or BACKENDS[state.backend].regroups)
+    even = not rows and in_step and state.execution.runs == EAGER_STEP
+    even = even and (state.stock_mask or BACKENDS[state.backend].regroups)
     sizes = None
-    if capacity and not state.stock_mask:  # a few fixed shapes: the kernel reads the bounds on the device
+    if not rows and capacity and not state.stock_mask:  # a few fixed shapes: the kernel reads the bounds on the device
         sizes = capacity_for(layout.real_tokens, len(layout.lengths), capacity)
         if sizes is None and not any(n.startswith(PAST_CAPACITY) for n in state.notes):
             note = f"{PAST_CAPACITY} {capacity} tokens (a row of {layout.real_tokens}): it runs at its own length"
@@ -182,13 +171,13 @@ def _laid(state: PathState, hf: torch.nn.Module, plan: Plan, path: str, in_step:
             log.warning("foundry_attn: %s: %s (said once)", type(hf).__name__, note)
     return dataclasses.replace(
         plan,
-        path=FLAT,
+        path=path,
         groups=groups,
         even=even,
         sizes=sizes,
-        stock_mask=state.stock_mask,
-        left=False,
-        first_targets=False,
+        stock_mask=not rows and state.stock_mask,
+        left=rows and state.rows_left,
+        first_targets=rows and state.first_targets,
         at=None,
         in_step=False,
     )
