@@ -62,14 +62,14 @@ class AttentionInspector(InspectorResults, SampledCallback):
         self._probe: ForwardProbe | None = None
 
     @override
-    def begin(self, args: Any, model: Any, hf: Any) -> None:
+    def begin(self, args: Any) -> None:
         """The probe on the HF model (none under ``torch.compile``: said once, the inspector steps aside)."""
         self.core.events = self.events
-        how = compiled_by(model) or compiled_by(hf)
+        how = compiled_by(self._model) or compiled_by(self._hf)
         if how:
             self.core.say_once("compiled", COMPILED.format(owner=self.owner, how=how))
             return
-        self.inspector = self.core.probe(hf)
+        self.inspector = self.core.probe(self._hf)
 
     @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -42,11 +42,11 @@ class AttnDecision(SampledCallback):
         self._watch: PathWatch | None = None
 
     @override
-    def begin(self, args: Any, model: Any, hf: Any) -> None:
+    def begin(self, args: Any) -> None:
         """Say this rank's decision and gather every rank's (a collective: every rank runs it)."""
         assert self.events is not None
-        announce(decision_of(hf), self.events, args.process_index, log)
-        self._state = path_of(hf)
+        announce(decision_of(self._hf), self.events, args.process_index, log)
+        self._state = path_of(self._hf)
         if self._state is not None:
             self._watch = PathWatch(self._state)
             self.session.log({"attn/path_flat": float(self._state.path == FLAT)})

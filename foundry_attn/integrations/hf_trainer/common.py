@@ -181,19 +181,17 @@ class SampledCallback(TrainerCallback):
         self.session.place(trainer.callback_handler if trainer is not None else calling_handler())
         found = find_hf_model(model) if model is not None else None
         self._model, self._hf = model, found[1] if found is not None else model
-        self.begin(args, self._model, self._hf)
+        self.begin(args)
 
-    def begin(self, args: Any, model: Any, hf: Any) -> None:
-        """At train begin, with the model the Trainer calls and the HF model inside it.
+    def begin(self, args: Any) -> None:
+        """At train begin, once ``_model`` (what the Trainer calls) and ``_hf`` (the HF model inside it) are set.
 
         Args:
             args: the Trainer's ``TrainingArguments``.
-            model: what the Trainer calls (a wrapper, compiled or not).
-            hf: the HF model inside it.
 
         Example::
 
-            >>> callback.begin(trainer.args, trainer.model, hf_model)
+            >>> callback.begin(trainer.args)
         """
 
     @override

@@ -51,10 +51,10 @@ class UpadTracer(SampledCallback):
         return self.core.last_metrics
 
     @override
-    def begin(self, args: Any, model: Any, hf: Any) -> None:
+    def begin(self, args: Any) -> None:
         """Whether there is anything to trace (:meth:`~foundry_attn.observe.tracer.TracerCore.resolve`)."""
         self.core.events = self.events
-        self.core.resolve(model, hf)
+        self.core.resolve(self._model, self._hf)
 
     @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
