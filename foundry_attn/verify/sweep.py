@@ -452,8 +452,10 @@ def run_zoo(
     with each of ``core`` (cells named ``attach <backend>``)."""
     from foundry_attn.verify import zoo
 
-    types = model_types or tuple(zoo.model_types())
-    return [zoo_cell(t, b) for t in types for b in backends] + [core_cell(t, b) for t in types for b in core]
+    cells = []
+    for t in model_types or tuple(zoo.model_types()):  # a type's cells one after the other: they share stock's truth
+        cells += [zoo_cell(t, b) for b in backends] + [core_cell(t, b) for b in core]
+    return cells
 
 
 def zoo_counts(cells: list[ZooCell]) -> dict[str, int]:
