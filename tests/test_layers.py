@@ -99,14 +99,25 @@ def test_only_the_integrations_and_their_benches_import_composer_llmfoundry_acce
 
 
 @pytest.mark.slow
-def test_everything_but_the_integrations_imports_without_composer_or_llmfoundry() -> None:
-    """A bare GPU box (no Composer, no LLM-Foundry) imports the core, the tools and every bench."""
+def test_a_box_without_composer_imports_all_but_the_integrations_and_runs_doctor() -> None:
+    """A bare GPU box (no Composer, no LLM-Foundry) imports the core, the tools and every bench, and its
+    ``foundry-attn doctor --json`` runs (one interpreter for both: each start imports transformers again)."""
     names = [name for name, _ in _modules() if _home(name) != "integrations" and name != "__init__"]
-    code = "import sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n" + "".join(
-        f"import foundry_attn.{name}\n" for name in names
+    code = (
+        "import sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n"
+        + "".join(f"import foundry_attn.{name}\n" for name in names)
+        + "from foundry_attn.cli import main\nsys.exit(main(['doctor', '--json']))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"candidates"' in proc.stdout
+    report = json.loads(proc.stdout)  # the same keys on the pinned stack and on transformers 5.x
+    if torch.cuda.is_available():  # a GPU box: one of the candidates it found available (test_gpu.py: which)
+        assert report["environment"]["cuda"]
+        assert report["chosen"] in {c["name"] for c in report["candidates"] if c["available"]}
+    else:
+        assert '"chosen": "sdpa"' in proc.stdout
+    assert {"flash_kernel", "flash_symbols", "environment"} <= report.keys() and not report["flash_symbols"]["missing"]
 
 
 @pytest.mark.slow
@@ -128,24 +139,6 @@ def test_policy_and_the_probe_import_without_transformers() -> None:
     code = "import sys\nsys.modules['transformers'] = None\n" + "".join(f"import foundry_attn.{m}\n" for m in modules)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_doctor_json_runs_without_composer() -> None:
-    code = (
-        "import sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n"
-        "from foundry_attn.cli import main\nsys.exit(main(['doctor', '--json']))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert '"candidates"' in proc.stdout
-    report = json.loads(proc.stdout)  # the same keys on the pinned stack and on transformers 5.x
-    if torch.cuda.is_available():  # a GPU box: one of the candidates it found available (test_gpu.py: which)
-        assert report["environment"]["cuda"]
-        assert report["chosen"] in {c["name"] for c in report["candidates"] if c["available"]}
-    else:
-        assert '"chosen": "sdpa"' in proc.stdout
-    assert {"flash_kernel", "flash_symbols", "environment"} <= report.keys() and not report["flash_symbols"]["missing"]
 
 
 def test_no_module_imports_a_private_name_of_another() -> None:

@@ -100,8 +100,6 @@ def at_capacity(inputs: Mapping[str, Any], sizes: tuple[int, int]) -> dict[str, 
     out["position_ids"] = padded(inputs["position_ids"], torch.zeros(pad, dtype=torch.long, device=ids.device))
     if inputs.get("labels") is not None:
         out["labels"] = padded(inputs["labels"], torch.full((pad,), IGNORE_INDEX, device=ids.device))
-    if "last_cache_position" in inputs:
-        out["last_cache_position"] = tokens
     bounds = (*docs.bounds[: docs.real + 1], *([tokens] * (slots - docs.real)))
     assert docs.bounds[-1] == total, (docs.bounds, total)
     out[DOCS_KEY] = padded_docs = Documents.of(bounds, ids.device, real=docs.real, pinned=tokens)

@@ -179,10 +179,12 @@ def flat_inputs(
     for value in (*inputs.values(), docs.device_bounds, docs.host_bounds):
         if value is not None:
             torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
-    # Gemma2/3 read last_cache_position from a 4-D mask with .item() (a graph break); the mask is ours, so is the value
+    # Gemma2/3 and Cohere2 read last_cache_position from a 4-D mask with .item() (a graph break), so we give it. Their
+    # sliding layers slice the mask from max(0, last_cache_position - max(row, window)): 0 for any value up to the row's
+    # length. 0 keeps the length out of the guards (the length, an int, would pin a compiled graph to one row length).
     # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
     if "last_cache_position" in base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
-        inputs["last_cache_position"] = shape[1]
+        inputs["last_cache_position"] = 0
     inputs["attention_mask"] = placeholder(hf.dtype, ids.device)
     # a MoE forward hands its mask to the router loss, which reads it as [batch, seq]: every token of the flat row is
     # real, so all ones (transformers 5.x builds no mask for our names; 4.51 builds L x L)

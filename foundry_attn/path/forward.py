@@ -52,19 +52,12 @@ class Prepared:
     proof: StepProof | None = None
     forwards: tuple[RowForward, ...] = ()
 
-    @property
-    def no_targets(self) -> bool:
-        """Whether the batch has no target (its loss is zero, still connected to the parameters).
+    no_targets: bool = dataclasses.field(init=False)
+    """Whether the batch has no target (the plan's ``no_targets``): its loss is zero, still connected to the
+    parameters. A field, not a property on the plan, so a compiled caller reads a bool, not the frozen plan."""
 
-        Returns:
-            The plan's ``no_targets``.
-
-        Example::
-
-            >>> prepare_documents(model, batch).no_targets     # batch: labels on every real token
-            False
-        """
-        return self.plan.no_targets
+    def __post_init__(self) -> None:
+        self.no_targets = self.plan.no_targets
 
 
 def forward_documents(model: Any, batch: Mapping) -> Any:
@@ -117,20 +110,29 @@ def run_prepared(
         >>> out.logits.shape                                            # the flat row: 90 real tokens
         torch.Size([1, 90, 64])
     """
-    hf = unwrapped(model)
-    state = path_of(hf) if prepared.plan.attached else None
-    execution = state.execution if state is not None else None
-    if prepared.proof is not None:  # a flat row whose proof takes its forward, uncompiled
-        if execution is not None:
-            execution.ran_eagerly(PROOF_DUE)
+    hf, execution, way = _way(model, prepared, torch.compiler.is_compiling())
+    if way == PROOF_DUE:  # a flat row whose proof takes its forward, uncompiled
         return _proven(forward, hf, prepared.proof, prepared)
-    if prepared.plan.path == FLAT and execution is not None:
+    if way == FLAT:
         return execution.run(forward, prepared.inputs, hf), prepared
-    if execution is not None:  # rows: a shape per batch
-        execution.ran_eagerly(ROWS_BATCH)
     if prepared.forwards:
         return joined([forward(f.inputs) for f in prepared.forwards], prepared.forwards, summed), prepared
     return forward(prepared.inputs), prepared
+
+
+@torch.compiler.disable  # host-side: under a compiled caller, the frozen plan's fields would all become guards
+def _way(model: Any, prepared: Prepared, compiling: bool) -> tuple[Any, Any, str]:
+    """The transformers model, its path's execution (None: unattached), and the way the batch runs: ``PROOF_DUE``,
+    ``FLAT`` or ``ROWS_BATCH``; a batch the execution does not take is counted here (not under a compiled caller)."""
+    hf = unwrapped(model)
+    state = path_of(hf) if prepared.plan.attached else None
+    execution = state.execution if state is not None else None
+    way = PROOF_DUE if prepared.proof is not None else FLAT if prepared.plan.path == FLAT else ROWS_BATCH
+    if way == FLAT and execution is None:
+        way = ROWS_BATCH
+    elif execution is not None and way != FLAT and not compiling:
+        execution.ran_eagerly(way)
+    return hf, execution, way
 
 
 def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = False) -> Any:

@@ -137,8 +137,8 @@ def test_compiled_layouts_change_the_data_not_the_graph(family: str, backend: st
     # Gemma2 warns (logger.warning_once) in every training forward not named "eager": a break outside attention
     with torch._dynamo.config.patch(ignore_logger_methods={logging.Logger.warning_once}):
         compiled_by_step, breaks = compiled_steps(family, backend, steps=16)
-    # dynamic shapes from the start: one graph (Gemma2: one more, for its loss frame)
-    assert compiled_by_step[-1] <= 2 and compiled_by_step[3] == compiled_by_step[-1], compiled_by_step
+    # dynamic shapes from the start: one graph, Gemma2 too (its last_cache_position does not pin the row's length)
+    assert compiled_by_step[0] == compiled_by_step[-1] == 1, compiled_by_step
     assert not breaks, breaks
 
 

@@ -165,6 +165,7 @@ class FoundryAttnCausalLM(ComposerHFCausalLM):
         assert decision is not None  # attach_decision always records one
         return decision
 
+    @torch.compiler.disable  # host-side bookkeeping: its watch's fields would be guards of a compiled forward
     def _path_changed(self) -> None:
         """After a batch: a proof that moved the run to rows (the state's :class:`~foundry_attn.path.state.PathChange`),
         or the first batch's device that changed the execution (graphed without CUDA), is an ``attn_impl`` event."""
