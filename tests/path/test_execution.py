@@ -90,13 +90,25 @@ def test_a_compiled_step_is_exact_in_one_graph_over_every_layout(
 ) -> None:
     from torch._dynamo.utils import counters
 
+    """Every layout exact against the uncompiled twin, every decoder layer in the same graph, and a second model of
+    the same shapes (other weights) compiles nothing new."""
+    capacity = 128 * (backend == "torch_varlen")
     with reference_torch_varlen():  # torch's varlen kernel is CUDA's: its pure-PyTorch reference here
-        model, twin = _twins(family, backend, capacity=128 * (backend == "torch_varlen"), execution=COMPILED)
+        model, twin = _twins(family, backend, capacity=capacity, execution=COMPILED)
         assert _steps_agree(model, twin, _layouts(layouts)) == layouts
+        made_by_one = len(graphs)
+        second = conformance.build(family, backend, seed=1)
+        attach(second, backend, capacity=capacity, execution=COMPILED)
+        for batch in _layouts(2, seed=1):  # the first batch's proof runs eagerly, the second compiled
+            forward_documents(second, batch).loss.backward()
     state = model.foundry_path
     assert 1 <= len(graphs) <= made and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
+    assert len(graphs) == made_by_one, graphs  # the second model: no new graph
     assert state.execution.runs == COMPILED and state.execution.eager == {PROOF_DUE: 1}  # the first batch's proof
     assert compiled_by(model).startswith("attn_execution compiled (compiled: ") and compiled_by(twin) is None
+    layer = type(model.model.layers[0]).__name__
+    assert state.execution.compiled.kinds == {layer: len(model.model.layers)} and state.execution.compile_s > 0
+    assert not state.execution.compiled.on  # outside the step the layers run their own code
 
 
 def test_graphed_needs_cuda_and_a_capacity_else_it_runs_compiled_and_says_why(graphs: list[int]) -> None:
@@ -213,25 +225,6 @@ def test_auto_on_cuda_graphs_a_backend_with_bounds_on_the_device_at_the_first_ba
     assert fsdp.reason.endswith(f"graphed not applied: {execution.SHARDED}")
     caller = execution_for(AUTO_STEP, True, "torch_varlen", 0, False, False, cuda)
     assert caller.runs == EAGER_STEP and not caller.by_device and "compiled already" in caller.reason
-
-
-def test_identical_layers_and_a_second_model_share_one_compiled_graph(graphs: list[int]) -> None:
-    from foundry_attn.verify.conformance import FAMILIES
-
-    config, model_class = FAMILIES["llama"]()
-    config.num_hidden_layers, config._attn_implementation = 6, "sdpa"
-    models = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        models.append(model_class(config).train())
-        attach(models[-1], "sdpa", execution=COMPILED)
-    for model in models:
-        for batch in _layouts(3, seed=len(graphs)):
-            forward_documents(model, batch).loss.backward()
-    assert len(graphs) == 1, graphs  # 6 layers, two models, every layout
-    assert models[0].foundry_path.execution.compiled.kinds == {"LlamaDecoderLayer": 6}
-    assert models[0].foundry_path.execution.compile_s > 0
-    assert not models[0].foundry_path.execution.compiled.on  # outside the step the layers run their own code
 
 
 def test_a_compile_that_fails_under_auto_leaves_the_step_eager(monkeypatch: pytest.MonkeyPatch) -> None:
