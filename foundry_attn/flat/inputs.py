@@ -179,10 +179,8 @@ def flat_inputs(
     for value in (*inputs.values(), docs.device_bounds, docs.host_bounds):
         if value is not None:
             torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
-    # Gemma2/3 and Cohere2 read last_cache_position from a 4-D mask with .item() (a graph break), so we give it. Their
-    # sliding layers slice the mask from max(0, last_cache_position - max(row, window)): 0 for any value up to the row's
-    # length. 0 keeps the length out of the guards (the length, an int, would pin a compiled graph to one row length).
-    # (the ignore: a class is hashable, but mypy misreads its __hash__ against lru_cache's Hashable)
+    # Gemma2/3, Cohere2 read it from a 4-D mask with .item() (a graph break); their mask offset, max(0, it - max(row,
+    # window)), is 0 for any value up to the row: 0 keeps the length out of a compiled graph's guards (mypy: Hashable)
     if "last_cache_position" in base_parameters(type(hf.base_model)):  # type: ignore[arg-type]
         inputs["last_cache_position"] = 0
     inputs["attention_mask"] = placeholder(hf.dtype, ids.device)

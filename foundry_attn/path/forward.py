@@ -126,13 +126,12 @@ def _way(model: Any, prepared: Prepared, compiling: bool) -> tuple[Any, Any, str
     ``FLAT`` or ``ROWS_BATCH``; a batch the execution does not take is counted here (not under a compiled caller)."""
     hf = unwrapped(model)
     state = path_of(hf) if prepared.plan.attached else None
-    execution = state.execution if state is not None else None
+    if state is None:  # unattached: rows, unproven
+        return hf, None, ROWS_BATCH
     way = PROOF_DUE if prepared.proof is not None else FLAT if prepared.plan.path == FLAT else ROWS_BATCH
-    if way == FLAT and execution is None:
-        way = ROWS_BATCH
-    elif execution is not None and way != FLAT and not compiling:
-        execution.ran_eagerly(way)
-    return hf, execution, way
+    if way != FLAT and not compiling:
+        state.execution.ran_eagerly(way)
+    return hf, state.execution, way
 
 
 def joined(outs: Sequence[Any], forwards: Sequence[RowForward], summed: bool = False) -> Any:

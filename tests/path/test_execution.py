@@ -88,10 +88,10 @@ def _steps_agree(model: torch.nn.Module, twin: torch.nn.Module, batches: Iterato
 def test_a_compiled_step_is_exact_in_one_graph_over_every_layout(
     graphs: list[int], family: str, backend: str, layouts: int, made: int
 ) -> None:
-    from torch._dynamo.utils import counters
-
     """Every layout exact against the uncompiled twin, every decoder layer in the same graph, and a second model of
     the same shapes (other weights) compiles nothing new."""
+    from torch._dynamo.utils import counters
+
     capacity = 128 * (backend == "torch_varlen")
     with reference_torch_varlen():  # torch's varlen kernel is CUDA's: its pure-PyTorch reference here
         model, twin = _twins(family, backend, capacity=capacity, execution=COMPILED)
