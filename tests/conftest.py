@@ -17,17 +17,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# inductor takes its CPU's vector ISA from /proc/cpuinfo, as it does once a probe has passed, without compiling and
+# loading that probe in a fresh interpreter per ISA (about 15 s wherever a test first compiles with inductor)
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _share_the_cores() -> None:
-    """Under ``pytest -n N`` (``make test``), each worker takes its share of the cores for torch's threads and its
-    subprocesses' (a worker with every core's threads would make N times as many as there are cores)."""
+    """Under ``pytest -n N`` (``make test``), each worker takes its share of the cores for torch's threads, its
+    subprocesses' and inductor's C++ compiles (a worker with every core's threads would make N times as many as there
+    are cores; at one, inductor compiles in the worker, without starting a pool of its own)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         share = max(1, (os.cpu_count() or 1) // workers)
-        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
             os.environ[name] = str(share)
         torch.set_num_threads(share)
 

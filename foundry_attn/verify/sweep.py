@@ -28,6 +28,7 @@ from foundry_attn.path.attach import attach
 from foundry_attn.path.forward import forward_documents, repad_logits
 from foundry_attn.path.state import NoExactPath
 from foundry_attn.proof.runs import alone_inputs
+from foundry_attn.proof.synthetic import synthetic_documents
 from foundry_attn.verify.conformance import (
     GRAD_TOL,
     LOSS_TOL,
@@ -94,8 +95,14 @@ def _dispatches_by_name(config: Any, model_class: type) -> bool:
     return _DISPATCHES_BY_NAME[model_class]
 
 
-def _zoo_truth(config: Any, model_class: type, backend: str, docs: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
-    """Stock, each document alone, this backend: the loss and its gradient."""
+@functools.lru_cache(maxsize=4)  # a type's cells, run one after the other, share stock's truth per backend
+def _truth(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
+    """Stock, each document of the zoo's alone, under ``backend``: the loss and its gradient (the same config, weights
+    and ids every time: :func:`foundry_attn.verify.zoo.tiny`, ``synthetic_documents``)."""
+    from foundry_attn.verify import zoo
+
+    config, model_class = zoo.tiny(model_type)
+    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
     model = _zoo_model(config, model_class, backend)
     targets = sum(d.numel() - 1 for d in docs)
     with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
@@ -109,17 +116,6 @@ def _zoo_truth(config: Any, model_class: type, backend: str, docs: list[torch.Te
         total = torch.stack(losses).sum()
         total.backward()
     return total.item(), grads_of(model)
-
-
-@functools.lru_cache(maxsize=4)  # a type's cells, run one after the other, share stock's truth per backend
-def _truth(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
-    """:func:`_zoo_truth` of ``model_type``'s tiny model on the zoo's documents (the same config, weights and ids
-    every time: :func:`foundry_attn.verify.zoo.tiny`, ``synthetic_documents``)."""
-    from foundry_attn.proof.synthetic import synthetic_documents
-    from foundry_attn.verify import zoo
-
-    config, model_class = zoo.tiny(model_type)
-    return _zoo_truth(config, model_class, backend, synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu")))
 
 
 def _zoo_stock_rows(
@@ -199,7 +195,6 @@ def raised_by_us(exc: BaseException) -> bool:
 def zoo_cell(model_type: str, requested: str) -> ZooCell:
     """Run ``model_type``'s tiny config under ``requested`` (``auto``: the default chain; a backend: strict) through
     ``attach`` + ``forward_documents`` on packed documents, against stock on each document alone."""
-    from foundry_attn.proof.synthetic import synthetic_documents
     from foundry_attn.selection.decision import decide
     from foundry_attn.selection.policy import DEFAULT_FALLBACK, AttentionUnavailableError
     from foundry_attn.verify import zoo
@@ -227,32 +222,49 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
         return done("refused", str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0])
     backend = decision.chosen
     try:
-        docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
-        want_loss, want_grad = _truth(model_type, backend)
+        truth = _truth(model_type, backend)
     except Exception as exc:
         return done("crash" if raised_by_us(exc) else "stock fails", f"{type(exc).__name__}: {exc}", chosen=backend)
+    run = _attached(model_type, backend, backend)
+    built = (config, model_class, backend, synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu")))
+    if run.error is not None and _stock_rows_differ(run.error, built, truth):
+        return done("stock differs", str(run.error), chosen=backend)
+    if run.error is not None:
+        return done("crash", f"{type(run.error).__name__}: {run.error}", chosen=backend)
+    status, loss_err, grad_err = _outcome(run.loss, run.grad, truth, run.path, built)
+    return done(status, run.reason, chosen=backend, path=run.path, loss_err=loss_err, grad_err=grad_err)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attached:
+    """One model built (``built``), attached and trained one packed step: path, why, loss, gradients; or the error."""
+
+    built: bool
+    path: str = ""
+    reason: str = ""
+    loss: float = 0.0
+    grad: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
+    error: Exception | None = None
+
+
+@functools.lru_cache(maxsize=4)  # the registered model's cells and a core user's that build and attach alike run once
+def _attached(model_type: str, load_as: str, backend: str) -> _Attached:
+    """``model_type``'s tiny model built as ``load_as`` loads it, ``attach(model, backend)`` and :func:`_zoo_ours` on
+    the zoo's documents (FA2 on the reference kernel, installed around the whole run, as for the truth)."""
+    from foundry_attn.verify import zoo
+
+    config, model_class = zoo.tiny(model_type)
     try:
-        model = _zoo_model(config, model_class, backend)
-        # FA2 exists on this CPU only as the reference kernel: installed around the whole run, as for the truth
+        model = _zoo_model(config, model_class, load_as)
+    except Exception as exc:
+        return _Attached(False, error=exc)
+    try:
         with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
             state = attach(model, backend, fa2_reference=backend == FA2)
-            loss = _zoo_ours(model, docs)
+            loss = _zoo_ours(model, synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu")))
     except Exception as exc:
-        if _stock_rows_differ(exc, (config, model_class, backend, docs), (want_loss, want_grad)):
-            return done("stock differs", str(exc), chosen=backend)
-        return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
-    truth = (want_loss, want_grad)
-    status, loss_err, grad_err = _outcome(
-        loss, grads_of(model), truth, state.path, (config, model_class, backend, docs)
-    )
-    return done(
-        status,
-        state.reason,
-        chosen=backend,
-        path=state.path,
-        loss_err=loss_err,
-        grad_err=grad_err,
-    )
+        return _Attached(True, error=exc)
+    return _Attached(True, state.path, state.reason, loss, grads_of(model))
 
 
 #: the backends a core user names in ``attach(model, backend)`` (not strict), on a model built as they build it
@@ -264,7 +276,6 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     then ``attach(model, backend)`` (explicit, not strict) and ``forward_documents`` on packed documents, against
     stock on each document alone under ``backend``. ``refused`` only where stock cannot train the pair either
     (``over-refused`` otherwise); an exception out of our code is a ``crash``."""
-    from foundry_attn.proof.synthetic import synthetic_documents
     from foundry_attn.selection.policy import AttentionUnavailableError
     from foundry_attn.verify import zoo
 
@@ -274,34 +285,29 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
 
     try:
         config, model_class = zoo.tiny(model_type)
-        model = _zoo_model(config, model_class, load_name(SDPA, model_class=model_class))
     except zoo.Unbuildable as exc:
         return done("unbuildable", str(exc))
-    except Exception as exc:  # stock cannot build its own default here
-        return done("stock fails", f"{type(exc).__name__}: {exc}")
-    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
     try:
         truth: tuple[float, torch.Tensor] | None = _truth(model_type, backend)
     except Exception as exc:  # ours is a crash, unless attach refuses the pair anyway (below)
         truth, stock_error, ours = None, f"{type(exc).__name__}: {exc}", raised_by_us(exc)
-    try:
-        with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
-            state = attach(model, backend, fa2_reference=backend == FA2)
-            loss = _zoo_ours(model, docs)
-    except AttentionUnavailableError as exc:
-        if _stock_rows_differ(exc, (config, model_class, backend, docs), truth):
-            return done("stock differs", str(exc), chosen=backend)
+    run = _attached(model_type, load_name(SDPA, model_class=model_class), backend)
+    built = (config, model_class, backend, synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu")))
+    if not run.built:  # stock cannot build its own default here
+        return done("stock fails", f"{type(run.error).__name__}: {run.error}")
+    if isinstance(run.error, AttentionUnavailableError):
+        if _stock_rows_differ(run.error, built, truth):
+            return done("stock differs", str(run.error), chosen=backend)
         # stock fails too, or runs something else than the model (4.51's sdpa drops Gemma2's softcap silently)
-        refused = str(exc).split("failed: ", 1)[-1].split(". Fix: ")[0]
-        inexact = "check 'exactness'" in str(exc)
+        refused = str(run.error).split("failed: ", 1)[-1].split(". Fix: ")[0]
+        inexact = "check 'exactness'" in str(run.error)
         return done("refused" if truth is None or inexact else "over-refused", refused, chosen=backend)
-    except Exception as exc:
-        return done("crash", f"{type(exc).__name__}: {exc}", chosen=backend)
+    if run.error is not None:
+        return done("crash", f"{type(run.error).__name__}: {run.error}", chosen=backend)
     if truth is None:
-        return done("crash" if ours else "stock fails", stock_error, chosen=backend, path=state.path)
-    built = (config, model_class, backend, docs)
-    status, loss_err, grad_err = _outcome(loss, grads_of(model), truth, state.path, built)
-    return done(status, state.reason, chosen=backend, path=state.path, loss_err=loss_err, grad_err=grad_err)
+        return done("crash" if ours else "stock fails", stock_error, chosen=backend, path=run.path)
+    status, loss_err, grad_err = _outcome(run.loss, run.grad, truth, run.path, built)
+    return done(status, run.reason, chosen=backend, path=run.path, loss_err=loss_err, grad_err=grad_err)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +335,6 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
     of the zoo's documents through stock, then through ``attach(model, backend)`` and ``model(**batch)``."""
     from transformers import DataCollatorWithFlattening
 
-    from foundry_attn.proof.synthetic import synthetic_documents
     from foundry_attn.selection.policy import AttentionUnavailableError
     from foundry_attn.verify import zoo
 
@@ -345,7 +350,7 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
     docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
     batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
     try:
-        truth = _zoo_truth(config, model_class, backend, docs)
+        truth = _truth(model_type, backend)
     except Exception as exc:
         return PaddingFreeCell(model_type, backend, "stock fails", detail=f"{type(exc).__name__}: {exc}"[:200])
     targets = sum(d.numel() - 1 for d in docs)
