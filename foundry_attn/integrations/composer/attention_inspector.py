@@ -136,13 +136,15 @@ class AttentionInspector(InspectorResults, ReleasingCallback):
 
     @override
     def before_forward(self, state: State, logger: Logger) -> None:
-        """At BEFORE_FORWARD of a sampled batch's first microbatch: the probe's hooks on, the batch read."""
-        self.verdicts.before_forward(state)
-        if not self._sampled:
-            return
-        self._sampled = False
+        """At BEFORE_FORWARD of a batch's first microbatch: a due verdict's probe on the input embeddings and, in a
+        sampled batch, the probe's hooks on, the batch read; neither under ``torch.compile`` (the inspector steps
+        aside: a hook inside the compiled forward would break its graph)."""
         inspector = self._resolve(state)
-        if inspector is not None:
+        if inspector is None:
+            return
+        self.verdicts.before_forward(state)
+        if self._sampled:
+            self._sampled = False
             self._batch = BatchInfo.from_batch(state.batch)
             inspector.arm(self._batch)
 
