@@ -8,9 +8,12 @@ import importlib.util
 import os
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
+
+if TYPE_CHECKING:  # imported where used: xdist's controller runs no test, and starts its workers 4 s sooner without it
+    import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,6 +33,8 @@ def _share_the_cores() -> None:
     are cores; at one, inductor compiles in the worker, without starting a pool of its own)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
+        import torch
+
         share = max(1, (os.cpu_count() or 1) // workers)
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
             os.environ[name] = str(share)
@@ -44,7 +49,9 @@ FOUNDRY_MISSING = next(
 #: tests whose fixtures are built with the [foundry] extra (MDS shards through ``streaming``)
 FOUNDRY_FIXTURES = frozenset({"assets", "tokenizer"})
 #: a CUDA device and flash-attn: transformers finds the real FA2 kernels here (on this CPU box it finds none)
-REAL_FLASH_ATTN = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+REAL_FLASH_ATTN = (
+    importlib.util.find_spec("flash_attn") is not None and importlib.import_module("torch").cuda.is_available()
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -75,6 +82,7 @@ def tokenizer(assets: Path):
 def make_llama(impl: str = "sdpa", seed: int = 0, **shape: int) -> torch.nn.Module:
     """A tiny random LlamaForCausalLM in fp32, eval mode, running ``impl`` (FA2: set on the config,
     as 4.51 allows; run it under ``reference_flash_attn()`` on CPU)."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = dict(
