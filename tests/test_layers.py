@@ -98,13 +98,32 @@ def test_only_the_integrations_and_their_benches_import_composer_llmfoundry_acce
     assert not wrong, wrong
 
 
+#: transformers-free: policy reads the backend table (no kernel code), the probe imports transformers only when it
+#: looks for a model
+NO_TRANSFORMERS = (
+    "selection.policy",
+    "selection.traits",
+    "selection.backend_checks",
+    "attention.backends",
+    "attention.config_values",
+    "observe.probe",
+    "observe.discovery",
+    "attention.documents",
+    "attention.block_masks",
+    "flat.unwrap",
+)
+
+
 @pytest.mark.slow
 def test_a_box_without_composer_imports_all_but_the_integrations_and_runs_doctor() -> None:
     """A bare GPU box (no Composer, no LLM-Foundry) imports the core, the tools and every bench, and its
-    ``foundry-attn doctor --json`` runs (one interpreter for both: each start imports transformers again)."""
+    ``foundry-attn doctor --json`` runs; before them, the policy and the probe import without transformers. One
+    interpreter for all three (each start imports torch and transformers again)."""
     names = [name for name, _ in _modules() if _home(name) != "integrations" and name != "__init__"]
     code = (
-        "import sys\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n"
+        "import sys\nsys.modules['transformers'] = None\n"
+        + "".join(f"import foundry_attn.{name}\n" for name in NO_TRANSFORMERS)
+        + "del sys.modules['transformers']\nsys.modules['composer'] = None\nsys.modules['llmfoundry'] = None\n"
         + "".join(f"import foundry_attn.{name}\n" for name in names)
         + "from foundry_attn.cli import main\nsys.exit(main(['doctor', '--json']))"
     )
@@ -118,27 +137,6 @@ def test_a_box_without_composer_imports_all_but_the_integrations_and_runs_doctor
     else:
         assert '"chosen": "sdpa"' in proc.stdout
     assert {"flash_kernel", "flash_symbols", "environment"} <= report.keys() and not report["flash_symbols"]["missing"]
-
-
-@pytest.mark.slow
-def test_policy_and_the_probe_import_without_transformers() -> None:
-    """policy says it is transformers-free (it reads the backend table, which holds no kernel code), and the probe
-    imports transformers only when it looks for a model."""
-    modules = (
-        "selection.policy",
-        "selection.traits",
-        "selection.backend_checks",
-        "attention.backends",
-        "attention.config_values",
-        "observe.probe",
-        "observe.discovery",
-        "attention.documents",
-        "attention.block_masks",
-        "flat.unwrap",
-    )
-    code = "import sys\nsys.modules['transformers'] = None\n" + "".join(f"import foundry_attn.{m}\n" for m in modules)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_no_module_imports_a_private_name_of_another() -> None:
