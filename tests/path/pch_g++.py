@@ -37,8 +37,8 @@ def precompiled(header: Path, args: list[str]) -> None:
 def main(args: list[str]) -> int:
     sources = [a for a in args if a.endswith(".cpp")]
     if len(sources) == 1:
-        head = Path(sources[0]).read_text().lstrip()[:4096].splitlines()[:1]
-        found = re.fullmatch(r'#include "(/.+\.h)"', head[0]) if head else None
+        first = Path(sources[0]).read_text().lstrip().split("\n", 1)[0]  # inductor's kernels open on their header
+        found = re.fullmatch(r'#include "(/.+\.h)"', first)
         if found and not Path(found[1] + ".gch").exists():
             precompiled(Path(found[1]), args)
     os.execvp(GXX, [GXX, *args])
