@@ -118,10 +118,12 @@ def _truth(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
     return total.item(), grads_of(model)
 
 
-def _zoo_stock_rows(
-    config: Any, model_class: type, backend: str, docs: list[torch.Tensor]
-) -> tuple[float, torch.Tensor]:
-    """Stock, one document per row, right-padded (the model's pad id), a 2-D mask: what stock trains on."""
+def _zoo_stock_rows(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
+    """Stock on the zoo's documents, one per row, right-padded (its pad id), a 2-D mask: what stock trains on."""
+    from foundry_attn.verify import zoo
+
+    config, model_class = zoo.tiny(model_type)
+    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
     model = _zoo_model(config, model_class, backend)
     targets = sum(d.numel() - 1 for d in docs)
     with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
@@ -133,13 +135,13 @@ def _zoo_stock_rows(
     return loss.item(), grads_of(model)
 
 
-def _stock_rows_differ(exc: BaseException, built: tuple[Any, type, str, list[torch.Tensor]], truth: Any) -> bool:
+def _stock_rows_differ(exc: BaseException, model_type: str, backend: str, truth: Any) -> bool:
     """Whether ``exc`` is attach's refusal of a model that neither path trains as each document alone, and stock's own
     padded rows differ from each document alone too (``stock differs``: stock cannot train the packed batch exactly
     either, so the refusal is no loss)."""
     if not isinstance(exc, NoExactPath) or truth is None:
         return False
-    rows_loss, rows_grad = _zoo_stock_rows(*built)
+    rows_loss, rows_grad = _zoo_stock_rows(model_type, backend)
     return abs(rows_loss - truth[0]) > LOSS_TOL or grad_error(rows_grad, truth[1]) > GRAD_TOL
 
 
@@ -148,16 +150,16 @@ def _outcome(
     grad: torch.Tensor,
     truth: tuple[float, torch.Tensor],
     path: str,
-    built: tuple[Any, type, str, list[torch.Tensor]],
+    model_type: str,
+    backend: str,
 ) -> tuple[str, float, float]:
     """``exact`` or ``WRONG`` against each document alone, or ``stock differs`` where a rows result that is not
-    exact equals stock's own padded rows (``built``: config, class, backend, documents); with the loss and
-    gradient errors."""
+    exact equals stock's own padded rows (``model_type`` on ``backend``); with the loss and gradient errors."""
     loss_err, grad_err = abs(loss - truth[0]), grad_error(grad, truth[1])
     if loss_err <= LOSS_TOL and grad_err <= GRAD_TOL:
         return "exact", loss_err, grad_err
     if path == "rows":
-        rows_loss, rows_grad = _zoo_stock_rows(*built)
+        rows_loss, rows_grad = _zoo_stock_rows(model_type, backend)
         if abs(loss - rows_loss) <= LOSS_TOL and grad_error(grad, rows_grad) <= GRAD_TOL:
             return "stock differs", loss_err, grad_err
     return "WRONG", loss_err, grad_err
@@ -226,12 +228,11 @@ def zoo_cell(model_type: str, requested: str) -> ZooCell:
     except Exception as exc:
         return done("crash" if raised_by_us(exc) else "stock fails", f"{type(exc).__name__}: {exc}", chosen=backend)
     run = _attached(model_type, backend, backend)
-    built = (config, model_class, backend, synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu")))
-    if run.error is not None and _stock_rows_differ(run.error, built, truth):
+    if run.error is not None and _stock_rows_differ(run.error, model_type, backend, truth):
         return done("stock differs", str(run.error), chosen=backend)
     if run.error is not None:
         return done("crash", f"{type(run.error).__name__}: {run.error}", chosen=backend)
-    status, loss_err, grad_err = _outcome(run.loss, run.grad, truth, run.path, built)
+    status, loss_err, grad_err = _outcome(run.loss, run.grad, truth, run.path, model_type, backend)
     return done(status, run.reason, chosen=backend, path=run.path, loss_err=loss_err, grad_err=grad_err)
 
 
@@ -284,7 +285,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
         return ZooCell(model_type, f"attach {backend}", status, detail=first, **kw)
 
     try:
-        config, model_class = zoo.tiny(model_type)
+        _, model_class = zoo.tiny(model_type)
     except zoo.Unbuildable as exc:
         return done("unbuildable", str(exc))
     try:
@@ -292,11 +293,10 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
     except Exception as exc:  # ours is a crash, unless attach refuses the pair anyway (below)
         truth, stock_error, ours = None, f"{type(exc).__name__}: {exc}", raised_by_us(exc)
     run = _attached(model_type, load_name(SDPA, model_class=model_class), backend)
-    built = (config, model_class, backend, synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu")))
     if not run.built:  # stock cannot build its own default here
         return done("stock fails", f"{type(run.error).__name__}: {run.error}")
     if isinstance(run.error, AttentionUnavailableError):
-        if _stock_rows_differ(run.error, built, truth):
+        if _stock_rows_differ(run.error, model_type, backend, truth):
             return done("stock differs", str(run.error), chosen=backend)
         # stock fails too, or runs something else than the model (4.51's sdpa drops Gemma2's softcap silently)
         refused = str(run.error).split("failed: ", 1)[-1].split(". Fix: ")[0]
@@ -306,7 +306,7 @@ def core_cell(model_type: str, backend: str) -> ZooCell:
         return done("crash", f"{type(run.error).__name__}: {run.error}", chosen=backend)
     if truth is None:
         return done("crash" if ours else "stock fails", stock_error, chosen=backend, path=run.path)
-    status, loss_err, grad_err = _outcome(run.loss, run.grad, truth, run.path, built)
+    status, loss_err, grad_err = _outcome(run.loss, run.grad, truth, run.path, model_type, backend)
     return done(status, run.reason, chosen=backend, path=run.path, loss_err=loss_err, grad_err=grad_err)
 
 
@@ -380,7 +380,7 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
         loss = loss_of(model(**batch, use_cache=False))
         loss.backward()
     except AttentionUnavailableError as exc:  # stock runs this backend, but not exactly (4.51: Gemma2's softcap)
-        if _stock_rows_differ(exc, (config, model_class, backend, docs), truth):
+        if _stock_rows_differ(exc, model_type, backend, truth):
             detail = str(exc)[:200]
             return PaddingFreeCell(
                 model_type, backend, "stock differs", "", stock_err, stock_error, detail=detail, verdict=verdict
@@ -393,8 +393,7 @@ def padding_free_cell(model_type: str) -> PaddingFreeCell:
         status = "crash" if raised_by_us(exc) or not stock_error else "stock fails"
         detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         return PaddingFreeCell(model_type, backend, status, "", stock_err, stock_error, detail=detail, verdict=verdict)
-    built = (config, model_class, backend, docs)
-    status, loss_err, grad_err = _outcome(loss.item(), grads_of(model), truth, state.path, built)
+    status, loss_err, grad_err = _outcome(loss.item(), grads_of(model), truth, state.path, model_type, backend)
     return dataclasses.replace(
         PaddingFreeCell(
             model_type, backend, status, state.path, stock_err, stock_error, loss_err, grad_err, state.reason[:200]

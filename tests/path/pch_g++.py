@@ -5,7 +5,7 @@ compile). GCC reads a precompiled header found beside the one included (``HEADER
 kernel's own flags; torch 2.8's inductor does the same itself (``cpp_cache_precompile_headers``). Every other call
 (``--version``, a kernel whose header is already compiled) runs g++ as it is.
 
-    with torch._inductor.config.patch({"cpp.cxx": (None, str(PCH_GXX))}): ...
+    with torch._inductor.config.patch({"cpp.cxx": (None, str(Path(__file__).with_name("pch_g++.py")))}): ...
 """
 
 import os
@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 GXX = "g++"
 
@@ -20,10 +21,10 @@ GXX = "g++"
 def precompiled(header: Path, args: list[str]) -> None:
     """``header.gch`` made with the kernel's flags (less its source, output and link flags); atomic, so two
     compiles at once each find a whole one or none."""
-    flags, skip = [], False
-    for arg in args:
-        if skip or arg == "-o":
-            skip = not skip
+    flags, rest = [], iter(args)
+    for arg in rest:
+        if arg == "-o":
+            next(rest, None)  # the kernel's .so
         elif not (arg.endswith(".cpp") or arg == "-shared" or arg.startswith(("-l", "-L"))):
             flags.append(arg)
     tmp = header.with_name(f"{header.name}.gch.{os.getpid()}")
@@ -34,16 +35,15 @@ def precompiled(header: Path, args: list[str]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def main(args: list[str]) -> int:
+def main(args: list[str]) -> NoReturn:
     sources = [a for a in args if a.endswith(".cpp")]
     if len(sources) == 1:
         first = Path(sources[0]).read_text().lstrip().split("\n", 1)[0]  # inductor's kernels open on their header
         found = re.fullmatch(r'#include "(/.+\.h)"', first)
         if found and not Path(found[1] + ".gch").exists():
             precompiled(Path(found[1]), args)
-    os.execvp(GXX, [GXX, *args])
-    return 1  # not reached: g++ has taken the process
+    os.execvp(GXX, [GXX, *args])  # g++ takes the process
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])
