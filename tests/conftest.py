@@ -7,8 +7,9 @@ import importlib
 import importlib.util
 import os
 import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -42,6 +43,37 @@ def _share_the_cores() -> None:
 
 
 _share_the_cores()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_streaming_prefix_at_a_time() -> Iterator[None]:
+    """Under ``pytest -n N``, two workers that build a ``StreamingDataset`` at once can pick the same shared-memory
+    prefix (streaming looks for a free one, then creates it: ``FileExistsError: '/000012_locals'``); a lock across the
+    workers (and runs) makes that pick and create one step. Restored at the end of the session."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or importlib.util.find_spec("streaming") is None:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    import streaming.base.dataset as dataset
+
+    pick = dataset.get_shm_prefix
+    lock = Path(tempfile.gettempdir()) / "foundry_attn-streaming-prefix.lock"  # every test run on this machine
+
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        with lock.open("w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            return pick(*args, **kwargs)
+
+    dataset.get_shm_prefix = one_at_a_time
+    try:
+        yield
+    finally:
+        dataset.get_shm_prefix = pick
+
+
 #: the first package of the ``[foundry]`` extra that is missing (``make test-latest`` runs without them), or None
 FOUNDRY_MISSING = next(
     (m for m in ("composer", "llmfoundry", "streaming") if importlib.util.find_spec(m) is None), None
