@@ -49,7 +49,7 @@ class Backend:
 #: flex is proven against eager (the exact math: stock flex cannot run everywhere) and runs stock flex's rows
 BACKENDS: dict[str, Backend] = {
     FA2: Backend(FA2, softcap=True, dropout=True, truth=FA2, rows=FA2, static=True),
-    # torch.nn.attention.varlen.varlen_attn: causal only, no softcap, no dropout; windows from torch 2.12
+    # torch.nn.attention.varlen.varlen_attn: causal only, no softcap, no dropout; windows from torch 2.11
     TORCH_VARLEN: Backend(
         TORCH_VARLEN,
         softcap=False,

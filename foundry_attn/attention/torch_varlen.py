@@ -1,6 +1,7 @@
 """PyTorch's own varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10, CUDA), called in
-whichever signature this torch has: 2.10-2.11 ``is_causal``; 2.12+ ``window_size`` and ``enable_gqa``; on CUDA its
-flash kernel directly where that is checked here (:mod:`foundry_attn.attention.aten_flash`).
+whichever signature this torch has (2.10: ``is_causal``, no ``scale``; 2.11: ``scale``, ``window_size``; 2.12+:
+``enable_gqa`` too); on CUDA its flash kernel directly where that is checked here
+(:mod:`foundry_attn.attention.aten_flash`).
 
 Core module: torch only.
 """
@@ -47,8 +48,8 @@ _VARLEN_PARAMETERS: dict[Callable, frozenset[str]] = {}
 
 
 def varlen_parameters(kernel: Callable | None) -> frozenset[str]:
-    """The keywords a ``varlen_attn`` takes (2.10-2.11: ``is_causal``; 2.12+: ``window_size``, ``enable_gqa``),
-    read once per kernel; empty for None.
+    """The keywords a ``varlen_attn`` takes (2.10: ``is_causal``; 2.11: ``scale``, ``window_size``; 2.12+:
+    ``enable_gqa`` too), read once per kernel; empty for None.
 
     Args:
         kernel: a ``varlen_attn`` (from :func:`torch_varlen_kernel`), or None.
@@ -60,7 +61,7 @@ def varlen_parameters(kernel: Callable | None) -> frozenset[str]:
 
         >>> varlen_parameters(None)   # no kernel (torch < 2.10): no parameters
         frozenset()
-        >>> "window_size" in varlen_parameters(torch_varlen_kernel()) or torch.__version__ < "2.12"   # from 2.12
+        >>> "window_size" in varlen_parameters(torch_varlen_kernel()) or torch.__version__ < "2.11"   # from 2.11
         True
     """
     if kernel is None:
@@ -108,7 +109,7 @@ def call_varlen(
         The output ``[T, Hq, D]``.
 
     Raises:
-        ValueError: a window was asked of a kernel without ``window_size`` (torch < 2.12).
+        ValueError: a window was asked of a kernel without ``window_size`` (torch 2.10).
 
     This example is not run here: needs a CUDA GPU (torch's varlen kernel has no CPU version; torch >= 2.10).
 
@@ -128,7 +129,7 @@ def call_varlen(
     if "window_size" in params:
         extra["window_size"] = (left, 0 if causal else right)
     elif (left, right) != (-1, -1):
-        raise ValueError(f"foundry_attn: torch {torch.__version__} varlen_attn has no window_size (torch >= 2.12)")
+        raise ValueError(f"foundry_attn: torch {torch.__version__} varlen_attn has no window_size (torch >= 2.11)")
     else:
         extra["is_causal"] = causal
     if q.shape[1] != k.shape[1]:

@@ -33,8 +33,8 @@ def _unsupported(
 
 def flash_varlen_from_torch(kernel: Callable | None = None) -> Callable:
     """flash-attn's ``flash_attn_varlen_func`` over torch's ``varlen_attn`` (or ``kernel``, with one of its
-    signatures: 2.10-2.11 ``is_causal`` (the earliest without ``scale``: default scale only); 2.12+
-    ``window_size=(left, right)`` and ``enable_gqa``), read from the signature."""
+    signatures: 2.10 ``is_causal``, no ``scale`` (default scale only); 2.11 ``scale``, ``window_size=(left, right)``;
+    2.12+ ``enable_gqa`` too), read from the signature."""
     kernel = kernel or torch_varlen_kernel()
     if kernel is None:
         raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)")
@@ -60,7 +60,7 @@ def flash_varlen_from_torch(kernel: Callable | None = None) -> Callable:
     ) -> torch.Tensor:
         _unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs, block_table)
         if "window_size" not in params and tuple(window_size) != (-1, -1):
-            raise NotImplementedError(f"torch {torch.__version__} varlen_attn has no window_size (torch >= 2.12)")
+            raise NotImplementedError(f"torch {torch.__version__} varlen_attn has no window_size (torch >= 2.11)")
         default = q.shape[-1] ** -0.5
         if (
             "scale" not in params

@@ -1,6 +1,7 @@
 """The ``torch_varlen`` adapter's glue, on the CPU: PyTorch's ``varlen_attn`` (CUDA only) stood in for by the
-pure-PyTorch FA2 reference, in both signatures torch has shipped (2.10-2.11: ``is_causal``; 2.12+:
-``window_size``, ``enable_gqa``). Exact against stock transformers running each document alone with sdpa."""
+pure-PyTorch FA2 reference, in the three signatures torch has shipped (2.10: ``is_causal``, no ``scale``; 2.11:
+``scale``, ``window_size``; 2.12+: ``enable_gqa`` too). Exact against stock transformers running each document alone
+with sdpa."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from foundry_attn.attention import dense_functions, functions, varlen_functions
 from foundry_attn.attention.backends import BACKENDS, PREFIX, TORCH_VARLEN, ModelNeeds
 from foundry_attn.attention.fa2_reference import flash_attn_varlen_func
-from foundry_attn.attention.torch_varlen import varlen_parameters
+from foundry_attn.attention.torch_varlen import call_varlen, varlen_parameters
 from foundry_attn.bench.reference_kernels import reference_varlen_attn
 from foundry_attn.path.attach import attach
 from foundry_attn.path.forward import forward_documents
@@ -43,6 +44,24 @@ def varlen_212(
     )
 
 
+def varlen_211(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: object = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """torch 2.11's signature: a window and a scale, no ``enable_gqa`` (the adapter repeats KV heads)."""
+    assert q.shape[1] == k.shape[1]
+    return varlen_212(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
 def varlen_210(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -51,37 +70,21 @@ def varlen_210(
     cu_seq_k: torch.Tensor,
     max_q: int,
     max_k: int,
-    *,
     is_causal: bool = False,
-    scale: float | None = None,
+    return_aux: object = None,
 ) -> torch.Tensor:
+    """torch 2.10's signature: ``is_causal``, no scale (the adapter folds the model's into the query), no window."""
     calls.append({"is_causal": is_causal, "heads": (q.shape[1], k.shape[1])})
-    assert q.shape[1] == k.shape[1]  # no enable_gqa before 2.12: the adapter repeats KV heads
-    return flash_attn_varlen_func(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale, causal=is_causal)
+    assert q.shape[1] == k.shape[1]
+    return flash_attn_varlen_func(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal)
 
 
-def varlen_noscale(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    *,
-    window_size: tuple[int, int] = (-1, -1),
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """A release whose varlen_attn takes no ``scale=``: the adapter folds the model's scale into the query."""
-    return varlen_212(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size, enable_gqa=enable_gqa)
-
-
-@pytest.fixture(params=[varlen_212, varlen_210, varlen_noscale], ids=["torch>=2.12", "torch2.10", "no-scale"])
+@pytest.fixture(params=[varlen_212, varlen_211, varlen_210], ids=["torch>=2.12", "torch2.11", "torch2.10"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     fn = request.param
     monkeypatch.setattr(varlen_functions, "torch_varlen_kernel", lambda: fn)
-    # the backend table as that torch would have it (windows from 2.12)
+    # the backend table as that torch would have it (windows from 2.11)
     windowed = dataclasses.replace(BACKENDS[TORCH_VARLEN], window="window_size" in varlen_parameters(fn))
     monkeypatch.setitem(BACKENDS, TORCH_VARLEN, windowed)
     calls.clear()
@@ -114,6 +117,22 @@ def test_torch_varlen_documents_are_exact(kernel: Any, family: str) -> None:
         heads = calls[0]["heads"]
         assert calls[0]["enable_gqa"] == (heads[0] != heads[1])
         assert calls[0]["window_size"] == ((windowed - 1 if windowed else -1), 0)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (3, -1)])
+def test_each_signature_gets_the_scale_the_grouped_heads_and_the_window_asked(kernel: Any, window: tuple) -> None:
+    """``call_varlen`` on each signature, against the FA2 reference: a scale that is not ``1/sqrt(D)`` (folded into
+    the query on 2.10), 4 heads over 2 KV heads (repeated before 2.12), a window where the kernel takes one."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(15, 4, 8), torch.randn(15, 2, 8), torch.randn(15, 2, 8)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    if window != (-1, -1) and kernel is varlen_210:
+        with pytest.raises(ValueError, match="has no window_size"):
+            call_varlen(kernel, q, k, v, cu, cu, 9, 9, scale=0.3, window=window)
+        return
+    got = call_varlen(kernel, q, k, v, cu, cu, 9, 9, scale=0.3, window=window)
+    want = flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, softmax_scale=0.3, causal=True, window_size=window)
+    torch.testing.assert_close(got, want)
 
 
 def test_torch_varlen_refuses_softcap_and_dropout(kernel: Any) -> None:

@@ -242,23 +242,23 @@ def varlen_212(
     )
 
 
-def varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+def varlen_211(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     assert query.shape[1] == key.shape[1]  # no enable_gqa before 2.12: the wrapper repeats KV heads
     return reference_kernels.reference_varlen_attn(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=(-1, 0 if is_causal else -1)
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
     )
 
 
-def varlen_no_scale(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+def varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     assert query.shape[1] == key.shape[1]
     return reference_kernels.reference_varlen_attn(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0 if is_causal else -1)
     )
 
 
-@pytest.mark.parametrize(
-    "kernel", [varlen_212, varlen_210, varlen_no_scale], ids=["torch>=2.12", "torch2.10", "torch2.10-no-scale"]
-)
+@pytest.mark.parametrize("kernel", [varlen_212, varlen_211, varlen_210], ids=["torch>=2.12", "torch2.11", "torch2.10"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_varlen_wrapper_matches_flash_attn_semantics(kernel, causal: bool) -> None:
     torch.manual_seed(0)
@@ -266,7 +266,7 @@ def test_flash_varlen_wrapper_matches_flash_attn_semantics(kernel, causal: bool)
     cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
     q, k, v = torch.randn(15, 4, 8), torch.randn(15, 2, 8), torch.randn(15, 2, 8)
     wrapped = reference_kernels.flash_varlen_from_torch(kernel)
-    scale = 8**-0.5 if kernel is varlen_no_scale else 0.3  # without `scale`, only the default one
+    scale = 8**-0.5 if kernel is varlen_210 else 0.3  # without `scale`, only the default one
     got = wrapped(
         q,
         k,
@@ -282,10 +282,9 @@ def test_flash_varlen_wrapper_matches_flash_attn_semantics(kernel, causal: bool)
     )
     want = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), softmax_scale=scale, causal=causal)
     torch.testing.assert_close(got, want)
-    if kernel is varlen_no_scale:
+    if kernel is varlen_210:
         with pytest.raises(NotImplementedError, match="no scale"):
             wrapped(q, k, v, cu, cu, 9, 9, softmax_scale=0.3, causal=causal)
-    if kernel is not varlen_212:
         with pytest.raises(NotImplementedError, match="window_size"):
             wrapped(q, k, v, cu, cu, 9, 9, causal=True, window_size=(3, 0))
     else:  # a causal window reaches torch as (left, 0)
