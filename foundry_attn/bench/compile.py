@@ -11,6 +11,11 @@ layer shapes with 2 layers and vocab 8192 with 6 documents of 100-400 tokens in 
 ``forward_documents`` + backward on the model attached to our sdpa function (fp32 on CPU, bf16 on CUDA), grads set to
 None between steps.
 
+Beside them (not under ``--quick``), the cold compile: SmolLM2-135M's shapes with all 30 layers, vocab 8192, three
+documents (100, 60, 90 tokens), inductor's caches off; the seconds the first compiled step takes over the next, for
+stock's ``torch.compile(model)`` on the documents as padded rows and for ours (``attach(..., execution="compiled")``:
+the decoder layers compiled once per kind of layer, shared by all 30).
+
 Two variants with identical weights: ``eager`` and ``compiled`` (``torch.compile(model)``, inductor). The first
 ``warmup`` layouts run on both untimed (``warmup_s``: the compiled variant's wall time for them, compiling
 included); the rest are timed round-robin (``bench.timing.round_robin``: one layout a round, the order alternating
@@ -46,6 +51,8 @@ WORKLOADS = {
     "smollm2_2_layers": (8192, {**SMOLLM2_135M_SHAPE, "num_hidden_layers": 2}, 6, (100, 400), 2048),
 }
 TARGET = 1.5
+#: the cold compile's documents (tokens each) and row width
+COLD_DOCUMENTS, COLD_WIDTH = (100, 60, 90), 256
 
 
 def batches(name: str, count: int, device: torch.device, seed: int = 0) -> list[dict[str, Any]]:
@@ -63,18 +70,19 @@ def batches(name: str, count: int, device: torch.device, seed: int = 0) -> list[
     return out
 
 
-def build(name: str, device: torch.device) -> torch.nn.Module:
+def build(name: str, device: torch.device, shape: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The workload's model attached to sdpa; ``shape``: a stock model of these shapes (not attached)."""
     from transformers import LlamaForCausalLM
 
-    vocab, shape, *_ = WORKLOADS[name]
+    vocab, workload_shape, *_ = WORKLOADS[name]
     torch.manual_seed(0)
     # to mypy, transformers' top-level classes are dummies (no nn.Module methods)
-    model = cast(
-        torch.nn.Module, LlamaForCausalLM(llama_config(vocab, **shape, attn_implementation=SDPA, attention_dropout=0.0))
-    )
+    config = llama_config(vocab, **(shape or workload_shape), attn_implementation=SDPA, attention_dropout=0.0)
+    model = cast(torch.nn.Module, LlamaForCausalLM(config))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = model.to(device=device, dtype=dtype).train()
-    attach(model, SDPA)
+    if shape is None:
+        attach(model, SDPA)
     return model
 
 
@@ -150,12 +158,61 @@ def measure(name: str, device: torch.device, layouts: int, warmup: int) -> dict[
     }
 
 
+def cold_compile(device: torch.device, layers: int = SMOLLM2_135M_SHAPE["num_hidden_layers"]) -> dict[str, Any]:
+    """The seconds the first compiled step takes over the next, inductor's caches off: stock's ``torch.compile`` of
+    the whole model against ours (the decoder layers, one graph per kind); ours first, paying the process's first
+    compile. ``layers``: SmolLM2-135M's 30 unless given."""
+    import torch._inductor.config as inductor_config
+
+    vocab = WORKLOADS["smollm2_2_layers"][0]
+    generator = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, vocab, (n,), generator=generator) for n in COLD_DOCUMENTS]
+    packed = PaddingCollator(EOS, EOS, COLD_WIDTH, mode="pack")([{"input_ids": d.tolist()} for d in docs])
+    packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
+    longest = max(COLD_DOCUMENTS)
+    ids = torch.stack([torch.nn.functional.pad(d, (0, longest - d.numel())) for d in docs]).to(device)
+    mask = (torch.arange(longest, device=device)[None] < ids.new_tensor(COLD_DOCUMENTS)[:, None]).long()
+    rows = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    def first_over_next(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> float:
+        seconds = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            sync(device)
+            start = time.perf_counter()
+            step().backward()
+            sync(device)
+            seconds.append(time.perf_counter() - start)
+        return seconds[0] - seconds[1]
+
+    shape = {**SMOLLM2_135M_SHAPE, "num_hidden_layers": layers}
+    with inductor_config.patch(force_disable_caches=True):
+        torch._dynamo.reset()
+        ours = build("smollm2_2_layers", device, shape)
+        state = attach(ours, SDPA, execution="compiled")
+        forward_documents(ours, packed).loss.backward()  # the first batch: its proof runs eagerly
+        ours_s = first_over_next(ours, lambda: forward_documents(ours, packed).loss)
+        kinds = state.execution.compiled.kinds if state.execution.compiled else {}
+        torch._dynamo.reset()
+        stock = build("smollm2_2_layers", device, shape)
+        compiled = torch.compile(stock)
+        stock_s = first_over_next(stock, lambda: compiled(**rows).loss)
+    return {
+        "layers": layers,
+        "ours_compiled_kinds": kinds,
+        "stock_compile_s": stock_s,
+        "ours_compile_s": ours_s,
+        "stock_over_ours": stock_s / ours_s,
+    }
+
+
 def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
     """Every workload over ``layouts`` changing layouts; ``quick``: the tiny model, 12 layouts."""
     dev = torch.device(device or "cpu")
     layouts, warmup, models = (12, 5, ("tiny",)) if quick else (50, 5, tuple(WORKLOADS))
     started = time.perf_counter()
     rows = [measure(m, dev, layouts, warmup) for m in models]
+    cold = None if quick else cold_compile(dev)
     return {
         "command": COMMAND + (" --quick" if quick else ""),
         "device": str(dev),
@@ -167,5 +224,6 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
         "all_targets_met": all(
             r["speedup"] >= TARGET and r["losses_agree"] and r["graphs_after_warmup"] == 0 for r in rows
         ),
+        "cold_compile": cold,
         "elapsed_s": time.perf_counter() - started,
     }

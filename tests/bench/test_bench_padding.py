@@ -98,6 +98,11 @@ def test_quick_proof_and_compile_benches_run_and_agree(capsys) -> None:
     assert main(["bench", "compile", "--json", "--quick"]) == 0
     [row] = json.loads(capsys.readouterr().out)["rows"]
     assert row["graphs_after_warmup"] == 0 and row["graph_breaks"] == 0 and row["losses_agree"], row
+    from foundry_attn.bench.compile import cold_compile
+
+    cold = cold_compile(torch.device("cpu"), layers=2)  # the full run's cold compile, at 2 layers
+    assert cold["ours_compiled_kinds"] == {"LlamaDecoderLayer": 2} and cold["ours_compile_s"] > 0, cold
+    assert cold["stock_compile_s"] > 0, cold
 
 
 @pytest.mark.slow
