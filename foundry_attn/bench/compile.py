@@ -160,8 +160,14 @@ def measure(name: str, device: torch.device, layouts: int, warmup: int) -> dict[
 
 def cold_compile(device: torch.device, layers: int = SMOLLM2_135M_SHAPE["num_hidden_layers"]) -> dict[str, Any]:
     """The seconds the first compiled step takes over the next, inductor's caches off: stock's ``torch.compile`` of
-    the whole model against ours (the decoder layers, one graph per kind); ours first, paying the process's first
-    compile. ``layers``: SmolLM2-135M's 30 unless given."""
+    the whole model against ours (the decoder layers, one graph per kind); ours first (alone in a process, it pays
+    inductor's first start too). ``layers``: SmolLM2-135M's 30 unless given.
+
+    Example::
+
+        >>> cold_compile(torch.device("cpu"), layers=2)["ours_compiled_kinds"]   # 30 layers: 3.4-6.5x less time
+        {'LlamaDecoderLayer': 2}
+    """
     import torch._inductor.config as inductor_config
 
     vocab = WORKLOADS["smollm2_2_layers"][0]
