@@ -12,6 +12,7 @@ the mask it got (the [1, 1, 1, 1] placeholder, never an L x L mask) and whether 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 
@@ -24,6 +25,9 @@ from foundry_attn.flat import layout_cost
 from foundry_attn.path.attach import attach
 from foundry_attn.path.forward import forward_documents
 from foundry_attn.verify import conformance
+
+#: seconds after which a rank prints every thread's stack and exits (a run takes 10-30 s here)
+HANG_S = 150
 
 
 def recorded(name: str, calls: list[bool]) -> None:
@@ -121,4 +125,6 @@ def main(
 
 
 if __name__ == "__main__":
+    # a rank that hangs (gloo on torch 2.13, at times on a loaded box) prints where and exits: torchrun stops the others
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     main(*sys.argv[1:])
