@@ -26,17 +26,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+#: pytest-xdist's workers in this run (1 without ``-n``)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
 def _share_the_cores() -> None:
     """Under ``pytest -n N`` (``make test``), each worker takes its share of the cores for torch's threads, its
     subprocesses' and inductor's C++ compiles (a worker with every core's threads would make N times as many as there
     are cores; at one, inductor compiles in the worker, without starting a pool of its own)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
+    if WORKERS > 1:
         import torch
 
-        share = max(1, (os.cpu_count() or 1) // workers)
+        share = max(1, (os.cpu_count() or 1) // WORKERS)
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
             os.environ[name] = str(share)
         torch.set_num_threads(share)
@@ -50,8 +51,7 @@ def _one_streaming_prefix_at_a_time() -> Iterator[None]:
     """Under ``pytest -n N``, two workers that build a ``StreamingDataset`` at once can pick the same shared-memory
     prefix (streaming looks for a free one, then creates it: ``FileExistsError: '/000012_locals'``); a lock across the
     workers (and runs) makes that pick and create one step. Restored at the end of the session."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2 or importlib.util.find_spec("streaming") is None:
+    if WORKERS < 2 or importlib.util.find_spec("streaming") is None:
         yield
         return
     import fcntl

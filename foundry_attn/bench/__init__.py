@@ -13,6 +13,7 @@ The protocol every benchmark module follows:
 from __future__ import annotations
 
 import platform
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -56,6 +57,11 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work, so a wall-clock time measures it (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def on_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``batch`` with its tensors on ``device`` (its lists as they are)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def machine() -> dict[str, Any]:

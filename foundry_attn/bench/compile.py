@@ -36,11 +36,12 @@ from typing import Any, cast
 import torch
 
 from foundry_attn.attention.backends import SDPA
-from foundry_attn.bench import machine, sync
+from foundry_attn.bench import machine, on_device, sync
 from foundry_attn.bench.timing import median, round_robin
 from foundry_attn.flat.packing import PaddingCollator
 from foundry_attn.path.attach import attach
 from foundry_attn.path.forward import forward_documents
+from foundry_attn.verify.conformance import rows_inputs
 from foundry_attn.verify.llama_shapes import SMOLLM2_135M_SHAPE, TINY_SHAPE, llama_config
 
 COMMAND = "foundry-attn bench compile --json"
@@ -66,7 +67,7 @@ def batches(name: str, count: int, device: torch.device, seed: int = 0) -> list[
             for _ in range(docs)
         ]
         batch = collate(rows)
-        out.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        out.append(on_device(batch, device))
     return out
 
 
@@ -86,15 +87,19 @@ def build(name: str, device: torch.device, shape: dict[str, Any] | None = None) 
     return model
 
 
-def _step(runner: Any, model: torch.nn.Module, batch: dict[str, Any], device: torch.device) -> tuple[float, float]:
-    """(seconds, loss) of one forward + backward."""
+def _timed(model: torch.nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> float:
+    """Seconds of one forward (``loss()``) + backward, ``model``'s grads set to None before."""
     model.zero_grad(set_to_none=True)
     sync(device)
     start = time.perf_counter()
-    loss = forward_documents(runner, batch).loss
-    loss.backward()
+    loss().backward()
     sync(device)
-    return time.perf_counter() - start, loss.item()
+    return time.perf_counter() - start
+
+
+def _documents_loss(runner: Any, batch: dict[str, Any]) -> Callable[[], torch.Tensor]:
+    """The loss of ``forward_documents(runner, batch)``, as a step to time."""
+    return lambda: forward_documents(runner, batch).loss
 
 
 def measure(name: str, device: torch.device, layouts: int, warmup: int) -> dict[str, Any]:
@@ -113,8 +118,8 @@ def measure(name: str, device: torch.device, layouts: int, warmup: int) -> dict[
     data = batches(name, layouts, device)
     warmup_s = 0.0
     for batch in data[:warmup]:
-        _step(eager_model, eager_model, batch, device)
-        warmup_s += _step(compiled, compiled_model, batch, device)[0]
+        _timed(eager_model, _documents_loss(eager_model, batch), device)
+        warmup_s += _timed(compiled_model, _documents_loss(compiled, batch), device)
     after_warmup = len(compiled_graphs)
     models = {"eager": eager_model, "compiled": compiled_model}
 
@@ -174,22 +179,11 @@ def cold_compile(device: torch.device, layers: int = SMOLLM2_135M_SHAPE["num_hid
     generator = torch.Generator().manual_seed(0)
     docs = [torch.randint(1, vocab, (n,), generator=generator) for n in COLD_DOCUMENTS]
     packed = PaddingCollator(EOS, EOS, COLD_WIDTH, mode="pack")([{"input_ids": d.tolist()} for d in docs])
-    packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
-    longest = max(COLD_DOCUMENTS)
-    ids = torch.stack([torch.nn.functional.pad(d, (0, longest - d.numel())) for d in docs]).to(device)
-    mask = (torch.arange(longest, device=device)[None] < ids.new_tensor(COLD_DOCUMENTS)[:, None]).long()
-    rows = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    packed = on_device(packed, device)
+    rows = on_device(rows_inputs(docs, EOS), device)
 
-    def first_over_next(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> float:
-        seconds = []
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            sync(device)
-            start = time.perf_counter()
-            step().backward()
-            sync(device)
-            seconds.append(time.perf_counter() - start)
-        return seconds[0] - seconds[1]
+    def first_over_next(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> float:
+        return _timed(model, loss, device) - _timed(model, loss, device)
 
     shape = {**SMOLLM2_135M_SHAPE, "num_hidden_layers": layers}
     with inductor_config.patch(force_disable_caches=True):
@@ -197,7 +191,7 @@ def cold_compile(device: torch.device, layers: int = SMOLLM2_135M_SHAPE["num_hid
         ours = build("smollm2_2_layers", device, shape)
         state = attach(ours, SDPA, execution="compiled")
         forward_documents(ours, packed).loss.backward()  # the first batch: its proof runs eagerly
-        ours_s = first_over_next(ours, lambda: forward_documents(ours, packed).loss)
+        ours_s = first_over_next(ours, _documents_loss(ours, packed))
         kinds = state.execution.compiled.kinds if state.execution.compiled else {}
         torch._dynamo.reset()
         stock = build("smollm2_2_layers", device, shape)

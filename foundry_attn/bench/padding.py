@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from foundry_attn.attention.backends import FA2, SDPA
-from foundry_attn.bench import machine
+from foundry_attn.bench import machine, on_device
 from foundry_attn.bench.timing import PeakMemory, median, paired_ratio_median, round_robin
 from foundry_attn.flat.packing import IGNORE_INDEX, PaddingCollator
 from foundry_attn.path.attach import attach
@@ -213,10 +213,6 @@ def build_model(settings: Settings, impl: str = SDPA) -> torch.nn.Module:
     return model.to(device=settings.device, dtype=getattr(torch, settings.dtype)).train()
 
 
-def _to(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def make_modes(docs: Sequence[torch.Tensor], device: torch.device, fa2: bool) -> list[Mode]:
     """The batches of every mode, collated once, on ``device``."""
     rows = text_rows(docs)
@@ -241,10 +237,10 @@ def make_modes(docs: Sequence[torch.Tensor], device: torch.device, fa2: bool) ->
         "pack": ("ours", pack),
         "padded_full_batch": ("plain", {"input_ids": flat, "labels": flat.clone()}),
     }
-    modes = [Mode(name, SDPA, _to(batch, device), kind == "ours") for name, (kind, batch) in batches.items()]
+    modes = [Mode(name, SDPA, on_device(batch, device), kind == "ours") for name, (kind, batch) in batches.items()]
     modes += [Mode(f"{m.name}_shaped", SDPA, m.batch, True, shaped=True) for m in modes if m.name in ("mask", "pack")]
     if fa2:
-        modes.append(Mode("pack_fa2", FA2, _to(pack, device), True))
+        modes.append(Mode("pack_fa2", FA2, on_device(pack, device), True))
     return modes
 
 

@@ -44,6 +44,7 @@ def run(quick: bool = False, device: str | None = None, rounds: int = 4, **_: An
     """
     import transformers
 
+    from foundry_attn.bench import on_device
     from foundry_attn.flat.packing import PaddingCollator
     from foundry_attn.path.attach import attach
     from foundry_attn.path.forward import forward_documents
@@ -60,7 +61,7 @@ def run(quick: bool = False, device: str | None = None, rounds: int = 4, **_: An
     for _round in range(4 if quick else BATCHES):
         lengths = torch.randint(8, 120, (DOCUMENTS,), generator=gen).tolist()
         docs = [torch.randint(1, 64, (n,), generator=gen) for n in lengths]
-        batches.append({k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in collate(docs).items()})
+        batches.append(on_device(collate(docs), dev))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses: list[float] = []
 

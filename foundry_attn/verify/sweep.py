@@ -95,16 +95,20 @@ def _dispatches_by_name(config: Any, model_class: type) -> bool:
     return _DISPATCHES_BY_NAME[model_class]
 
 
-@functools.lru_cache(maxsize=4)  # a type's cells, run one after the other, share stock's truth per backend
-def _truth(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
-    """Stock, each document of the zoo's alone, under ``backend``: the loss and its gradient (the same config, weights
-    and ids every time: :func:`foundry_attn.verify.zoo.tiny`, ``synthetic_documents``)."""
+def _zoo_stock(model_type: str, backend: str) -> tuple[Any, list[torch.Tensor], int]:
+    """Stock's model of ``model_type`` built for ``backend``, the zoo's documents, and their targets."""
     from foundry_attn.verify import zoo
 
     config, model_class = zoo.tiny(model_type)
     docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
-    model = _zoo_model(config, model_class, backend)
-    targets = sum(d.numel() - 1 for d in docs)
+    return _zoo_model(config, model_class, backend), docs, sum(d.numel() - 1 for d in docs)
+
+
+@functools.lru_cache(maxsize=4)  # a type's cells, run one after the other, share stock's truth per backend
+def _truth(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
+    """Stock, each document of the zoo's alone, under ``backend``: the loss and its gradient (the same config, weights
+    and ids every time: :func:`foundry_attn.verify.zoo.tiny`, ``synthetic_documents``)."""
+    model, docs, targets = _zoo_stock(model_type, backend)
     with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
         # all-ones masks, as a padded batch gives (Moshi is not causal without one); one backward (recurrent state)
         losses = [
@@ -118,14 +122,10 @@ def _truth(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
     return total.item(), grads_of(model)
 
 
+@functools.lru_cache(maxsize=4)  # like the truth: a type's cells that fall back to stock's rows share them
 def _zoo_stock_rows(model_type: str, backend: str) -> tuple[float, torch.Tensor]:
     """Stock on the zoo's documents, one per row, right-padded (its pad id), a 2-D mask: what stock trains on."""
-    from foundry_attn.verify import zoo
-
-    config, model_class = zoo.tiny(model_type)
-    docs = synthetic_documents(config, ZOO_LENGTHS, torch.device("cpu"))
-    model = _zoo_model(config, model_class, backend)
-    targets = sum(d.numel() - 1 for d in docs)
+    model, docs, targets = _zoo_stock(model_type, backend)
     with kernel_context(backend, torch.device("cpu"), fa2_reference=True):
         batch = rows_inputs(docs, pad_id(model))
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits

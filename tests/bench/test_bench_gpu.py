@@ -21,6 +21,7 @@ import torch
 from foundry_attn.attention.fa2_reference import flash_attn_func, flash_attn_varlen_func, reference_flash_attn
 from foundry_attn.bench import gpu, gpu_memory, gpu_profile, gpu_report, gpu_tiers, reference_kernels
 from foundry_attn.cli import main
+from tests.attention.test_torch_varlen import varlen_210, varlen_211, varlen_212  # torch's three signatures
 from tests.conftest import assert_restored, snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,30 +233,6 @@ def test_each_tier_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
             dense_calls.clear()
             tiers[name].step(model, batches[tiers[name].batch])
             assert (varlen_calls, dense_calls) == (varlen, dense), (workload.name, name)
-
-
-def varlen_212(
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
-):
-    return reference_kernels.reference_varlen_attn(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa
-    )
-
-
-def varlen_211(
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
-):
-    assert query.shape[1] == key.shape[1]  # no enable_gqa before 2.12: the wrapper repeats KV heads
-    return reference_kernels.reference_varlen_attn(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
-    )
-
-
-def varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-    assert query.shape[1] == key.shape[1]
-    return reference_kernels.reference_varlen_attn(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0 if is_causal else -1)
-    )
 
 
 @pytest.mark.parametrize("kernel", [varlen_212, varlen_211, varlen_210], ids=["torch>=2.12", "torch2.11", "torch2.10"])
