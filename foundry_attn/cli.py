@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="gpu: timed rounds per batch (default 10; --quick: 3); layouts: per cell (default 3); step: passes (4); "
-        "host: steps (15)",
+        "host: steps (40)",
     )
     p.add_argument(
         "--tiers",

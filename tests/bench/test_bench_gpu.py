@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,32 @@ def test_python_m_foundry_attn_cli_bench_runs_without_composer() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout) == {"skipped": gpu.NEEDS_CUDA}
+
+
+@pytest.mark.launch  # the lent box's script end to end, its benches on the CPU
+@no_cuda
+@pytest.mark.slow
+def test_the_gpu_box_script_runs_its_steps_in_order_and_keeps_each_result(tmp_path: Path) -> None:
+    """``scripts/gpu-run.sh`` with ``BENCH_ARGS="--device cpu"``: three steps, each one's exit code and seconds in
+    ``steps.tsv``, the benches' JSON and JSON lines, the card and versions in ``env.txt``; an unknown step lists
+    the valid ones."""
+    env = {**os.environ, "OUT": str(tmp_path), "BENCH_ARGS": "--device cpu"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is this interpreter
+    script = str(REPO / "scripts" / "gpu-run.sh")
+    proc = subprocess.run(["bash", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("\t") for line in (tmp_path / "steps.tsv").read_text().splitlines()]
+    assert [(name, rc) for name, rc, _ in rows] == [
+        ("step", "rc"), ("smollm2", "0"), ("graphed-test", "0"), ("llama1b", "0")
+    ], (tmp_path / "smollm2.log").read_text()[-2000:]  # fmt: skip
+    assert "1 skipped" in (tmp_path / "graphed-test.log").read_text()  # no CUDA here
+    for name in ("smollm2", "llama1b"):
+        assert json.loads((tmp_path / f"{name}.json").read_text())["gpu_number"] is False
+        records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert records[0]["kind"] == "start" and records[-1]["kind"] == "targets"
+    assert torch.__version__ in (tmp_path / "env.txt").read_text()
+    wrong = subprocess.run(["bash", script, "smollm3"], capture_output=True, text=True, timeout=60, env=env)
+    assert wrong.returncode == 2 and "choose from smollm2, graphed-test, llama1b" in wrong.stderr
 
 
 @pytest.mark.launch  # a benchmark run end to end
