@@ -6,20 +6,22 @@
 #     OUT=/some/dir LIMIT_llama1b=500 bash scripts/gpu-run.sh llama1b   # one step again, with more time
 #     BENCH_ARGS="--device cpu" bash scripts/gpu-run.sh         # the plumbing on a CPU (tiny model, not a GPU number)
 #
-# Writes under $OUT (default gpu-out/): env.txt (the card, torch, transformers), steps.tsv (each step's exit code and
-# seconds; 124 = stopped at its limit), and per step its .log, the benches' .json and .jsonl. Each step has a limit
-# of its own, so a slow one cannot starve the next, and the benches write each result as they measure it (--jsonl):
-# a step stopped at its limit keeps what it measured.
+# `python` (else `python3`, or $PYTHON) runs it. Writes under $OUT (default gpu-out/): env.txt (the card, torch,
+# transformers), steps.tsv (each step's exit code and seconds; 124 = stopped at its limit), and per step its .log, the
+# benches' .json and .jsonl (appended to: each run's lines begin with a "start" record). Each step has a limit of its
+# own, so a slow one cannot starve the next, and the benches write each result as they measure it (--jsonl): a step
+# stopped at its limit keeps what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 BENCH_ARGS=${BENCH_ARGS:-}
 mkdir -p "$OUT"
 export PYTHONPATH=.
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 {
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-    python -c "import sys, torch, transformers as t; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+    "$PYTHON" -c "import sys, torch, transformers as t; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
 t.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" 2>&1
     nproc
 } >"$OUT/env.txt"
@@ -41,7 +43,7 @@ bench() {  # bench NAME [ARGS...]: bench gpu --quick, its JSON to NAME.json and 
     local name=$1
     shift
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-    step "$name" sh -c "python -m foundry_attn.cli bench gpu --json --quick --jsonl $OUT/$name.jsonl $* $BENCH_ARGS \
+    step "$name" sh -c "$PYTHON -m foundry_attn.cli bench gpu --json --quick --jsonl $OUT/$name.jsonl $* $BENCH_ARGS \
         >$OUT/$name.json"
 }
 
@@ -51,7 +53,7 @@ for name in "${@:-smollm2 graphed-test llama1b}"; do
             # SmolLM2-135M's shapes, the seed's batch and no padding: every SmolLM2 target of issue 62 (<= 240 s)
             smollm2) bench smollm2 ;;
             # CUDA graphs recorded once per bucket, each step equal to the eager one (skipped without CUDA)
-            graphed-test) step graphed-test python -m pytest -q -p no:cacheprovider tests/path/test_execution_gpu.py ;;
+            graphed-test) step graphed-test "$PYTHON" -m pytest -q -p no:cacheprovider tests/path/test_execution_gpu.py ;;
             # Llama-3.2-1B's shapes: the default >= 5x padded dense at its best, eager >= 2.5x padded dense eager
             llama1b) bench llama1b --shape llama-3.2-1b ;;
             *) echo "unknown step $one: choose from smollm2, graphed-test, llama1b" >&2 && exit 2 ;;
