@@ -112,8 +112,8 @@ def test_python_m_foundry_attn_cli_bench_runs_without_composer() -> None:
 @pytest.mark.slow
 def test_the_gpu_box_script_runs_its_steps_in_order_and_keeps_each_result(tmp_path: Path) -> None:
     """``scripts/gpu-run.sh`` with ``BENCH_ARGS="--device cpu"``: three steps, each one's exit code and seconds in
-    ``steps.tsv``, the benches' JSON and JSON lines, the card and versions in ``env.txt``; an unknown step lists
-    the valid ones."""
+    ``steps.tsv``, the benches' JSON and JSON lines, the card and versions in ``env.txt``; a step stopped at its
+    limit says 124 and keeps what it wrote; an unknown step lists the valid ones."""
     env = {**os.environ, "OUT": str(tmp_path), "BENCH_ARGS": "--device cpu"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is this interpreter
     script = str(REPO / "scripts" / "gpu-run.sh")
@@ -128,7 +128,14 @@ def test_the_gpu_box_script_runs_its_steps_in_order_and_keeps_each_result(tmp_pa
         assert json.loads((tmp_path / f"{name}.json").read_text())["gpu_number"] is False
         records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         assert records[0]["kind"] == "start" and records[-1]["kind"] == "targets"
+    assert "--shape llama-3.2-1b" in json.loads((tmp_path / "llama1b.json").read_text())["command"]
     assert torch.__version__ in (tmp_path / "env.txt").read_text()
+    first = (tmp_path / "smollm2.jsonl").read_text()
+    stopped = subprocess.run(["bash", script, "smollm2"], capture_output=True, text=True, timeout=60,
+                             env={**env, "LIMIT_smollm2": "2"})  # fmt: skip
+    assert stopped.returncode == 0 and stopped.stdout.startswith("smollm2\t124\t")  # stopped at its limit
+    kept = (tmp_path / "smollm2.jsonl").read_text()
+    assert kept.startswith(first) and all(json.loads(line) for line in kept.splitlines())  # appended, whole lines
     wrong = subprocess.run(["bash", script, "smollm3"], capture_output=True, text=True, timeout=60, env=env)
     assert wrong.returncode == 2 and "choose from smollm2, graphed-test, llama1b" in wrong.stderr
 
