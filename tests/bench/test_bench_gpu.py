@@ -548,6 +548,13 @@ def test_quick_runs_the_short_set_on_two_batches_and_writes_each_result_as_measu
     assert kinds[:2] == ["start", "tiers"] and kinds[-1] == "targets"
     results = [(r["batch"], r["tier"]) for r in records if r["kind"] == "result"]
     assert results == [(b, t) for b in ("a_report", "b_no_padding") for t in ran]
+    verdicts = [r for r in records if r["kind"] == "targets"]  # after each batch, on the batches measured so far
+    assert [v["after"] for v in verdicts] == ["a_report", "b_no_padding"] and verdicts[-1]["targets"] == result[
+        "targets"
+    ]
+    first = verdicts[0]["targets"].values()
+    assert {t["batch"] for t in first if t["tier"] is not None} == {"a_report"}  # (b) not measured yet: not judged
+    assert kinds.index("targets") == kinds.index("loss_agreement") + 1  # right after the first batch
     assert records[0]["command"].endswith(f"--quick --layers 1 --rounds 1 --jsonl {lines}")
     with pytest.raises(ValueError, match=r"unknown --shape 'gpt'; valid: smollm2-135m, llama-3\.2-1b"):
         gpu.Settings.make(torch.device("cpu"), True, None, None, "gpt")
