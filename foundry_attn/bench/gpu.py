@@ -69,7 +69,8 @@ Per batch and tier:
 - from one profiled step after the timed ones (:mod:`foundry_attn.bench.gpu_profile`, CUDA only, else None with the
   reason): ``gpu_busy_share`` (GPU busy time / that step's wall time), ``gpu_busy_ms``, ``profiled_step_ms``,
   ``launches_per_step`` (cudaLaunchKernel, cudaLaunchKernelExC, cuLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch
-  events; by name in ``launches``), ``gpu_kernels``;
+  events; by name in ``launches``), ``gpu_kernels``, ``host_ops`` (the host's busiest ops, by self CPU time) and
+  ``host_ops_ms``;
 - the loss, and the loss agreement against ``sdpa_per_document`` (relative; bf16 2e-2, fp32 1e-4).
 
 ``equal_memory`` (:mod:`foundry_attn.bench.gpu_memory`): for padded_dense (all three), stock_padding_free and our four

@@ -9,6 +9,9 @@
 - ``launches_per_step``: the host's launch calls, counted by name (:data:`LAUNCHES`: ``cudaLaunchKernel``,
   ``cudaLaunchKernelExC``, ``cuLaunchKernel``, ``cuLaunchKernelEx``, ``cudaGraphLaunch``; a ``_vNNNN`` suffix
   dropped); a replayed CUDA graph is one launch. ``gpu_kernels``: the kernels the GPU ran (graph kernels included).
+- ``host_ops``: where the host's time goes, the :data:`HOST_OPS` events with the most self CPU time (aten ops, the
+  autograd engine's nodes, CUDA runtime calls; ``name``, ``calls``, ``self_ms``), and ``host_ops_ms``, the self CPU
+  time of every event: the profiled step's wall time less that is Python and the gaps between ops.
 
 CUDA only: elsewhere every field is None and ``profile`` says why. Core module: torch only.
 """
@@ -28,7 +31,12 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
 #: GPU-side activities that are waits, not work
 WAITS = ("Context Sync", "Stream Sync", "Event Sync", "Stream Wait")
 NOT_CUDA = "CUDA only: kernel time and launches come from the CUDA profiler (CUPTI)"
-FIELDS = ("gpu_busy_share", "gpu_busy_ms", "profiled_step_ms", "launches_per_step", "launches", "gpu_kernels")
+FIELDS = (
+    "gpu_busy_share", "gpu_busy_ms", "profiled_step_ms", "launches_per_step", "launches", "gpu_kernels", "host_ops",
+    "host_ops_ms",
+)  # fmt: skip
+#: how many of the host's events, by self CPU time, ``host_ops`` lists
+HOST_OPS = 15
 
 #: one profiled event: (name, on the GPU, start ns, end ns)
 Event = tuple[str, bool, int, int]
@@ -102,4 +110,18 @@ def profiled(step: Callable[[], Any], device: torch.device, cuda: bool) -> dict[
     raw = prof.profiler.kineto_results.events() if prof.profiler is not None else []
     on_gpu = torch.autograd.DeviceType.CUDA
     events = ((e.name(), e.device_type() == on_gpu, e.start_ns(), e.end_ns()) for e in raw)
-    return {**kernel_stats(events, wall), "profile": "torch.profiler, one step after the timed ones"}
+    host = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()]
+    return {
+        **kernel_stats(events, wall),
+        **host_stats(host),
+        "profile": "torch.profiler, one step after the timed ones",
+    }
+
+
+def host_stats(ops: Iterable[tuple[str, int, float]]) -> dict[str, Any]:
+    """``host_ops`` and ``host_ops_ms`` from the host's events as ``(name, calls, self CPU ms)``."""
+    rows = sorted(ops, key=lambda op: op[2], reverse=True)
+    return {
+        "host_ops": [{"name": n, "calls": c, "self_ms": round(ms, 3)} for n, c, ms in rows[:HOST_OPS]],
+        "host_ops_ms": sum(ms for _, _, ms in rows),
+    }

@@ -378,6 +378,12 @@ def test_a_step_is_profiled_on_cuda_only_and_the_profilers_events_read_here() ->
     assert gpu_profile.profile_step(lambda: a @ a, cpu) == gpu_profile.not_profiled(gpu_profile.NOT_CUDA)
     stats = gpu_profile.profiled(lambda: a @ a, cpu, cuda=False)  # the host's events: nothing launched
     assert stats["launches_per_step"] == 0 and stats["gpu_busy_ms"] == 0 and stats["profiled_step_ms"] > 0
+    ops = {op["name"]: op["calls"] for op in stats["host_ops"]}  # where the host's time went: matmul and its parts
+    assert ops["aten::matmul"] == ops["aten::mm"] == 1, ops
+    assert stats["host_ops_ms"] == pytest.approx(sum(op["self_ms"] for op in stats["host_ops"]), abs=1e-2)
+    many = gpu_profile.host_stats([(f"op{i}", 1, float(i)) for i in range(20)])
+    assert [op["name"] for op in many["host_ops"]] == [f"op{i}" for i in range(19, 19 - gpu_profile.HOST_OPS, -1)]
+    assert many["host_ops_ms"] == sum(range(20))
 
 
 @pytest.mark.parametrize("limit", [1, 2, 5, 11, 16])
