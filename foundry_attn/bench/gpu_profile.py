@@ -107,10 +107,10 @@ def profiled(step: Callable[[], Any], device: torch.device, cuda: bool) -> dict[
         step()
         sync(device)
         wall = time.perf_counter() - start
-    raw = prof.profiler.kineto_results.events() if prof.profiler is not None else []
-    on_gpu = torch.autograd.DeviceType.CUDA
+    raw = list(prof.profiler.kineto_results.events()) if prof.profiler is not None else []
+    on_gpu, on_cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = ((e.name(), e.device_type() == on_gpu, e.start_ns(), e.end_ns()) for e in raw)
-    host = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()]
+    host = [(e.name(), e.start_thread_id(), e.start_ns(), e.end_ns()) for e in raw if e.device_type() == on_cpu]
     return {
         **kernel_stats(events, wall),
         **host_stats(host),
@@ -118,10 +118,29 @@ def profiled(step: Callable[[], Any], device: torch.device, cuda: bool) -> dict[
     }
 
 
-def host_stats(ops: Iterable[tuple[str, int, float]]) -> dict[str, Any]:
-    """``host_ops`` and ``host_ops_ms`` from the host's events as ``(name, calls, self CPU ms)``."""
-    rows = sorted(ops, key=lambda op: op[2], reverse=True)
+def host_stats(events: Iterable[tuple[str, int, int, int]]) -> dict[str, Any]:
+    """``host_ops`` and ``host_ops_ms`` from the host's events ``(name, thread, start ns, end ns)``: an event's self
+    time is its own less that of the events nested in it on its thread, and an event nested in one of its own name is
+    that call, as ``key_averages`` counts them (without the second or two of Python that takes on a step's events)."""
+    self_ns: dict[str, int] = {}
+    calls: dict[str, int] = {}
+    enclosing: dict[int, list[list[Any]]] = {}  # per thread: the events still open, [name, end, self ns]
+    for name, thread, start, end in sorted(events, key=lambda e: (e[1], e[2], -e[3])):
+        stack = enclosing.setdefault(thread, [])
+        while stack and stack[-1][1] <= start:
+            done = stack.pop()
+            self_ns[done[0]] = self_ns.get(done[0], 0) + done[2]
+        if stack and stack[-1][0] == name:  # nested in one of its own name (aten::sum's overload): the same call
+            continue
+        if stack:
+            stack[-1][2] -= end - start
+        stack.append([name, end, end - start])
+        calls[name] = calls.get(name, 0) + 1
+    for stack in enclosing.values():
+        for name, _, own in stack:
+            self_ns[name] = self_ns.get(name, 0) + own
+    busiest = sorted(self_ns, key=self_ns.__getitem__, reverse=True)[:HOST_OPS]
     return {
-        "host_ops": [{"name": n, "calls": c, "self_ms": round(ms, 3)} for n, c, ms in rows[:HOST_OPS]],
-        "host_ops_ms": sum(ms for _, _, ms in rows),
+        "host_ops": [{"name": n, "calls": calls[n], "self_ms": round(self_ns[n] / 1e6, 3)} for n in busiest],
+        "host_ops_ms": sum(self_ns.values()) / 1e6,
     }

@@ -381,9 +381,35 @@ def test_a_step_is_profiled_on_cuda_only_and_the_profilers_events_read_here() ->
     ops = {op["name"]: op["calls"] for op in stats["host_ops"]}  # where the host's time went: matmul and its parts
     assert ops["aten::matmul"] == ops["aten::mm"] == 1, ops
     assert stats["host_ops_ms"] == pytest.approx(sum(op["self_ms"] for op in stats["host_ops"]), abs=1e-2)
-    many = gpu_profile.host_stats([(f"op{i}", 1, float(i)) for i in range(20)])
+    # self time: its own less what is nested in it on its thread; another thread's events are not nested
+    ms = 1_000_000
+    events = [
+        ("outer", 1, 0, 10 * ms),
+        ("inner", 1, 2 * ms, 5 * ms),
+        ("inner", 1, 6 * ms, 7 * ms),
+        ("other", 2, ms, 9 * ms),
+    ]
+    nested = gpu_profile.host_stats(events)
+    assert nested["host_ops"] == [
+        {"name": "other", "calls": 1, "self_ms": 8.0}, {"name": "outer", "calls": 1, "self_ms": 6.0},
+        {"name": "inner", "calls": 2, "self_ms": 4.0},
+    ] and nested["host_ops_ms"] == 18.0  # fmt: skip
+    many = gpu_profile.host_stats([(f"op{i}", 1, 100 * i, 100 * i + i) for i in range(20)])
     assert [op["name"] for op in many["host_ops"]] == [f"op{i}" for i in range(19, 19 - gpu_profile.HOST_OPS, -1)]
-    assert many["host_ops_ms"] == sum(range(20))
+
+
+def test_the_hosts_self_times_are_the_profilers_own() -> None:
+    """``host_stats`` on a real training step's events counts what ``torch.profiler``'s ``key_averages`` does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(torch.randn(4, 16)).sum().backward()
+    raw = [(e.name(), e.start_thread_id(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()]
+    ours = {op["name"]: (op["calls"], op["self_ms"]) for op in gpu_profile.host_stats(raw)["host_ops"]}
+    theirs = {e.key: (e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in prof.key_averages()}
+    for name, (count, ms) in ours.items():
+        assert theirs[name][0] == count and theirs[name][1] == pytest.approx(ms, abs=2e-3), (name, theirs[name])
 
 
 @pytest.mark.parametrize("limit", [1, 2, 5, 11, 16])
