@@ -11,7 +11,8 @@
   dropped); a replayed CUDA graph is one launch. ``gpu_kernels``: the kernels the GPU ran (graph kernels included).
 - ``host_ops``: where the host's time goes, the :data:`HOST_OPS` events with the most self CPU time (aten ops, the
   autograd engine's nodes, CUDA runtime calls; ``name``, ``calls``, ``self_ms``), and ``host_ops_ms``, the self CPU
-  time of every event: the profiled step's wall time less that is Python and the gaps between ops.
+  time of every event, summed over the host's threads (a CUDA backward runs on the autograd engine's own): what the
+  ops cost the host, the rest of its time being Python and the gaps between ops.
 
 CUDA only: elsewhere every field is None and ``profile`` says why. Core module: torch only.
 """
