@@ -122,7 +122,7 @@ def profiled(step: Callable[[], Any], device: torch.device, cuda: bool) -> dict[
 def host_stats(events: Iterable[tuple[str, int, int, int]]) -> dict[str, Any]:
     """``host_ops`` and ``host_ops_ms`` from the host's events ``(name, thread, start ns, end ns)``: an event's self
     time is its own less that of the events nested in it on its thread, and an event nested in one of its own name is
-    that call, as ``key_averages`` counts them (without the second or two of Python that takes on a step's events)."""
+    that call: ``key_averages``' self times, without the second or two of Python it takes on a step's events."""
     self_ns: dict[str, int] = {}
     calls: dict[str, int] = {}
     enclosing: dict[int, list[list[Any]]] = {}  # per thread: the events still open, [name, end, self ns]
