@@ -71,20 +71,24 @@ def batches(name: str, count: int, device: torch.device, seed: int = 0) -> list[
     return out
 
 
-def build(name: str, device: torch.device, shape: dict[str, Any] | None = None) -> torch.nn.Module:
-    """The workload's model attached to sdpa; ``shape``: a stock model of these shapes (not attached)."""
+def build(name: str, device: torch.device) -> torch.nn.Module:
+    """The workload's model, attached to our sdpa function."""
+    vocab, shape, *_ = WORKLOADS[name]
+    model = _model(vocab, shape, device)
+    attach(model, SDPA)
+    return model
+
+
+def _model(vocab: int, shape: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """A seeded Llama of ``shape`` on stock sdpa, training (fp32 on a CPU, bf16 elsewhere): not attached."""
     from transformers import LlamaForCausalLM
 
-    vocab, workload_shape, *_ = WORKLOADS[name]
     torch.manual_seed(0)
     # to mypy, transformers' top-level classes are dummies (no nn.Module methods)
-    config = llama_config(vocab, **(shape or workload_shape), attn_implementation=SDPA, attention_dropout=0.0)
+    config = llama_config(vocab, **shape, attn_implementation=SDPA, attention_dropout=0.0)
     model = cast(torch.nn.Module, LlamaForCausalLM(config))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = model.to(device=device, dtype=dtype).train()
-    if shape is None:
-        attach(model, SDPA)
-    return model
+    return model.to(device=device, dtype=dtype).train()
 
 
 def _timed(model: torch.nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> float:
@@ -175,7 +179,7 @@ def cold_compile(device: torch.device, layers: int = SMOLLM2_135M_SHAPE["num_hid
     """
     import torch._inductor.config as inductor_config
 
-    vocab = WORKLOADS["smollm2_2_layers"][0]
+    vocab = WORKLOADS["smollm2_2_layers"][0]  # SmolLM2-135M's shapes at the workloads' vocab
     generator = torch.Generator().manual_seed(0)
     docs = [torch.randint(1, vocab, (n,), generator=generator) for n in COLD_DOCUMENTS]
     packed = PaddingCollator(EOS, EOS, COLD_WIDTH, mode="pack")([{"input_ids": d.tolist()} for d in docs])
@@ -188,13 +192,13 @@ def cold_compile(device: torch.device, layers: int = SMOLLM2_135M_SHAPE["num_hid
     shape = {**SMOLLM2_135M_SHAPE, "num_hidden_layers": layers}
     with inductor_config.patch(force_disable_caches=True):
         torch._dynamo.reset()
-        ours = build("smollm2_2_layers", device, shape)
+        ours = _model(vocab, shape, device)
         state = attach(ours, SDPA, execution="compiled")
         forward_documents(ours, packed).loss.backward()  # the first batch: its proof runs eagerly
         ours_s = first_over_next(ours, _documents_loss(ours, packed))
         kinds = state.execution.compiled.kinds if state.execution.compiled else {}
         torch._dynamo.reset()
-        stock = build("smollm2_2_layers", device, shape)
+        stock = _model(vocab, shape, device)
         compiled = torch.compile(stock)
         stock_s = first_over_next(stock, lambda: compiled(**rows).loss)
     return {
