@@ -48,16 +48,15 @@ bench() {  # bench NAME [ARGS...]: bench gpu --quick, its JSON to NAME.json and 
         >$OUT/$name.json"
 }
 
-for name in "${@:-smollm2 graphed-test llama1b}"; do
-    for one in $name; do
-        case $one in
-            # SmolLM2-135M's shapes, the seed's batch and no padding: every SmolLM2 target of issue 62 (<= 240 s)
-            smollm2) bench smollm2 ;;
-            # CUDA graphs recorded once per bucket, each step equal to the eager one (skipped without CUDA)
-            graphed-test) step graphed-test "$PYTHON" -m pytest -q -p no:cacheprovider tests/path/test_execution_gpu.py ;;
-            # Llama-3.2-1B's shapes: the default >= 5x padded dense at its best, eager >= 2.5x padded dense eager
-            llama1b) bench llama1b --shape llama-3.2-1b ;;
-            *) echo "unknown step $one: choose from smollm2, graphed-test, llama1b" >&2 && exit 2 ;;
-        esac
-    done
+# shellcheck disable=SC2048  # the steps asked (default: all three), one word each
+for one in ${*:-smollm2 graphed-test llama1b}; do
+    case $one in
+        # SmolLM2-135M's shapes, the seed's batch and no padding: every SmolLM2 target of issue 62 (<= 240 s)
+        smollm2) bench smollm2 ;;
+        # CUDA graphs recorded once per bucket, each step equal to the eager one (skipped without CUDA)
+        graphed-test) step graphed-test "$PYTHON" -m pytest -q -p no:cacheprovider tests/path/test_execution_gpu.py ;;
+        # Llama-3.2-1B's shapes: the default >= 5x padded dense at its best, eager >= 2.5x padded dense eager
+        llama1b) bench llama1b --shape llama-3.2-1b ;;
+        *) echo "unknown step $one: choose from smollm2, graphed-test, llama1b" >&2 && exit 2 ;;
+    esac
 done

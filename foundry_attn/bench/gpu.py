@@ -417,15 +417,15 @@ def run(
     models = _setup(all_tiers, settings, dev)
     lines.write("tiers", tiers={t.name: t.describe(models) for t in all_tiers})
     clock.done("setup")
-    batches = {}
+    batches: dict[str, Any] = {}
+    goals: dict[str, Any] = {}
     loads = [w for w in workloads(settings.width, settings.vocab) if not quick or w.name in QUICK_BATCHES]
     for workload in loads:
         batches[workload.name] = bench_workload(workload, all_tiers, models, settings, dev, lines)
         clock.done(workload.name)
-        # judged on the batches measured so far: a run stopped later keeps these verdicts (the last such line is final)
-        lines.write(
-            "targets", after=workload.name, targets=targets(batches, gpu, settings.model), elapsed_s=clock.elapsed
-        )
+        # judged on the batches measured so far: a run stopped later keeps these verdicts (the last is the run's)
+        goals = targets(batches, gpu, settings.model)
+        lines.write("targets", after=workload.name, targets=goals, elapsed_s=clock.elapsed)
     limit = budget_s if budget_s is not None else (GPU_BUDGET_S if gpu else None)
     deadline = clock.started + limit if limit is not None else None
     if quick:
@@ -438,7 +438,6 @@ def run(
         )
         lines.write("equal_memory", **memory)
     clock.done("equal_memory")
-    goals = targets(batches, gpu, settings.model)
     met = [t["met"] for t in goals.values() if t["met"] is not None]
     return {
         "command": said,
