@@ -31,11 +31,19 @@ t.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'n
 #: box's 600 s a call
 declare -A LIMIT=([smollm2]=270 [graphed-test]=120 [llama1b]=160)
 
-step() {  # step NAME COMMAND...: runs it under its limit, its output to NAME.log, a line to steps.tsv
-    local name=$1 var="LIMIT_${1//-/_}" start rc
+# step NAME [--json] COMMAND...: runs it under its limit, its output to NAME.log (--json: its stdout to NAME.json), a
+# line to steps.tsv
+step() {
+    local name=$1 log="$OUT/$1.log" var="LIMIT_${1//-/_}" limit start rc
     shift
+    limit=${!var:-${LIMIT[$name]}}
     start=$(date +%s)
-    timeout -s INT -k 10 "${!var:-${LIMIT[$name]}}" "$@" >"$OUT/$name.log" 2>&1
+    if [ "$1" = --json ]; then
+        shift
+        timeout -s INT -k 10 "$limit" "$@" >"$OUT/$name.json" 2>"$log"
+    else
+        timeout -s INT -k 10 "$limit" "$@" >"$log" 2>&1
+    fi
     rc=$?
     printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - start))" | tee -a "$OUT/steps.tsv"
 }
@@ -44,8 +52,7 @@ bench() {  # bench NAME [ARGS...]: bench gpu --quick, its JSON to NAME.json and 
     local name=$1
     shift
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-    step "$name" sh -c "$PYTHON -m foundry_attn.cli bench gpu --json --quick --jsonl $OUT/$name.jsonl $* $BENCH_ARGS \
-        >$OUT/$name.json"
+    step "$name" --json "$PYTHON" -m foundry_attn.cli bench gpu --json --quick --jsonl "$OUT/$name.jsonl" "$@" $BENCH_ARGS
 }
 
 # shellcheck disable=SC2048  # the steps asked (default: all three), one word each
