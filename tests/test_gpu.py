@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from foundry_attn.bench import on_device
 from foundry_attn.path.attach import attach
 from foundry_attn.verify.llama_shapes import BLOG_LENGTHS
 from tests.conftest import make_llama
@@ -54,7 +55,7 @@ def test_unpad_once_on_real_fa2_matches_sdpa() -> None:
     batch = PaddingCollator(63, 0, 24, "pack")(
         [torch.nn.functional.pad(r, (0, 24 - r.numel()), value=63) for r in rows]
     )
-    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = on_device(batch, torch.device("cuda"))
     outs = []
     for impl in ("flash_attention_2", "sdpa"):
         model = make_llama(impl).cuda().to(torch.bfloat16)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from foundry_attn.attention.torch_varlen import torch_varlen_kernel
+from foundry_attn.bench import on_device
 from foundry_attn.path.attach import attach
 from foundry_attn.path.execution import GRAPHED, PROOF_DUE
 from foundry_attn.path.forward import forward_documents
@@ -35,9 +36,7 @@ def test_a_graphed_step_equals_the_eager_one_over_changing_layouts() -> None:
     rng = random.Random(0)
     for _ in range(6):
         docs = [torch.randint(1, conformance.VOCAB, (rng.randint(2, 40),)) for _ in range(rng.randint(2, 5))]
-        batch = {
-            k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in conformance.collated(docs, "pack").items()
-        }
+        batch = on_device(conformance.collated(docs, "pack"), torch.device("cuda"))
         results = []
         for model, _ in models:
             model.zero_grad(set_to_none=True)
